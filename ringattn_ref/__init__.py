@@ -1,5 +1,36 @@
 """ringattn_ref — a readable float64 numpy simulation of Ring Attention (arXiv:2310.01889).
 
-Reading order: attention -> softmax -> masks -> blockwise -> layouts -> ring -> backward
--> feedforward -> cost -> viz -> testing.
+Reading order: ``attention`` (the oracle) -> ``softmax`` (online softmax, merge) -> ``masks`` ->
+``blockwise`` (BPT on one device) -> ``layouts`` -> ``ring`` (N virtual hosts) -> ``backward`` ->
+``feedforward`` -> ``cost`` -> ``viz`` -> ``testing``.
+
+Names are imported lazily so ``import ringattn_ref`` is instant and each module stands alone.
 """
+from importlib import import_module
+
+_EXPORTS = {
+    "attention": "attention",
+    "merge": "softmax",
+    "to_layout": "layouts",
+    "from_layout": "layouts",
+    "layout_permutation": "layouts",
+    "blockwise_attention": "blockwise",
+    "ring_attention": "ring",
+    "RingTrace": "ring",
+    "ring_attention_vjp": "backward",
+    "blockwise_feedforward": "feedforward",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)
