@@ -1,0 +1,199 @@
+"""Cost and memory model of Ring Attention (Liu, Zaharia, Abbeel, arXiv:2310.01889, §3, Tables 1-2).
+
+One ring step on one host: its query block of ``c`` tokens attends to the K/V block of ``c`` tokens it
+holds (``4 d c^2`` FLOPs: ``Q K^T`` and ``P V``, 2 FLOPs per multiply-add) while it sends that K/V
+block on (``4 c d`` bytes: K and V, ``c x d`` each, 2 bytes in bf16). The transfer hides behind the
+compute when ``4 d c^2 / F >= 4 c d / B``, i.e. when the block size is at least
+
+    c >= F / B        (F = FLOP/s per host, B = unidirectional host-to-host bandwidth in bytes/s)
+
+Example: an A100 (312 TFLOP/s) over NVLink (300 GB/s) needs ``c >= 1040`` tokens; the paper then
+asks for ``s = 6c`` tokens per host (6.2K). Over InfiniBand (12.5 GB/s) it needs ~25K.
+
+Units: FLOPs, bytes and seconds. Activation formulas follow Table 1, which counts bytes in bf16;
+``dtype_bytes`` (default 2) rescales them to another element size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+SEQ_PER_BLOCK = 6  # the paper's rule of thumb (Table 2): s = 6c tokens per host
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One host of a ring: peak FLOP/s ``F`` and unidirectional link bandwidth ``B`` (bytes/s)."""
+    name: str
+    flops_per_s: float
+    bandwidth_bytes_per_s: float
+
+
+# Table 2 of arXiv:2310.01889 (bf16 peak TFLOP/s; GB/s, 1 GB = 1e9 bytes).
+HARDWARE = {hw.name: hw for hw in (
+    Hardware("A100 NVLink", 312e12, 300e9),
+    Hardware("A100 InfiniBand", 312e12, 12.5e9),
+    Hardware("TPU v3", 123e12, 112e9),
+    Hardware("TPU v4", 275e12, 268e9),
+    Hardware("TPU v5e", 196e12, 186e9),
+)}
+
+
+def _positive(name, value):
+    arr = np.asarray(value, dtype=float)
+    if arr.size == 0 or not np.all(np.isfinite(arr)) or not np.all(arr > 0):
+        raise ValueError(f"{name} must be a positive finite number (or array of them); got {value!r}")
+    return arr if arr.ndim else float(arr)
+
+
+def _plain(x):
+    """A 0-d result as a Python float, arrays unchanged."""
+    return float(x) if np.ndim(x) == 0 else x
+
+
+def _hardware(hardware):
+    if isinstance(hardware, Hardware):
+        return hardware
+    if isinstance(hardware, str) and hardware in HARDWARE:
+        return HARDWARE[hardware]
+    raise ValueError(f"hardware must be a Hardware or one of {sorted(HARDWARE)}; got {hardware!r}")
+
+
+def step_flops(block, dim, *, batch=1, heads=1):
+    """FLOPs of one ring step on one host: ``4 * batch * heads * block^2 * dim`` (§3, ``4 d c^2``).
+
+    ``block`` query tokens against ``block`` key tokens, per head of width ``dim``: ``Q K^T`` and
+    ``P V`` are ``2 * block^2 * dim`` FLOPs each. With ``heads = 1, dim = d`` this is the paper's count.
+    """
+    block, dim = _positive("block", block), _positive("dim", dim)
+    batch, heads = _positive("batch", batch), _positive("heads", heads)
+    return 4.0 * batch * heads * block ** 2 * dim
+
+
+def step_bytes(block, dim, *, batch=1, kv_heads=1, dtype_bytes=2):
+    """Bytes one host sends per ring step: K and V, ``2 * batch * block * kv_heads * dim * dtype_bytes``.
+
+    In bf16 (``dtype_bytes = 2``) with ``kv_heads = 1, dim = d`` this is the paper's ``4 c d`` (§3).
+    """
+    block, dim = _positive("block", block), _positive("dim", dim)
+    batch, kv_heads = _positive("batch", batch), _positive("kv_heads", kv_heads)
+    return 2.0 * batch * block * kv_heads * dim * _positive("dtype_bytes", dtype_bytes)
+
+
+def min_block_size(flops_per_s, bandwidth_bytes_per_s, *, dtype_bytes=2):
+    """Smallest block ``c`` (tokens) whose compute hides the K/V transfer: ``c >= F / B`` (§3).
+
+    From ``4 d c^2 / F >= 2 c d * dtype_bytes / B``: ``c >= (dtype_bytes / 2) * F / B``, i.e. ``F / B``
+    in bf16. Returns a float (round up for a usable block). A100 + NVLink: 312e12 / 300e9 = 1040.
+    """
+    f = _positive("flops_per_s", flops_per_s)
+    b = _positive("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
+    return f / b * _positive("dtype_bytes", dtype_bytes) / 2.0
+
+
+@dataclass(frozen=True)
+class HopTimes:
+    """Seconds one ring step takes to compute and to send its K/V block (arrays if ``block`` is)."""
+    compute_s: float | np.ndarray
+    transfer_s: float | np.ndarray
+
+
+def hop_times(block, hardware, *, dim=128, batch=1, heads=1, kv_heads=None, dtype_bytes=2):
+    """Per-hop compute time ``step_flops / F`` and transfer time ``step_bytes / B`` for ``block``.
+
+    block: int or array of block sizes (tokens per host); hardware: a :class:`Hardware` or a key of
+    :data:`HARDWARE`. ``kv_heads`` defaults to ``heads``. Compute grows as ``c^2`` and transfer as
+    ``c``; with ``kv_heads == heads`` they cross at ``c = min_block_size(F, B, dtype_bytes=...)``.
+    """
+    hw = _hardware(hardware)
+    kv_heads = heads if kv_heads is None else kv_heads
+    flops = step_flops(block, dim, batch=batch, heads=heads)
+    sent = step_bytes(block, dim, batch=batch, kv_heads=kv_heads, dtype_bytes=dtype_bytes)
+    return HopTimes(flops / hw.flops_per_s, sent / hw.bandwidth_bytes_per_s)
+
+
+@dataclass(frozen=True)
+class Table2Row:
+    """One row of Table 2: hardware, F, B, minimal block ``c = F/B`` and sequence per host ``6c``."""
+    name: str
+    flops_per_s: float
+    bandwidth_bytes_per_s: float
+    min_block: float
+    min_seq: float
+
+
+def table2(hardware=None, *, dtype_bytes=2):
+    """Reproduce Table 2 of arXiv:2310.01889: minimal block size and sequence length per host.
+
+    hardware: iterable of :class:`Hardware` or names (default: all of :data:`HARDWARE`, in the
+    paper's order). Returns a list of :class:`Table2Row`; ``min_block`` and ``min_seq`` in tokens.
+    """
+    rows = []
+    for hw in (HARDWARE.values() if hardware is None else [_hardware(h) for h in hardware]):
+        c = min_block_size(hw.flops_per_s, hw.bandwidth_bytes_per_s, dtype_bytes=dtype_bytes)
+        rows.append(Table2Row(hw.name, hw.flops_per_s, hw.bandwidth_bytes_per_s, c, SEQ_PER_BLOCK * c))
+    return rows
+
+
+def format_table2(rows):
+    """Table 2 as text, in the paper's units (TFLOP/s, GB/s, thousands of tokens)."""
+    lines = [f"{'hardware':<16} {'F TFLOP/s':>9} {'B GB/s':>7} {'min block':>9} {'min seq':>8}"]
+    for r in rows:
+        lines.append(f"{r.name:<16} {r.flops_per_s / 1e12:>9.0f} {r.bandwidth_bytes_per_s / 1e9:>7.1f} "
+                     f"{r.min_block / 1e3:>8.1f}K {r.min_seq / 1e3:>7.1f}K")
+    return "\n".join(lines)
+
+
+# Table 1 of arXiv:2310.01889: maximum activation per layer, bytes in bf16
+# (b batch, s sequence, h hidden, n heads, c block size).
+TABLE1_FORMULAS = {
+    "vanilla": ("2bns^2", "8bsh"),
+    "memory-efficient attention": ("2bsh + 4bch", "8bsh"),
+    "blockwise parallel transformer": ("2bsh", "2bsh"),
+    "ring attention": ("6bch", "2bch"),
+}
+
+
+def activation_bytes(method, *, batch, seq, hidden, heads, block, dtype_bytes=2):
+    """Per-host peak activation bytes ``(attention, feedforward)`` of one layer (Table 1).
+
+    method: a key of :data:`TABLE1_FORMULAS`. Any size argument may be a numpy array (for curves).
+    The paper's formulas are bytes in bf16; they are scaled by ``dtype_bytes / 2``. Ring Attention's
+    ``6bch`` is one query block, two K/V blocks, two receive buffers and one output block; it does not
+    depend on ``seq``: more hosts, not more memory per host.
+    """
+    b, s = _positive("batch", batch), _positive("seq", seq)
+    h, n, c = _positive("hidden", hidden), _positive("heads", heads), _positive("block", block)
+    unit = _positive("dtype_bytes", dtype_bytes) / 2.0
+    formulas = {
+        "vanilla": (2 * b * n * s ** 2, 8 * b * s * h),
+        "memory-efficient attention": (2 * b * s * h + 4 * b * c * h, 8 * b * s * h),
+        "blockwise parallel transformer": (2 * b * s * h, 2 * b * s * h),
+        "ring attention": (6 * b * c * h * np.ones_like(s), 2 * b * c * h * np.ones_like(s)),  # flat in s
+    }
+    if method not in formulas:
+        raise ValueError(f"method must be one of {list(TABLE1_FORMULAS)}; got {method!r}")
+    attn, ffn = formulas[method]
+    return _plain(attn * unit), _plain(ffn * unit)
+
+
+@dataclass(frozen=True)
+class Table1Row:
+    """One row of Table 1: formulas and their values (bytes) for the given sizes."""
+    method: str
+    attention_formula: str
+    ffn_formula: str
+    attention_bytes: float
+    ffn_bytes: float
+    total_bytes: float  # the layer's peak: attention and FFN run one after the other
+
+
+def table1(*, batch, seq, hidden, heads, block, dtype_bytes=2):
+    """Table 1 of arXiv:2310.01889 evaluated at the given sizes: a list of :class:`Table1Row`."""
+    rows = []
+    for method, (attn_formula, ffn_formula) in TABLE1_FORMULAS.items():
+        attn, ffn = activation_bytes(method, batch=batch, seq=seq, hidden=hidden, heads=heads,
+                                     block=block, dtype_bytes=dtype_bytes)
+        rows.append(Table1Row(method, attn_formula, ffn_formula, attn, ffn, _plain(np.maximum(attn, ffn))))
+    return rows
