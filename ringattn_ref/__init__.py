@@ -15,6 +15,7 @@ _EXPORTS = {
     "from_layout": "layouts",
     "layout_permutation": "layouts",
     "blockwise_attention": "blockwise",
+    "hop_attention": "blockwise",
     "ring_attention": "ring",
     "RingTrace": "ring",
     "ring_attention_vjp": "backward",

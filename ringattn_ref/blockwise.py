@@ -1,0 +1,121 @@
+"""Blockwise attention (BPT, arXiv:2305.19370 §3) on one device, tile by tile.
+
+The query is cut into ``block_q`` rows and the keys into ``block_kv`` columns (FA-2's ``B_r`` and
+``B_c``). The outer loop runs over query blocks, the inner loop over key blocks, and each tile is
+folded into the running ``(m, l, o)`` with :func:`ringattn_ref.softmax.online_update`; the full
+``seq x seq`` score matrix never exists, only one ``block_q x block_kv`` tile at a time.
+
+:func:`attend_kv_block` is the unit of work a ring host performs per hop (``ring.py``): the same
+loop, run against the K/V block the host holds at that step.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .attention import repeat_kv
+from .masks import tile_is_empty, visible
+from .softmax import finalize, init_state, online_update
+from .validation import (check_bias, check_block, check_qkv, check_scale, check_segment_ids,
+                         check_window)
+
+DEFAULT_BLOCK = 128
+
+
+def default_block(shard, target=DEFAULT_BLOCK):
+    """The default tile size: the largest divisor of ``shard`` that is ``<= target`` (128).
+
+    128 keeps one float64 score tile at ``128 * 128 * 8 B = 128 KiB`` per (batch, head) while leaving
+    several tiles per shard at realistic lengths, so tile skipping has something to skip.
+    """
+    return max(c for c in range(1, min(shard, target) + 1) if shard % c == 0)
+
+
+def bias_tile(bias, q_pos, k_pos):
+    """The part of a full bias for queries ``q_pos`` and keys ``k_pos`` (true positions).
+
+    bias: [b|1, h|1, s|1, s|1] in true order -> [b|1, h|1, sq|1, sk|1]; broadcast dims stay 1.
+    """
+    if bias is None:
+        return None
+    rows = q_pos if bias.shape[2] > 1 else [0]
+    cols = k_pos if bias.shape[3] > 1 else [0]
+    return bias[:, :, rows][:, :, :, cols]
+
+
+def tile_logits(q, k, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window):
+    """Masked logits of one tile: ``scale * q k^T + bias`` with -inf where the mask forbids.
+
+    q: [b, tq, h, d]; k: [b, tk, hk, d]; q_pos [tq], k_pos [tk]; q_seg [b, tq], k_seg [b, tk] or None;
+    bias: full bias in true order or None. Returns [b, h, tq, tk].
+    """
+    s = scale * np.einsum("bqhd,bkhd->bhqk", q, repeat_kv(k, q.shape[2]))  # (b, h, tq, tk)
+    if bias is not None:
+        s = s + bias_tile(bias, q_pos, k_pos)
+    mask = visible(q_pos, k_pos, q_seg, k_seg, causal=causal, window=window)  # (b|1, tq, tk)
+    return np.where(mask[:, None], s, -np.inf)
+
+
+def attend_kv_block(state, q, k, v, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window,
+                    block_q, block_kv):
+    """Fold the attention of ``q`` over one K/V block into ``state = (m, l, o)``, in place.
+
+    q: [b, sq, h, d]; k, v: [b, sk, hk, d]; q_pos [sq], k_pos [sk] true positions; segments
+    [b, sq] / [b, sk] or None; bias: full bias in true order or None; m, l: [b, h, sq];
+    o: [b, sq, h, d] unnormalised. Tiles whose mask is provably empty are skipped
+    (:func:`ringattn_ref.masks.tile_is_empty`). Returns ``(tiles_computed, tiles_skipped)``.
+    """
+    m, l, o = state
+    computed = skipped = 0
+    for qi in range(q.shape[1] // block_q):  # FA-2: outer loop over query blocks (B_r rows)
+        qs = slice(qi * block_q, (qi + 1) * block_q)
+        for kj in range(k.shape[1] // block_kv):  # inner loop over key blocks (B_c columns)
+            ks = slice(kj * block_kv, (kj + 1) * block_kv)
+            if tile_is_empty(q_pos[qs], k_pos[ks], causal=causal, window=window):
+                skipped += 1
+                continue
+            s = tile_logits(q[:, qs], k[:, ks], q_pos[qs], k_pos[ks],
+                            None if q_seg is None else q_seg[:, qs],
+                            None if k_seg is None else k_seg[:, ks], bias,
+                            scale=scale, causal=causal, window=window)  # (b, h, tq, tk)
+            v_tile = repeat_kv(v[:, ks], q.shape[2])  # (b, tk, h, d)
+            m[:, :, qs], l[:, :, qs], o[:, qs] = online_update(m[:, :, qs], l[:, :, qs], o[:, qs],
+                                                               s, v_tile)
+            computed += 1
+    return computed, skipped
+
+
+def hop_attention(q, k, v, q_pos, k_pos, q_seg=None, k_seg=None, bias=None, *, scale, causal=False,
+                  window=None, block_q, block_kv):
+    """One host's normalised partial result for one hop: ``(o, lse)`` of ``q`` over one K/V block.
+
+    Shapes as in :func:`attend_kv_block`; o: [b, sq, h, d], lse: [b, h, sq] (-inf where the row saw
+    nothing in this block). Partials over disjoint blocks combine with ``softmax.merge`` in any order.
+    """
+    b, sq, h, d = q.shape
+    state = init_state(b, h, sq, d)
+    attend_kv_block(state, np.asarray(q, np.float64), np.asarray(k, np.float64),
+                    np.asarray(v, np.float64), np.asarray(q_pos), np.asarray(k_pos), q_seg, k_seg,
+                    bias, scale=scale, causal=causal, window=window, block_q=block_q,
+                    block_kv=block_kv)
+    return finalize(*state)
+
+
+def blockwise_attention(q, k, v, *, block_q=None, block_kv=None, causal=False, segment_ids=None,
+                        bias=None, window=None, scale=None, return_lse=False):
+    """Attention computed tile by tile with the online softmax (BPT on one device).
+
+    Same arguments and result as :func:`ringattn_ref.attention` plus ``block_q`` / ``block_kv``,
+    which must divide ``seq`` (default: :func:`default_block` of ``seq``). This is the
+    ``n_hosts=1`` path of the ring.
+    """
+    b, s, h, hk, d = check_qkv(q, k, v)
+    block_q = check_block(default_block(s) if block_q is None else block_q, s, "block_q")
+    block_kv = check_block(default_block(s) if block_kv is None else block_kv, s, "block_kv")
+    scale = check_scale(scale, d)
+    window = check_window(window)
+    segment_ids = check_segment_ids(segment_ids, b, s)
+    bias = None if check_bias(bias, b, h, s) is None else np.asarray(bias, np.float64)
+    pos = np.arange(s)
+    o, lse = hop_attention(q, k, v, pos, pos, segment_ids, segment_ids, bias, scale=scale,
+                           causal=causal, window=window, block_q=block_q, block_kv=block_kv)
+    return (o, lse) if return_lse else o

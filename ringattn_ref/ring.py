@@ -1,0 +1,246 @@
+"""Ring Attention (arXiv:2310.01889, Algorithm 1) simulated on ``n_hosts`` explicit virtual hosts.
+
+The sequence is cut into ``N = n_hosts`` shards of ``c = seq / N`` tokens (after the layout's
+permutation). Host ``my_idx`` keeps its query shard for the whole computation; the K/V shards travel
+around the ring, host ``i -> i + 1``. At step ``step`` host ``my_idx`` holds K/V shard
+``kv_idx = (my_idx - step) % N``: with 4 hosts, at step 1 host 0 holds K/V block 3. Each host
+runs blockwise attention (``blockwise.attend_kv_block``) of its queries against the block it holds,
+folding tiles into its running ``(m, l, o)``, while the block is being sent on to the next host
+(on real hardware the send overlaps the compute, paper §3). After ``N`` steps every host has seen
+every block; there is no send after the last step.
+
+Segment ids and true positions travel with their K/V block, so masks are exact for every layout.
+A full bias ``[b, h|1, s, s]`` is indexed by the host with its query rows and the key columns of the
+block it holds (by true positions); in this simulation the bias is not sent around the ring.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .blockwise import attend_kv_block, default_block
+from .layouts import layout_permutation
+from .masks import tile_is_empty
+from .softmax import finalize, init_state
+from .validation import (check_bias, check_block, check_layout, check_n_hosts, check_qkv,
+                         check_scale, check_segment_ids, check_window)
+
+
+@dataclass
+class KVBlock:
+    """What travels around the ring: one K/V shard with its true positions and segment ids.
+
+    k, v: [b, c, kv_heads, d]; k_pos: int [c]; k_seg: int [b, c] or None. In the backward pass the
+    block's gradients dk, dv ([b, c, kv_heads, d]) travel with it.
+    """
+    kv_idx: int
+    k: np.ndarray
+    v: np.ndarray
+    k_pos: np.ndarray
+    k_seg: np.ndarray | None
+    dk: np.ndarray | None = None
+    dv: np.ndarray | None = None
+
+    def payload_elements(self):
+        """Number of float elements sent: K and V (and dK, dV in the backward)."""
+        return sum(x.size for x in (self.k, self.v, self.dk, self.dv) if x is not None)
+
+    def meta_bytes(self):
+        """Bytes of the positions and segment ids sent alongside."""
+        return self.k_pos.nbytes + (0 if self.k_seg is None else self.k_seg.nbytes)
+
+
+@dataclass
+class Host:
+    """One virtual device: its query shard (stays), the K/V block it holds, its receive buffer,
+    and its online-softmax state.
+
+    q: [b, c, h, d]; q_pos: int [c] true positions; q_seg: int [b, c] or None;
+    m, l: [b, h, c]; o: [b, c, h, d] (unnormalised until the end).
+    """
+    my_idx: int
+    q: np.ndarray
+    q_pos: np.ndarray
+    q_seg: np.ndarray | None
+    held: KVBlock
+    recv: KVBlock | None = None
+    m: np.ndarray | None = None
+    l: np.ndarray | None = None
+    o: np.ndarray | None = None
+
+    def live_elements(self, tile_elements):
+        """Float elements live during compute: q, held K/V, receive buffer, o, m, l, one score tile."""
+        recv = 0 if self.recv is None else self.recv.payload_elements()
+        return (self.q.size + self.held.payload_elements() + recv + self.o.size + self.m.size
+                + self.l.size + tile_elements)
+
+
+@dataclass(frozen=True)
+class RingTrace:
+    """What happened on each host at each step (format: ``/work/notes/TRACE.md``).
+
+    All arrays are ``[n_hosts, n_steps]`` except ``peak_bytes`` ``[n_hosts]``. Bytes use the input
+    dtype's itemsize. ``flops`` counts ``4 * batch * heads * block_q * block_kv * dim`` per computed
+    tile (QK^T and PV, 2 flops per multiply-add).
+    """
+    n_hosts: int
+    layout: str
+    block_q: int
+    block_kv: int
+    kv_block: np.ndarray
+    tiles_computed: np.ndarray
+    tiles_skipped: np.ndarray
+    hop_skipped: np.ndarray
+    flops: np.ndarray
+    bytes_sent: np.ndarray
+    meta_bytes_sent: np.ndarray
+    peak_bytes: np.ndarray
+
+    @property
+    def n_steps(self):
+        return self.kv_block.shape[1]
+
+    def critical_path(self):
+        """Sum over steps of the max over hosts of flops: hosts synchronise at every hop."""
+        return float(self.flops.max(axis=0).sum())
+
+    def work_per_host(self):
+        """Flops per host summed over steps, [n_hosts]."""
+        return self.flops.sum(axis=1)
+
+
+@dataclass(frozen=True)
+class RingProblem:
+    """Validated, normalised arguments shared by the forward and the backward ring."""
+    n_hosts: int
+    shard: int
+    perm: np.ndarray  # (s,) perm[p] = true position of the token at layout position p
+    layout_name: str
+    scale: float
+    causal: bool
+    window: tuple | None
+    bias: np.ndarray | None
+    block_q: int
+    block_kv: int
+    itemsize: int
+
+
+def setup_ring(q, k, v, *, n_hosts, causal, segment_ids, bias, window, scale, layout, block_q,
+               block_kv):
+    """Validate the arguments and build the hosts: host ``r`` gets layout shard ``r`` of q and k/v."""
+    b, s, h, hk, d = check_qkv(q, k, v)
+    layout = check_layout(layout, s)
+    n_hosts = check_n_hosts(n_hosts, s, layout)
+    c = s // n_hosts
+    block_q = check_block(default_block(c) if block_q is None else block_q, c, "block_q")
+    block_kv = check_block(default_block(c) if block_kv is None else block_kv, c, "block_kv")
+    problem = RingProblem(
+        n_hosts=n_hosts, shard=c, perm=layout_permutation(layout, s, n_hosts),
+        layout_name=layout if isinstance(layout, str) else "custom", scale=check_scale(scale, d),
+        causal=bool(causal), window=check_window(window),
+        bias=None if check_bias(bias, b, h, s) is None else np.asarray(bias, np.float64),
+        block_q=block_q, block_kv=block_kv, itemsize=np.dtype(q.dtype).itemsize)
+    segment_ids = check_segment_ids(segment_ids, b, s)
+    perm = problem.perm
+    q_l, k_l, v_l = (np.asarray(x, np.float64)[:, perm] for x in (q, k, v))  # layout order
+    seg_l = None if segment_ids is None else np.asarray(segment_ids)[:, perm]
+    hosts = []
+    for r in range(n_hosts):
+        sl = slice(r * c, (r + 1) * c)
+        seg = None if seg_l is None else seg_l[:, sl]
+        hosts.append(Host(my_idx=r, q=q_l[:, sl], q_pos=perm[sl], q_seg=seg,
+                          held=KVBlock(kv_idx=r, k=k_l[:, sl], v=v_l[:, sl], k_pos=perm[sl],
+                                       k_seg=seg)))
+    return problem, hosts
+
+
+def hop_is_empty(host, problem):
+    """A whole hop is skipped when the mask is provably empty for the host's queries and block."""
+    return tile_is_empty(host.q_pos, host.held.k_pos, causal=problem.causal, window=problem.window)
+
+
+def send_to_next(hosts):
+    """Every host sends the block it holds to host ``my_idx + 1`` (into its receive buffer)."""
+    n = len(hosts)
+    for host in hosts:
+        hosts[(host.my_idx + 1) % n].recv = host.held
+
+
+def swap_buffers(hosts):
+    """After the step: the received block becomes the held block; the receive buffer is freed."""
+    for host in hosts:
+        host.held, host.recv = host.recv, None
+
+
+def ring_forward(q, k, v, *, n_hosts, causal=False, segment_ids=None, bias=None, window=None,
+                 scale=None, layout="contiguous", block_q=None, block_kv=None):
+    """The ring forward pass; returns ``(o, lse, trace)`` with o, lse in the caller's order.
+
+    o: [b, s, h, d]; lse: [b, h, s]. Arguments as in :func:`ring_attention`.
+    """
+    problem, hosts = setup_ring(q, k, v, n_hosts=n_hosts, causal=causal, segment_ids=segment_ids,
+                                bias=bias, window=window, scale=scale, layout=layout,
+                                block_q=block_q, block_kv=block_kv)
+    n, c = problem.n_hosts, problem.shard
+    b, _, h, d = hosts[0].q.shape
+    n_tiles = (c // problem.block_q) * (c // problem.block_kv)
+    tile_flops = 4 * b * h * problem.block_q * problem.block_kv * d
+    tile_elements = b * h * problem.block_q * problem.block_kv
+    shape = (n, n)  # (n_hosts, n_steps)
+    kv_block, computed, skipped = (np.zeros(shape, np.int64) for _ in range(3))
+    hop_skipped = np.zeros(shape, bool)
+    bytes_sent, meta_sent = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
+    peak = np.zeros(n, np.int64)
+
+    for host in hosts:
+        host.m, host.l, host.o = init_state(b, h, c, d)
+    for step in range(n):
+        if step < n - 1:  # post the sends first: on hardware they overlap this step's compute
+            send_to_next(hosts)
+        for host in hosts:
+            i = host.my_idx
+            kv_block[i, step] = host.held.kv_idx
+            assert host.held.kv_idx == (i - step) % n  # the authors' index arithmetic
+            if step < n - 1:
+                bytes_sent[i, step] = host.held.payload_elements() * problem.itemsize
+                meta_sent[i, step] = host.held.meta_bytes()
+            peak[i] = max(peak[i], host.live_elements(tile_elements) * problem.itemsize)
+            if hop_is_empty(host, problem):
+                hop_skipped[i, step], skipped[i, step] = True, n_tiles
+                continue
+            computed[i, step], skipped[i, step] = attend_kv_block(
+                (host.m, host.l, host.o), host.q, host.held.k, host.held.v, host.q_pos,
+                host.held.k_pos, host.q_seg, host.held.k_seg, problem.bias, scale=problem.scale,
+                causal=problem.causal, window=problem.window, block_q=problem.block_q,
+                block_kv=problem.block_kv)
+        if step < n - 1:
+            swap_buffers(hosts)
+
+    outs = [finalize(host.m, host.l, host.o) for host in hosts]
+    inverse = np.argsort(problem.perm)
+    o = np.concatenate([o for o, _ in outs], axis=1)[:, inverse]  # (b, s, h, d) caller's order
+    lse = np.concatenate([lse for _, lse in outs], axis=2)[:, :, inverse]  # (b, h, s)
+    trace = RingTrace(n_hosts=n, layout=problem.layout_name, block_q=problem.block_q,
+                      block_kv=problem.block_kv, kv_block=kv_block, tiles_computed=computed,
+                      tiles_skipped=skipped, hop_skipped=hop_skipped,
+                      flops=computed.astype(np.float64) * tile_flops, bytes_sent=bytes_sent,
+                      meta_bytes_sent=meta_sent, peak_bytes=peak)
+    return o, lse, trace
+
+
+def ring_attention(q, k, v, *, n_hosts, causal=False, segment_ids=None, bias=None, window=None,
+                   scale=None, layout="contiguous", block_q=None, block_kv=None, return_trace=False):
+    """Attention computed by ``n_hosts`` simulated hosts passing K/V around a ring.
+
+    q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim]; all in the caller's (true)
+    order; the mask arguments are those of :func:`ringattn_ref.attention`. ``layout``:
+    ``"contiguous"``, ``"striped"``, ``"zigzag"`` or a permutation array (``layouts.py``); seq must be
+    divisible by ``n_hosts`` (``2 * n_hosts`` for zigzag). ``block_q`` / ``block_kv`` must divide the
+    shard ``seq / n_hosts``; default: the largest divisor of the shard ``<= 128``.
+    Returns o [batch, seq, heads, dim] float64, and a :class:`RingTrace` if ``return_trace``.
+    """
+    o, _, trace = ring_forward(q, k, v, n_hosts=n_hosts, causal=causal, segment_ids=segment_ids,
+                               bias=bias, window=window, scale=scale, layout=layout,
+                               block_q=block_q, block_kv=block_kv)
+    return (o, trace) if return_trace else o
