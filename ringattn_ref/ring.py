@@ -58,6 +58,7 @@ class Host:
 
     q: [b, c, h, d]; q_pos: int [c] true positions; q_seg: int [b, c] or None;
     m, l: [b, h, c]; o: [b, c, h, d] (unnormalised until the end).
+    Backward only (``backward.py``): do: [b, c, h, d]; lse, delta: [b, h, c]; dq: [b, c, h, d].
     """
     my_idx: int
     q: np.ndarray
@@ -68,6 +69,10 @@ class Host:
     m: np.ndarray | None = None
     l: np.ndarray | None = None
     o: np.ndarray | None = None
+    do: np.ndarray | None = None
+    lse: np.ndarray | None = None
+    delta: np.ndarray | None = None
+    dq: np.ndarray | None = None
 
     def live_elements(self, tile_elements):
         """Float elements live during compute: q, held K/V, receive buffer, o, m, l, one score tile."""

@@ -123,3 +123,12 @@ def check_block(block, shard, name):
     if shard % block:
         raise ValueError(f"{name} ({block}) must divide the per-host shard length ({shard})")
     return int(block)
+
+
+def check_cotangent(do, q_shape, name="do"):
+    """The output cotangent must be a float array shaped like q: [batch, seq, heads, dim]."""
+    if tuple(do.shape) != tuple(q_shape):
+        raise ValueError(f"{name} must have the shape of q {tuple(q_shape)}; got {tuple(do.shape)}")
+    if not np.issubdtype(np.dtype(do.dtype), np.floating):
+        raise ValueError(f"{name} must be a floating-point array; got dtype {do.dtype}")
+    return do

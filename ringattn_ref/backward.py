@@ -1,0 +1,108 @@
+"""The ring backward pass: FlashAttention-2 Algorithm 2 (arXiv:2307.08691) run around the ring.
+
+Nothing but ``lse`` ([b, h, s]) is kept from the forward. Each host first computes
+``D = rowsum(dO * O)`` for its queries, then the ring runs again: host ``my_idx`` holds K/V block
+``kv_idx = (my_idx - step) % N`` at step ``step`` and, for every tile that the mask does not leave
+empty, recomputes the probabilities and accumulates the gradients (FA-2 Algorithm 2, lines 11-21):
+
+    P  = exp(S - lse)                 S = scale * Q K^T + bias, masked          [b, h, q, k]
+    dV += P^T dO                      dP = dO V^T
+    dS = P * (dP - D)                 dQ += scale * dS K      dK += scale * dS^T Q
+
+``dQ`` stays on its host. ``dK``/``dV`` travel with their K/V block (the authors' code rotates
+``k, v, dk, dv`` together); after the last step host ``i`` holds block ``i + 1``, so one final
+gradient-only send brings every ``dK``/``dV`` home. With GQA the kv-head gradients are summed over the
+query heads of the group. A row that saw nothing has ``P = 0``: zero, finite gradients.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .attention import repeat_kv
+from .blockwise import tile_logits
+from .masks import tile_is_empty
+from .ring import hop_is_empty, ring_forward, send_to_next, setup_ring, swap_buffers
+from .validation import check_cotangent
+
+
+def sum_over_group(x, kv_heads):
+    """GQA: sum per-query-head gradients [b, k, h, d] into their kv head -> [b, k, kv_heads, d]."""
+    b, sk, h, d = x.shape
+    return x.reshape(b, sk, kv_heads, h // kv_heads, d).sum(axis=3)
+
+
+def attend_kv_block_bwd(host, block, bias, *, scale, causal, window, block_q, block_kv):
+    """Accumulate into ``host.dq`` and ``block.dk``/``block.dv`` the gradients of one hop, in place.
+
+    host: a ring ``Host`` with q, do [b, c, h, d], lse, delta [b, h, c], dq; block: the ``KVBlock`` it
+    holds (k, v, dk, dv [b, c, kv_heads, d]). Returns the number of tiles computed.
+    """
+    q, do, k, v = host.q, host.do, block.k, block.v
+    h, kv_heads = q.shape[2], k.shape[2]
+    lse = np.where(np.isfinite(host.lse), host.lse, 0.0)  # rows that saw nothing: P = exp(-inf) = 0
+    computed = 0
+    for qi in range(q.shape[1] // block_q):
+        qs = slice(qi * block_q, (qi + 1) * block_q)
+        for kj in range(k.shape[1] // block_kv):
+            ks = slice(kj * block_kv, (kj + 1) * block_kv)
+            if tile_is_empty(host.q_pos[qs], block.k_pos[ks], causal=causal, window=window):
+                continue
+            s = tile_logits(q[:, qs], k[:, ks], host.q_pos[qs], block.k_pos[ks],
+                            None if host.q_seg is None else host.q_seg[:, qs],
+                            None if block.k_seg is None else block.k_seg[:, ks], bias,
+                            scale=scale, causal=causal, window=window)  # (b, h, tq, tk)
+            p = np.exp(s - lse[:, :, qs, None])  # (b, h, tq, tk)
+            k_tile, v_tile = repeat_kv(k[:, ks], h), repeat_kv(v[:, ks], h)  # (b, tk, h, d)
+            dv = np.einsum("bhqk,bqhd->bkhd", p, do[:, qs])  # (b, tk, h, d)
+            dp = np.einsum("bqhd,bkhd->bhqk", do[:, qs], v_tile)  # (b, h, tq, tk)
+            ds = p * (dp - host.delta[:, :, qs, None])  # (b, h, tq, tk)
+            host.dq[:, qs] += scale * np.einsum("bhqk,bkhd->bqhd", ds, k_tile)
+            dk = scale * np.einsum("bhqk,bqhd->bkhd", ds, q[:, qs])  # (b, tk, h, d)
+            block.dk[:, ks] += sum_over_group(dk, kv_heads)
+            block.dv[:, ks] += sum_over_group(dv, kv_heads)
+            computed += 1
+    return computed
+
+
+def ring_attention_vjp(q, k, v, do, *, n_hosts, causal=False, segment_ids=None, bias=None,
+                       window=None, scale=None, layout="contiguous", block_q=None, block_kv=None):
+    """Gradients of :func:`ringattn_ref.ring_attention` for the output cotangent ``do``.
+
+    q, do: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim]; keywords as in
+    ``ring_attention``. Returns ``(dq, dk, dv)`` float64 in the caller's order, shaped like
+    ``q``, ``k``, ``v``. No gradient is returned for ``bias``.
+    """
+    check_cotangent(do, q.shape)
+    kwargs = dict(n_hosts=n_hosts, causal=causal, segment_ids=segment_ids, bias=bias, window=window,
+                  scale=scale, layout=layout, block_q=block_q, block_kv=block_kv)
+    o, lse, _ = ring_forward(q, k, v, **kwargs)  # the forward saves only o and lse
+    problem, hosts = setup_ring(q, k, v, **kwargs)
+    n, c, perm = problem.n_hosts, problem.shard, problem.perm
+    do_l, o_l, lse_l = np.asarray(do, np.float64)[:, perm], o[:, perm], lse[:, :, perm]  # layout order
+    for host in hosts:
+        sl = slice(host.my_idx * c, (host.my_idx + 1) * c)
+        host.do, host.lse = do_l[:, sl], lse_l[:, :, sl]
+        host.delta = np.einsum("bqhd,bqhd->bhq", do_l[:, sl], o_l[:, sl])  # FA-2: D = rowsum(dO * O)
+        host.dq = np.zeros_like(host.q)
+        host.held.dk, host.held.dv = np.zeros_like(host.held.k), np.zeros_like(host.held.v)
+
+    for step in range(n):
+        for host in hosts:
+            if not hop_is_empty(host, problem):
+                attend_kv_block_bwd(host, host.held, problem.bias, scale=problem.scale,
+                                    causal=problem.causal, window=problem.window,
+                                    block_q=problem.block_q, block_kv=problem.block_kv)
+        if step < n - 1:  # dK/dV of this block are final for this host: send k, v, dk, dv on
+            send_to_next(hosts)
+            swap_buffers(hosts)
+
+    home = {}  # last hop, gradients only: host i holds block i + 1, whose home is host i + 1
+    for host in hosts:
+        dest = (host.my_idx + 1) % n if n > 1 else host.my_idx
+        assert host.held.kv_idx == dest
+        home[dest] = (host.held.dk, host.held.dv)
+    inverse = np.argsort(perm)
+    dq = np.concatenate([host.dq for host in hosts], axis=1)[:, inverse]
+    dk = np.concatenate([home[r][0] for r in range(n)], axis=1)[:, inverse]
+    dv = np.concatenate([home[r][1] for r in range(n)], axis=1)[:, inverse]
+    return dq, dk, dv
