@@ -16,6 +16,8 @@ _EXPORTS = {
     "layout_permutation": "layouts",
     "blockwise_attention": "blockwise",
     "hop_attention": "blockwise",
+    "attention_problems": "testing",
+    "AttentionProblem": "testing",
     "ring_attention": "ring",
     "RingTrace": "ring",
     "ring_attention_vjp": "backward",
