@@ -22,6 +22,14 @@ _EXPORTS = {
     "RingTrace": "ring",
     "ring_attention_vjp": "backward",
     "blockwise_feedforward": "feedforward",
+    "relu_ffn": "feedforward",
+    "HARDWARE": "cost",
+    "step_flops": "cost",
+    "step_bytes": "cost",
+    "min_block_size": "cost",
+    "hop_times": "cost",
+    "table1": "cost",
+    "table2": "cost",
 }
 
 __all__ = sorted(_EXPORTS)

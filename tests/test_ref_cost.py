@@ -145,3 +145,10 @@ def test_ring_trace_matches_the_cost_model():
     sent = step_bytes(shard, dim, batch=batch, kv_heads=kv_heads, dtype_bytes=8)
     np.testing.assert_array_equal(trace.bytes_sent[:, :-1], sent)
     np.testing.assert_array_equal(trace.bytes_sent[:, -1], 0)  # no wasted final send
+
+
+def test_lazy_exports():
+    import ringattn_ref
+
+    for name in ("HARDWARE", "step_flops", "step_bytes", "min_block_size", "hop_times", "table1", "table2"):
+        assert getattr(ringattn_ref, name) is getattr(cost, name)
