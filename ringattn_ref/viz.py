@@ -41,14 +41,20 @@ def plot_schedule(trace):
     step. Hops the mask leaves empty (skipped, no compute) are grey.
     """
     plt = _pyplot()
-    from matplotlib.colors import BoundaryNorm
+    from matplotlib.colors import BoundaryNorm, ListedColormap
     from matplotlib.patches import Patch
 
     kv_block = np.asarray(trace.kv_block)  # (hosts, steps)
     skipped = np.asarray(trace.hop_skipped, dtype=bool)  # (hosts, steps)
     n_hosts, n_steps = kv_block.shape
-    cmap = plt.get_cmap("tab10" if n_hosts <= 10 else "tab20" if n_hosts <= 20 else "viridis")
-    norm = BoundaryNorm(np.arange(n_hosts + 1) - 0.5, cmap.N if n_hosts > 20 else n_hosts)
+    # Categorical colours without the palettes' greys (grey means "skipped" here).
+    if n_hosts <= 18:
+        base = plt.get_cmap("tab10" if n_hosts <= 9 else "tab20").colors
+        greys = (7,) if n_hosts <= 9 else (14, 15)
+        cmap = ListedColormap([c for j, c in enumerate(base) if j not in greys][:n_hosts])
+    else:
+        cmap = plt.get_cmap("viridis")
+    norm = BoundaryNorm(np.arange(n_hosts + 1) - 0.5, cmap.N)
     rgba = cmap(norm(kv_block))  # (hosts, steps, 4)
     rgba[skipped] = SKIPPED_GREY
     fig, ax = plt.subplots(figsize=(1.0 + 0.62 * n_steps, 1.2 + 0.5 * n_hosts), layout="constrained")
@@ -56,8 +62,9 @@ def plot_schedule(trace):
     for i in range(n_hosts):
         for s in range(n_steps):
             label = f"{kv_block[i, s]}" + ("\nskip" if skipped[i, s] else "")
+            dark = rgba[i, s, :3] @ (0.299, 0.587, 0.114) < 0.5  # luminance: white text on dark cells
             ax.text(s, i, label, ha="center", va="center", fontsize=9 if not skipped[i, s] else 7,
-                    color="0.35" if skipped[i, s] else "black")
+                    color="0.35" if skipped[i, s] else "white" if dark else "black")
     ax.set_xticks(range(n_steps))
     ax.set_yticks(range(n_hosts))
     ax.set_xlabel("step")
@@ -67,8 +74,8 @@ def plot_schedule(trace):
     sm = plt.cm.ScalarMappable(norm=norm, cmap=cmap)
     fig.colorbar(sm, ax=ax, ticks=range(n_hosts), label="K/V block index")
     if skipped.any():
-        ax.legend(handles=[Patch(color=SKIPPED_GREY, label="hop skipped (mask empty)")],
-                  loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.2 / n_hosts), fontsize=8, frameon=False)
+        fig.legend(handles=[Patch(color=SKIPPED_GREY, label="hop skipped (mask empty, no compute)")],
+                   loc="outside lower center", fontsize=8, frameon=False)
     return fig
 
 
