@@ -38,7 +38,7 @@ from ringattn_fast.kernels.tiles import NEG_INF, check_hop_args, tile_mask, tile
 
 __all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts", "tile_schedule"]
 
-_STATIC = ("scale", "causal", "window", "block_q", "block_kv")
+_STATIC = ("scale", "causal", "window", "block_q", "block_kv", "interpret")
 
 
 def _interpret():
@@ -105,17 +105,18 @@ def _pad_dim(x, d_pad):
     return x if x.shape[-1] == d_pad else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d_pad - x.shape[-1])])
 
 
-def _prepare(name, q, k, v, q_pos, k_pos, q_seg, k_seg, bias, scale, window, block_q, block_kv):
-    """Checks, interpret flag, scale default, block sizes; head dim padded to a power of two."""
-    block_q, block_kv, group = check_hop_args(name, q, k, v, q_pos, k_pos, q_seg, k_seg, bias,
-                                              window, block_q, block_kv)
+def _prepare(name, q, k, v, q_pos, k_pos, q_seg, k_seg, bias, scale, causal, window, block_q, block_kv):
+    """Checks the call (outside jit, so every call is checked) and returns the kernels' static args."""
+    block_q, block_kv, _ = check_hop_args(name, q, k, v, q_pos, k_pos, q_seg, k_seg, bias,
+                                          window, block_q, block_kv)
     interpret = _interpret()
     if not interpret and any(bl < 16 or bl & (bl - 1) for bl in (block_q, block_kv)):
         raise ValueError(f"{name}: on a GPU block_q and block_kv must be powers of two >= 16; "
                          f"got block_q={block_q}, block_kv={block_kv}")
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    d_pad = pl.next_power_of_2(q.shape[-1])
-    return block_q, block_kv, group, interpret, scale, d_pad
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    window = None if window is None else tuple(int(w) for w in window)
+    return dict(scale=scale, causal=bool(causal), window=window, block_q=block_q, block_kv=block_kv,
+                interpret=interpret)
 
 
 def _params(d):
@@ -123,11 +124,10 @@ def _params(d):
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window, block_q, block_kv):
+def _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, scale, causal, window, block_q, block_kv, interpret):
     """pallas_call for the forward; returns (o, lse, computed K/V tiles per Q tile [b, h, nq])."""
-    block_q, block_kv, group, interpret, scale, d_pad = _prepare(
-        "pallas_gpu.hop_fwd", q, k, v, q_pos, k_pos, q_seg, k_seg, bias, scale, window, block_q, block_kv)
-    (b, sq, h, d), sk = q.shape, k.shape[1]
+    (b, sq, h, d), (sk, hk) = q.shape, k.shape[1:3]
+    group, d_pad = h // hk, pl.next_power_of_2(d)
     segments = q_seg is not None
     q_tile = pl.BlockSpec((None, block_q, None, d_pad), lambda bi, hi, i: (bi, i, hi, 0))
     kv_all = pl.BlockSpec((None, sk, None, d_pad), lambda bi, hi, i: (bi, 0, hi // group, 0))
@@ -157,8 +157,8 @@ def hop_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window,
     q [b, sq, h, d]; k, v [b, sk, hk, d]; q_pos [b, sq], k_pos [b, sk] int32 true positions;
     q_seg, k_seg int32 or None; bias must be None (ValueError otherwise); window (left, right) or None.
     """
-    o, lse, _ = _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, bias, scale=scale, causal=causal,
-                         window=window, block_q=block_q, block_kv=block_kv)
+    o, lse, _ = _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, **_prepare(
+        "pallas_gpu.hop_fwd", q, k, v, q_pos, k_pos, q_seg, k_seg, bias, scale, causal, window, block_q, block_kv))
     return o, lse
 
 
@@ -169,8 +169,9 @@ def fwd_tile_counts(q, k, v, q_pos, k_pos, q_seg=None, k_seg=None, *, scale=None
     Counted inside the kernel (the ``lax.cond`` that skips a tile also skips the increment); equals
     ``tile_schedule(...).sum(-1)`` broadcast over heads.
     """
-    return _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, None, scale=scale, causal=causal,
-                    window=window, block_q=block_q, block_kv=block_kv)[2]
+    return _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, **_prepare(
+        "pallas_gpu.fwd_tile_counts", q, k, v, q_pos, k_pos, q_seg, k_seg, None, scale, causal, window,
+        block_q, block_kv))[2]
 
 
 def _tile_grads(q, k, v, do, lse, delta, mask, scale):
@@ -237,16 +238,26 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref,
     dk_ref[...], dv_ref[...] = carry
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
 def hop_bwd(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window,
             block_q, block_kv):
     """One hop's gradients (FA-2 Alg. 2) from the final lse and delta = rowsum(do * o_final).
 
-    Returns dq float32 [b, sq, h, d], dk, dv float32 [b, sk, hk, d] (summed over the GQA group), None.
+    lse, delta float32 [b, h, sq]. Returns dq float32 [b, sq, h, d], dk, dv float32 [b, sk, hk, d]
+    (summed over the GQA group), and None for dbias.
     """
-    block_q, block_kv, group, interpret, scale, d_pad = _prepare(
-        "pallas_gpu.hop_bwd", q, k, v, q_pos, k_pos, q_seg, k_seg, bias, scale, window, block_q, block_kv)
+    if do.shape != q.shape or lse.shape != (q.shape[0], q.shape[2], q.shape[1]) or delta.shape != lse.shape:
+        raise ValueError(f"pallas_gpu.hop_bwd: do must be shaped like q {q.shape} and lse, delta [b, h, sq]; "
+                         f"got do {do.shape}, lse {lse.shape}, delta {delta.shape}")
+    return _backward(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, **_prepare(
+        "pallas_gpu.hop_bwd", q, k, v, q_pos, k_pos, q_seg, k_seg, bias, scale, causal, window, block_q, block_kv))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _backward(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, *, scale, causal, window, block_q,
+              block_kv, interpret):
+    """The two backward pallas_calls (dQ; dK and dV)."""
     (b, sq, h, d), (sk, hk) = q.shape, k.shape[1:3]
+    group, d_pad = h // hk, pl.next_power_of_2(d)
     segments = q_seg is not None
     q, k, v, do = (_pad_dim(x, d_pad) for x in (q, k, v, do))
     pos = [q_pos.astype(jnp.int32), k_pos.astype(jnp.int32)]
