@@ -1,0 +1,260 @@
+"""Self-checks for the exercises of the notebook course (``notebooks/NN_*.md``).
+
+Each ``check_*`` takes the learner's answer (a number or a function). While the answer is still the
+placeholder ``None`` it prints a reminder and returns ``False``, so a notebook runs top to bottom
+before anyone has attempted it. A wrong answer raises ``AssertionError`` with a hint; a right one
+prints ``Correct`` and returns ``True``. The expected values come from the library (the oracle
+``attention``, the ring simulation, the cost model), never from a hard-coded result, so the checks
+stay true if the library's numbers change.
+
+``tests/test_exercises.py`` runs every check against the hidden answer written in the notebook and
+against a wrong answer.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import cost
+from .attention import attention
+from .layouts import layout_permutation
+from .ring import ring_attention
+
+
+def _pending(answer, what):
+    if answer is None:
+        print(f"Exercise not attempted yet: {what}")
+        return True
+    return False
+
+
+def _correct(msg=""):
+    print("Correct" + (f": {msg}" if msg else "."))
+    return True
+
+
+def _close(got, want, rel, what):
+    got = float(got)
+    if not math.isclose(got, want, rel_tol=rel):
+        raise AssertionError(f"{what}: got {got:.6g}, expected about {want:.6g}")
+
+
+def _problem(seed, batch=1, seq=16, heads=2, kv_heads=2, dim=4):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, seq, heads, dim))
+    k = rng.standard_normal((batch, seq, kv_heads, dim))
+    v = rng.standard_normal((batch, seq, kv_heads, dim))
+    return q, k, v
+
+
+# ---- 00 plain attention and the memory wall --------------------------------------------------------
+
+def check_scores_gib(answer):
+    """00, exercise 1: GiB of vanilla attention's scores, batch 1, 32 heads, seq 131072, bf16."""
+    if _pending(answer, "GiB of the score matrix at seq = 128K"):
+        return False
+    attn, _ = cost.activation_bytes("vanilla", batch=1, seq=131072, hidden=4096, heads=32, block=1)
+    _close(answer, attn / 2**30, 1e-6, "score matrix in GiB (Table 1: 2bns^2 bytes, 1 GiB = 2^30 B)")
+    return _correct(f"{attn / 2**30:.0f} GiB for one layer's scores")
+
+
+def check_longest_vanilla_seq(answer):
+    """00, exercise 2: the longest power-of-two seq whose vanilla activation fits in 80e9 bytes."""
+    if _pending(answer, "longest power-of-two sequence for vanilla attention in 80 GB"):
+        return False
+    fits = [2**p for p in range(8, 30) if max(cost.activation_bytes(
+        "vanilla", batch=1, seq=2**p, hidden=4096, heads=32, block=1)) <= 80e9]
+    want = max(fits)
+    if int(answer) != want:
+        raise AssertionError(f"got {answer}; check max(attention, ffn) bytes <= 80e9 for each "
+                             f"power of two (hint: the answer is between {want // 4} and {want * 4})")
+    return _correct(f"seq = {want}; twice that needs {max(cost.activation_bytes('vanilla', batch=1, seq=2 * want, hidden=4096, heads=32, block=1)) / 1e9:.0f} GB")
+
+
+# ---- 01 online softmax -----------------------------------------------------------------------------
+
+def check_merge_state(merge_state):
+    """01, exercise 1: ``merge_state(m1, l1, o1, m2, l2, o2) -> (m, l, o)`` on *unnormalised* states.
+
+    m, l: [b, h, q]; o: [b, q, h, d] unnormalised (``o = sum_j exp(s_j - m) v_j``). The merged
+    state, finalised as ``o / l``, must equal attention over the union of the two key sets.
+    """
+    if _pending(merge_state, "merge_state(m1, l1, o1, m2, l2, o2)"):
+        return False
+    from .softmax import init_state, online_update
+
+    q, k, v = _problem(1, seq=12)
+    q = q * 30.0  # large logits: a merge that forgets the max overflows or loses precision
+    scale = q.shape[-1] ** -0.5
+    logits = scale * np.einsum("bqhd,bkhd->bhqk", q, k)  # (b, h, q, k)
+    states = []
+    for sl in (slice(0, 5), slice(5, 12)):
+        m, l, o = init_state(1, 2, 12, 4)
+        states.append(online_update(m, l, o, logits[..., sl], v[:, sl]))
+    m, l, o = merge_state(*states[0], *states[1])
+    got = o / np.transpose(l, (0, 2, 1))[..., None]
+    err = np.abs(got - attention(q, k, v)).max()
+    if not err < 1e-12:
+        raise AssertionError(f"merged state finalises to an error of {err:.3g} vs attention; "
+                             "rescale each side by exp(m_i - m) with m = max(m1, m2)")
+    return _correct(f"max error vs attention {err:.1e}")
+
+
+def check_lse_of_large_logits(answer):
+    """01, exercise 2: ``lse`` of the logits ``[1000, 1000, 1000, 1000]``, computed by hand."""
+    if _pending(answer, "log-sum-exp of four logits equal to 1000"):
+        return False
+    want = float(np.logaddexp.reduce(np.full(4, 1000.0)))
+    _close(answer, want, 1e-12, "lse = m + log(sum exp(s - m))")
+    return _correct(f"lse = 1000 + log 4 = {want:.6f}")
+
+
+# ---- 02 blockwise attention and blockwise feedforward ----------------------------------------------
+
+def check_kv_outer_blockwise(kv_outer_attention):
+    """02, exercise 1: ``kv_outer_attention(q, k, v, block_kv) -> o`` with the K/V loop outermost.
+
+    This is the loop order of a ring host: for each K/V block, update (m, l, o) of *all* queries.
+    """
+    if _pending(kv_outer_attention, "kv_outer_attention(q, k, v, block_kv)"):
+        return False
+    for seed, block in ((2, 4), (3, 2), (4, 16)):
+        q, k, v = _problem(seed, seq=16)
+        err = np.abs(kv_outer_attention(q, k, v, block) - attention(q, k, v)).max()
+        if not err < 1e-12:
+            raise AssertionError(f"block_kv={block}: max error {err:.3g} vs attention")
+    return _correct("equal to attention for block_kv in (4, 2, 16)")
+
+
+def check_ffn_peak_elements(answer):
+    """02, exercise 2: intermediate FFN elements alive at once, blockwise, for the notebook's sizes.
+
+    batch 2, seq 4096, hidden 256, ffn_hidden 1024 (4x), block 512.
+    """
+    if _pending(answer, "peak intermediate elements of the blockwise FFN"):
+        return False
+    want = 2 * 512 * 1024  # [batch, block, ffn_hidden]: one block of the hidden activation
+    if int(answer) != want:
+        raise AssertionError(f"got {answer}; the hidden activation max(0, x W1 + b1) of one block "
+                             "is alive at a time: [batch, block, ffn_hidden]")
+    return _correct(f"{want} elements, {4096 // 512}x fewer than the whole sequence's")
+
+
+# ---- 03 the ring -----------------------------------------------------------------------------------
+
+def check_kv_index_reverse(kv_index):
+    """03, exercise 1: ``kv_index(my_idx, step, n_hosts)`` when K/V travel host i -> i - 1."""
+    if _pending(kv_index, "kv_index(my_idx, step, n_hosts) for the reversed ring"):
+        return False
+    for n in range(1, 9):
+        # Simulate the reversed ring: block b sits on host b at step 0, moves to b - 1 each step.
+        where = np.arange(n)  # where[b] = host holding block b
+        for step in range(n):
+            for b_idx, host in enumerate(where):
+                got = kv_index(int(host), step, n)
+                if got != b_idx:
+                    raise AssertionError(f"n_hosts={n}, step={step}: host {host} holds block "
+                                         f"{b_idx}, your kv_index says {got}")
+            where = (where - 1) % n
+    return _correct("(my_idx + step) % n_hosts")
+
+
+def check_total_bytes_sent(total_bytes_sent):
+    """03, exercise 2: ``total_bytes_sent(batch, seq, kv_heads, dim, n_hosts, itemsize)`` per host."""
+    if _pending(total_bytes_sent, "total_bytes_sent(batch, seq, kv_heads, dim, n_hosts, itemsize)"):
+        return False
+    for n_hosts, kv_heads in ((1, 1), (2, 2), (4, 1), (8, 2)):
+        q, k, v = _problem(5, batch=2, seq=32, heads=2, kv_heads=kv_heads, dim=4)
+        _, trace = ring_attention(q, k, v, n_hosts=n_hosts, return_trace=True)
+        want = trace.bytes_sent.sum(axis=1)  # (n_hosts,)
+        got = total_bytes_sent(2, 32, kv_heads, 4, n_hosts, 8)
+        if not np.all(want == got):
+            raise AssertionError(f"n_hosts={n_hosts}, kv_heads={kv_heads}: the trace says "
+                                 f"{int(want[0])} bytes per host, you say {got}")
+    return _correct("(n_hosts - 1) sends of one K/V shard each")
+
+
+# ---- 04 causal masking and load balance ------------------------------------------------------------
+
+def check_contiguous_busy_hops(busy_hops):
+    """04, exercise 1: ``busy_hops(n_hosts) -> int array [n_hosts]``: hops each host computes
+    under a causal mask with the contiguous layout."""
+    if _pending(busy_hops, "busy_hops(n_hosts)"):
+        return False
+    for n in (1, 2, 4, 8):
+        q, k, v = _problem(6, seq=8 * n)
+        _, trace = ring_attention(q, k, v, n_hosts=n, causal=True, return_trace=True)
+        want = (~trace.hop_skipped).sum(axis=1)
+        got = np.asarray(busy_hops(n))
+        if got.shape != want.shape or not np.all(got == want):
+            raise AssertionError(f"n_hosts={n}: the trace says {want.tolist()}, you say {got.tolist()}")
+    return _correct("host r computes r + 1 hops: the last host works N times as long as the first")
+
+
+def check_zigzag_owner(owner):
+    """04, exercise 2: ``owner(pos, seq, n_hosts) -> host`` that owns true position ``pos`` (zigzag)."""
+    if _pending(owner, "owner(pos, seq, n_hosts) for the zigzag layout"):
+        return False
+    for n, seq in ((1, 4), (2, 8), (4, 16), (4, 32), (8, 64)):
+        perm = layout_permutation("zigzag", seq, n)
+        shard = seq // n
+        for layout_pos, pos in enumerate(perm):
+            want = layout_pos // shard
+            got = owner(int(pos), seq, n)
+            if got != want:
+                raise AssertionError(f"seq={seq}, n_hosts={n}: position {pos} is on host {want}, "
+                                     f"you say {got}")
+    return _correct("chunk j = pos // (seq / 2N) is on host min(j, 2N - 1 - j)")
+
+
+# ---- 05 the ring backward --------------------------------------------------------------------------
+
+def check_delta(delta):
+    """05, exercise 1: ``delta(o, do) -> D = rowsum(dO * O)`` with layout [b, h, q] (FA-2 Alg. 2)."""
+    if _pending(delta, "delta(o, do)"):
+        return False
+    q, k, v = _problem(7, seq=8, heads=4, kv_heads=2)
+    o = attention(q, k, v)
+    do = np.random.default_rng(8).standard_normal(o.shape)
+    want = np.einsum("bqhd,bqhd->bhq", do, o)
+    got = np.asarray(delta(o, do))
+    if got.shape != want.shape:
+        raise AssertionError(f"D has shape {got.shape}; statistics are [batch, heads, seq] = {want.shape}")
+    err = np.abs(got - want).max()
+    if not err < 1e-12:
+        raise AssertionError(f"max error {err:.3g}: D[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d]")
+    return _correct()
+
+
+def check_backward_bytes_ratio(answer):
+    """05, exercise 2: bytes sent per ring step in the backward, relative to the forward."""
+    if _pending(answer, "backward / forward bytes per step"):
+        return False
+    from .ring import KVBlock
+
+    z = np.zeros((1, 4, 1, 2))
+    fwd = KVBlock(0, z, z, np.arange(4), None).payload_elements()
+    bwd = KVBlock(0, z, z, np.arange(4), None, dk=z, dv=z).payload_elements()
+    _close(answer, bwd / fwd, 1e-12, "K, V, dK and dV travel in the backward; K and V in the forward")
+    return _correct(f"{bwd / fwd:g}x: the backward needs a block twice as large to hide its transfers")
+
+
+# ---- 06 overlap of communication and compute -------------------------------------------------------
+
+def check_min_block(answer, flops_per_s=989e12, bandwidth_bytes_per_s=450e9):
+    """06, exercise 1: minimal block size in bf16 for a host with 989 TFLOP/s and 450 GB/s links."""
+    if _pending(answer, "minimal block size c for F = 989 TFLOP/s, B = 450 GB/s"):
+        return False
+    want = cost.min_block_size(flops_per_s, bandwidth_bytes_per_s)
+    _close(answer, want, 1e-3, "c = F / B in tokens")
+    return _correct(f"c >= {want:.0f} tokens, so s = 6c = {6 * want / 1e3:.1f}K tokens per host")
+
+
+def check_min_block_float32(answer):
+    """06, exercise 2: the same host, K/V sent in float32 (4 bytes) instead of bf16."""
+    if _pending(answer, "minimal block size with float32 K/V"):
+        return False
+    want = cost.min_block_size(989e12, 450e9, dtype_bytes=4)
+    _close(answer, want, 1e-3, "bytes per step double while FLOPs stay")
+    return _correct(f"c >= {want:.0f}: twice the bf16 block")

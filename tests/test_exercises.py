@@ -1,0 +1,76 @@
+"""The notebooks' exercise self-checks accept the hidden answer and reject a wrong one.
+
+For every exercise cell ``x = None ...; exercises.check_NAME(x)`` in ``notebooks/NN_*.md``, the
+``<details class="answer">`` block that follows it holds the answer as a ```` ```python ```` block.
+The answer is run after the notebook's first code cell (its imports: answers may use only those),
+then ``check_NAME`` must return True on it, False on the placeholder ``None``, and raise
+``AssertionError`` on a slightly wrong answer (numbers shifted, functions' outputs shifted).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ringattn_ref import exercises
+
+jupytext = pytest.importorskip("jupytext")
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECK_CALL = re.compile(r"exercises\.(check_\w+)\((\w+)\)")
+ANSWER = re.compile(r'<details class="answer">(.*?)</details>', re.S)
+PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+
+
+def _cases():
+    for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.md")):
+        nb = jupytext.read(path)
+        preamble = "\n".join(line for line in nb.cells[[c.cell_type for c in nb.cells].index("code")].source
+                             .splitlines() if "jax_num_cpu_devices" not in line)
+        pending = None
+        for cell in nb.cells:
+            if cell.cell_type == "code" and (match := CHECK_CALL.search(cell.source)):
+                pending = match.groups()
+            elif cell.cell_type == "markdown" and pending and (answer := ANSWER.search(cell.source)):
+                code = "\n".join(PYTHON_BLOCK.findall(answer.group(1)))
+                yield pytest.param(path.name, preamble, code, *pending, id=f"{path.stem[:2]}-{pending[0]}")
+                pending = None
+
+
+CASES = list(_cases())
+
+
+def _shift(x):
+    if isinstance(x, tuple):
+        return tuple(_shift(y) for y in x)
+    if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+        return x + 1
+    return np.asarray(x) * 1.01 + 1e-3
+
+
+def _wrong(answer):
+    if callable(answer):
+        return lambda *args, **kwargs: _shift(answer(*args, **kwargs))
+    return _shift(answer)
+
+
+def test_every_notebook_exercise_has_a_checked_answer():
+    names = {case.values[0] for case in CASES}
+    notebooks = {p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.md")}
+    assert names == notebooks, f"notebooks without a checked exercise: {sorted(notebooks - names)}"
+
+
+@pytest.mark.parametrize("notebook, preamble, code, check, var", CASES)
+def test_answer_passes_and_wrong_answer_fails(notebook, preamble, code, check, var, capsys):
+    assert code.strip(), f"{notebook}: the answer to {check} has no ```python block"
+    namespace = {}
+    exec(compile(preamble, f"{notebook}:preamble", "exec"), namespace)
+    exec(compile(code, f"{notebook}:answer", "exec"), namespace)
+    checker = getattr(exercises, check)
+    assert checker(None) is False
+    assert "not attempted" in capsys.readouterr().out
+    assert checker(namespace[var]) is True
+    with pytest.raises(AssertionError):
+        checker(_wrong(namespace[var]))

@@ -1,0 +1,145 @@
+"""Execute every course notebook (``notebooks/NN_*.md``) top to bottom and check its structure.
+
+Each notebook is read with jupytext and executed with nbclient in ``notebooks/`` as working
+directory, on a kernel that runs *this* interpreter (a kernelspec written on the fly, so the test
+never picks up some other ``python3`` kernel installed on the machine). Any cell error fails the
+test. Each notebook's wall time is recorded: printed as a table at the end of the module and written
+to ``build/notebook_times.json`` (``RINGATTN_NOTEBOOK_TIMES`` overrides the path). The budget is
+60 s per notebook on a 2-core CPU; it is reported, never asserted (wall time is not a test).
+
+New notebooks are picked up automatically: one parametrized test per ``notebooks/[0-9][0-9]_*.md``.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+jupytext = pytest.importorskip("jupytext")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+ROOT = Path(__file__).resolve().parent.parent
+NB_DIR = ROOT / "notebooks"
+NOTEBOOKS = sorted(NB_DIR.glob("[0-9][0-9]_*.md"))
+CELL_TIMEOUT_S = 300
+TIMES: dict[str, float] = {}
+
+
+def test_course_exists():
+    assert len(NOTEBOOKS) >= 7, f"expected notebooks 00-06 in {NB_DIR}, found {[p.name for p in NOTEBOOKS]}"
+    numbers = [int(p.name[:2]) for p in NOTEBOOKS]
+    assert numbers == list(range(len(numbers))), f"notebook numbers must be 00, 01, ... without gaps: {numbers}"
+
+
+@pytest.fixture(scope="session")
+def kernel_name(tmp_path_factory):
+    """A kernelspec that runs this interpreter, in a private kernel directory."""
+    kdir = tmp_path_factory.mktemp("kernels")
+    spec = kdir / "kernels" / "ringattn-test"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "ringattn test", "language": "python",
+    }))
+    old = os.environ.get("JUPYTER_PATH")
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(kdir), old]))
+    yield "ringattn-test"
+    if old is None:
+        os.environ.pop("JUPYTER_PATH", None)
+    else:
+        os.environ["JUPYTER_PATH"] = old
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_times(request):
+    """After the module: print the per-notebook times and write them as JSON."""
+    yield
+    if not TIMES:
+        return
+    out = Path(os.environ.get("RINGATTN_NOTEBOOK_TIMES", ROOT / "build" / "notebook_times.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(sorted(TIMES.items())), indent=2) + "\n")
+    lines = ["", "notebook run times (budget 60 s each on a 2-core CPU):"]
+    lines += [f"  {name:<40s} {t:7.1f} s" for name, t in sorted(TIMES.items())]
+    lines += [f"  {'total':<40s} {sum(TIMES.values()):7.1f} s   (written to {out})"]
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print("\n".join(lines))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs(path, kernel_name, monkeypatch, record_property):
+    # The kernel is a child process: make it import this checkout (also when not pip-installed).
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("MPLBACKEND", "agg")
+    nb = jupytext.read(path)
+    client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name=kernel_name,
+                                     resources={"metadata": {"path": str(NB_DIR)}})
+    start = time.perf_counter()
+    try:
+        client.execute()
+    except nbclient.exceptions.CellExecutionError as err:  # drop the ANSI colours of the traceback
+        pytest.fail(f"{path.name} failed:\n{re.sub(r'\x1b\[[0-9;]*m', '', str(err))}", pytrace=False)
+    TIMES[path.stem] = time.perf_counter() - start
+    record_property("notebook_seconds", round(TIMES[path.stem], 2))
+
+
+# ---- structure: what every course notebook must contain (issue 5) ----------------------------------
+
+def _code_cells(nb):
+    return [c.source for c in nb.cells if c.cell_type == "code"]
+
+
+def _is_setup_only(tree: ast.Module) -> bool:
+    """A cell that only imports, defines functions or shows source code computes nothing."""
+    simple = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)
+    for node in tree.body:
+        if isinstance(node, simple):
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # a docstring
+        if isinstance(node, ast.Expr) and "inspect.getsource(" in ast.unparse(node):
+            continue  # the code is the lesson: print(inspect.getsource(...))
+        return False
+    return True
+
+
+def _ends_in_check(tree: ast.Module) -> bool:
+    last = tree.body[-1]
+    if isinstance(last, ast.Assert):
+        return True
+    if isinstance(last, ast.Expr) and isinstance(last.value, ast.Call):
+        name = ast.unparse(last.value.func)
+        return bool(re.search(r"(^|\.)(assert_\w+|check_\w+)$", name))
+    return False
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_structure(path):
+    nb = jupytext.read(path)
+    assert nb.metadata.get("kernelspec", {}).get("name") == "python3", "kernelspec must be python3"
+    assert nb.metadata["jupytext"]["text_representation"]["format_name"] == "myst"
+    cells = _code_cells(nb)
+    assert cells, "no code cells"
+    assert re.search(r'jax\.config\.update\("jax_num_cpu_devices",\s*8\)', cells[0]), \
+        "the first code cell must set 8 simulated devices"
+    for i, src in enumerate(cells[1:], start=1):
+        tree = ast.parse(re.sub(r"^\s*[%!].*$", "", src, flags=re.M))  # drop IPython magics
+        if not tree.body or _is_setup_only(tree):
+            continue
+        assert _ends_in_check(tree), f"code cell {i} does not end in an assert/check:\n{src}"
+    text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    assert re.search(r"\{admonition\}\s*Takeaway", text), "missing the Takeaway box"
+    n_ex = len(re.findall(r"^#+ Exercise \d", text, flags=re.M))
+    assert 1 <= n_ex <= 3, f"expected 1-3 exercises, found {n_ex}"
+    assert text.count('<details class="answer">') >= n_ex, "each exercise needs a hidden answer"
+    assert re.search(r"\bviz\w*\.plot_\w+\(", "\n".join(cells)), \
+        "each notebook has at least one figure made by the project's plotting module (viz.plot_...)"
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "outputs in git"
