@@ -1,0 +1,95 @@
+"""The ring backward (ringattn_ref.backward) against jax.vjp of a float64 jnp attention."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+
+from ringattn_ref import attention, ring_attention_vjp
+from ringattn_ref.testing import attention_problems
+
+TOL = 1e-12
+
+
+def jnp_attention(q, k, v, *, causal, segment_ids, bias, window, scale):
+    """Plain attention in jnp, written so that its gradients are finite for rows that see nothing."""
+    b, s, h, d = q.shape
+    scale = d ** -0.5 if scale is None else scale
+    k, v = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
+    logits = scale * jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    if bias is not None:
+        logits = logits + bias
+    i, j = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
+    mask = jnp.ones((s, s), bool)[None, None]
+    if causal:
+        mask = mask & (j <= i)
+    if window is not None:
+        left, right = window
+        mask = mask & ((left < 0) | (j >= i - left)) & ((right < 0) | (j <= i + right))
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    mask = mask & (logits > -jnp.inf)
+    m = jax.lax.stop_gradient(jnp.max(jnp.where(mask, logits, -jnp.inf), axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask, jnp.exp(jnp.where(mask, logits, m) - m), 0.0)
+    l = p.sum(axis=-1, keepdims=True)
+    return jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(l > 0, l, 1.0), v)
+
+
+def jax_grads(p):
+    kw = p.mask_kwargs()
+    with jax.enable_x64(True):
+        fn = lambda q, k, v: jnp_attention(q, k, v, **kw)  # noqa: E731
+        o, vjp = jax.vjp(fn, jnp.asarray(p.q), jnp.asarray(p.k), jnp.asarray(p.v))
+        assert o.dtype == jnp.float64
+        return np.asarray(o), [np.asarray(g) for g in vjp(jnp.asarray(p.do))]
+
+
+@settings(max_examples=30)
+@given(attention_problems(max_hosts=8, max_shard=6))
+def test_ring_vjp_equals_jax_vjp(p):
+    o_jax, grads_jax = jax_grads(p)
+    assert np.abs(o_jax - attention(p.q, p.k, p.v, **p.mask_kwargs())).max() <= TOL
+    grads = ring_attention_vjp(p.q, p.k, p.v, p.do, **p.ring_kwargs())
+    for name, g, want in zip(("dq", "dk", "dv"), grads, grads_jax):
+        assert g.shape == want.shape, name
+        assert np.isfinite(g).all(), name
+        assert np.abs(g - want).max() <= TOL, name
+
+
+def test_fully_masked_rows_give_zero_finite_gradients():
+    rng = np.random.default_rng(0)
+    q, do = (rng.normal(size=(2, 16, 4, 3)) for _ in range(2))
+    k, v = (rng.normal(size=(2, 16, 2, 3)) for _ in range(2))
+    bias = np.zeros((1, 1, 16, 16))
+    rows = [1, 6, 11]
+    bias[..., rows, :] = -np.inf
+    dq, dk, dv = ring_attention_vjp(q, k, v, do, n_hosts=4, bias=bias, causal=True,
+                                    layout="striped", block_q=2, block_kv=2)
+    assert all(np.isfinite(g).all() for g in (dq, dk, dv))
+    assert np.all(dq[:, rows] == 0)
+    # the masked rows contribute nothing to dk/dv: dropping their do changes nothing
+    do_zeroed = do.copy()
+    do_zeroed[:, rows] = 0
+    _, dk0, dv0 = ring_attention_vjp(q, k, v, do_zeroed, n_hosts=4, bias=bias, causal=True,
+                                     layout="striped", block_q=2, block_kv=2)
+    assert np.abs(dk - dk0).max() <= TOL and np.abs(dv - dv0).max() <= TOL
+
+
+def test_large_logits_give_finite_gradients():
+    rng = np.random.default_rng(1)
+    q, k, v, do = (rng.normal(size=(1, 16, 2, 4)) for _ in range(4))
+    for layout in ("contiguous", "zigzag"):
+        grads = ring_attention_vjp(q * 1e3, k, v, do, n_hosts=4, causal=True, layout=layout,
+                                   block_q=2, block_kv=2)
+        assert all(np.isfinite(g).all() for g in grads)
+
+
+def test_gqa_gradients_are_summed_over_the_group():
+    """MQA with every head identical equals MHA with one head times the group."""
+    rng = np.random.default_rng(2)
+    q1, k, v, do1 = (rng.normal(size=(1, 8, 1, 3)) for _ in range(4))
+    q4, do4 = np.repeat(q1, 4, axis=2), np.repeat(do1, 4, axis=2)
+    dq4, dk4, dv4 = ring_attention_vjp(q4, k, v, do4, n_hosts=2, causal=True)
+    dq1, dk1, dv1 = ring_attention_vjp(q1, k, v, do1, n_hosts=2, causal=True)
+    assert np.abs(dk4 - 4 * dk1).max() <= TOL and np.abs(dv4 - 4 * dv1).max() <= TOL
+    assert np.abs(dq4 - dq1).max() <= TOL
