@@ -8,6 +8,11 @@ Names are imported lazily so ``import ringattn_ref`` is instant and each module 
 """
 from importlib import import_module
 
+# The function ``attention`` shares its name with its module. Importing the submodule (which any
+# other module here does) sets the package attribute ``attention`` to the *module*, and a lazy
+# ``__getattr__`` is then never consulted. Import it eagerly so the name is always the function.
+from .attention import attention  # noqa: E402
+
 _EXPORTS = {
     "attention": "attention",
     "merge": "softmax",

@@ -83,11 +83,18 @@ class Host:
 
 @dataclass(frozen=True)
 class RingTrace:
-    """What happened on each host at each step (format: ``/work/notes/TRACE.md``).
+    """What happened on each host at each step of the forward ring; ``n_steps == n_hosts``.
 
-    All arrays are ``[n_hosts, n_steps]`` except ``peak_bytes`` ``[n_hosts]``. Bytes use the input
-    dtype's itemsize. ``flops`` counts ``4 * batch * heads * block_q * block_kv * dim`` per computed
-    tile (QK^T and PV, 2 flops per multiply-add).
+    layout: the layout name, or ``"custom"`` for a permutation array. Arrays ``[n_hosts, n_steps]``:
+    kv_block (int): the K/V shard host i holds at step s, ``(i - s) % n_hosts``;
+    tiles_computed / tiles_skipped (int): ``block_q x block_kv`` tiles computed / left out because
+    the mask is provably empty; hop_skipped (bool): the whole hop was empty;
+    flops (float): ``4 * batch * heads * block_q * block_kv * dim`` per computed tile (QK^T and PV,
+    2 flops per multiply-add); bytes_sent (int): bytes of K and V sent after step s (0 at the last
+    step: no wasted final send); meta_bytes_sent (int): positions and segment ids sent alongside.
+    peak_bytes (int) ``[n_hosts]``: peak live bytes on the host: q shard, held K/V, K/V receive
+    buffer, o, m, l and one score tile (the bias and the int metadata are not counted).
+    Float bytes use the input dtype's itemsize.
     """
     n_hosts: int
     layout: str

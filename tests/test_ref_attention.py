@@ -156,3 +156,13 @@ def test_tile_is_empty_is_sound_and_exact_on_intervals(data):
     qs, ks = perm[:5], perm[5:11]  # scattered positions: must stay sound
     if tile_is_empty(qs, ks, causal=causal, window=window):
         assert not visible(qs, ks, causal=causal, window=window).any()
+
+
+def test_package_name_attention_is_the_function_even_after_submodule_imports():
+    import subprocess
+    import sys
+
+    code = ("import ringattn_ref.testing, ringattn_ref.ring, ringattn_ref.attention\n"
+            "from ringattn_ref import attention, ring_attention\n"
+            "assert callable(attention) and attention.__name__ == 'attention', attention\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
