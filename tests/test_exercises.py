@@ -3,7 +3,8 @@
 For every exercise cell ``x = None ...; exercises.check_NAME(x)`` in ``notebooks/NN_*.md``, the
 ``<details class="answer">`` block that follows it holds the answer as a ```` ```python ```` block.
 The answer is run after the notebook's first code cell (its imports: answers may use only those),
-then ``check_NAME`` must return True on it, False on the placeholder ``None``, and raise
+then ``check_NAME`` (of the ``exercises`` module the notebook imports: ``ringattn_ref.exercises`` or
+``ringattn_fast.exercises``) must return True on it, False on the placeholder ``None``, and raise
 ``AssertionError`` on a slightly wrong answer (numbers shifted, functions' outputs shifted).
 """
 from __future__ import annotations
@@ -68,7 +69,7 @@ def test_answer_passes_and_wrong_answer_fails(notebook, preamble, code, check, v
     namespace = {}
     exec(compile(preamble, f"{notebook}:preamble", "exec"), namespace)
     exec(compile(code, f"{notebook}:answer", "exec"), namespace)
-    checker = getattr(exercises, check)
+    checker = getattr(namespace.get("exercises", exercises), check)  # the module the notebook imports
     assert checker(None) is False
     assert "not attempted" in capsys.readouterr().out
     assert checker(namespace[var]) is True
