@@ -1,4 +1,8 @@
 """The oracle, the online softmax, merge, masks and blockwise attention (ringattn_ref)."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -159,10 +163,9 @@ def test_tile_is_empty_is_sound_and_exact_on_intervals(data):
 
 
 def test_package_name_attention_is_the_function_even_after_submodule_imports():
-    import subprocess
-    import sys
-
-    code = ("import ringattn_ref.testing, ringattn_ref.ring, ringattn_ref.attention\n"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (f"import sys; sys.path.insert(0, {root!r})\n"
+            "import ringattn_ref.testing, ringattn_ref.ring, ringattn_ref.attention\n"
             "from ringattn_ref import attention, ring_attention\n"
             "assert callable(attention) and attention.__name__ == 'attention', attention\n")
     subprocess.run([sys.executable, "-c", code], check=True)
