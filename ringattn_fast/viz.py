@@ -1,0 +1,171 @@
+"""Figures for the ``ringattn_fast`` notebooks (07-10): memory per device, tile schedules, the fused ring.
+
+Companion of :mod:`ringattn_ref.viz` (which draws the simulated ring). Every function returns a
+matplotlib ``Figure``; matplotlib is imported inside the functions (nothing else in ``ringattn_fast``
+needs it), with the non-interactive Agg backend when there is no display.
+
+- :func:`plot_memory_vs_devices` -- per-device temp bytes measured with ``memory_analysis()`` as the
+  ring grows at a fixed local sequence (notebook 07);
+- :func:`plot_tile_schedule` -- which ``block_q x block_kv`` tiles each host computes at each ring
+  step, from the kernels' skip predicate ``kernels.tiles.tile_schedule`` (notebook 08);
+- :func:`plot_double_buffer` -- the fused TPU ring's double buffer, remote DMAs and handshake as a
+  time-space diagram (notebook 09).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+SKIPPED = (0.86, 0.86, 0.86, 1.0)
+COMPUTED = (0.17, 0.40, 0.69, 1.0)
+SLOT_COLORS = ("#8fb9e0", "#f5b971")  # slot 0, slot 1
+
+
+def _pyplot():
+    import os
+    import sys
+
+    import matplotlib
+    headless = not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+    if headless and not os.environ.get("MPLBACKEND") and "matplotlib.pyplot" not in sys.modules:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_memory_vs_devices(n_devices, ring_bytes, dense_bytes=None, *, local_seq):
+    """Per-device temp memory against the number of devices ``N`` at a fixed local sequence.
+
+    n_devices: the ``N`` measured (the global sequence is ``N * local_seq``). ring_bytes: a dict
+    ``label -> bytes per N`` for the ring (e.g. forward, forward+backward); dense_bytes: the same for
+    plain attention of the whole sequence on one device (its ``seq x seq`` scores grow as ``N^2``).
+    Bytes are ``compiled.memory_analysis().temp_size_in_bytes`` (Ring Attention, Table 1: the ring's
+    per-host activation memory does not depend on the sequence, only on the block).
+    """
+    plt = _pyplot()
+    n_devices = np.asarray(n_devices)
+    series = [(f"ring: {k}", v, "o-") for k, v in ring_bytes.items()]
+    series += [(f"plain attention, 1 device: {k}", v, "s--") for k, v in (dense_bytes or {}).items()]
+    for label, values, _ in series:
+        if len(values) != n_devices.size:
+            raise ValueError(f"{label!r} has {len(values)} values; expected one per device count "
+                             f"({n_devices.size})")
+    fig, ax = plt.subplots(figsize=(6.8, 4.2), layout="constrained")
+    for label, values, style in series:
+        ax.plot(n_devices, np.asarray(values, dtype=float) / 2**20, style, lw=2, ms=7, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xticks(n_devices, [f"{n}\n(seq {n * local_seq})" for n in n_devices])
+    ax.set_xlabel(f"devices N (local sequence fixed at {local_seq} tokens)")
+    ax.set_ylabel("temp memory per device (MiB)")
+    ax.set_title("memory_analysis(): the ring is flat in N, plain attention grows as N²", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_tile_schedule(visible, *, title=None):
+    """Tiles each host computes at each ring step: a hosts x steps grid of tile maps.
+
+    visible: bool ``[hosts, steps, n_q_tiles, n_kv_tiles]`` -- ``visible[i, s]`` is
+    ``kernels.tiles.tile_schedule`` for host ``i``'s queries against the K/V shard it holds at step
+    ``s`` (``kv_idx = (i - s) % N``). Blue tiles are computed, grey ones skipped; a hop with no visible
+    tile is skipped whole. The right-hand labels give each host's total, whose maximum is the
+    critical path of the ring.
+    """
+    plt = _pyplot()
+    visible = np.asarray(visible, dtype=bool)
+    if visible.ndim != 4:
+        raise ValueError(f"visible must be bool [hosts, steps, n_q_tiles, n_kv_tiles]; got shape {visible.shape}")
+    hosts, steps, nq, nk = visible.shape
+    totals = visible.sum(axis=(1, 2, 3))
+    fig, axes = plt.subplots(hosts, steps, figsize=(1.0 + 1.25 * steps, 0.8 + 1.2 * hosts), squeeze=False,
+                             layout="constrained")
+    for i in range(hosts):
+        for s in range(steps):
+            ax = axes[i, s]
+            tile = visible[i, s]
+            rgba = np.where(tile[..., None], np.array(COMPUTED), np.array(SKIPPED))  # (nq, nk, 4)
+            ax.imshow(rgba, interpolation="nearest")
+            ax.set_xticks(np.arange(nk + 1) - 0.5, minor=True)
+            ax.set_yticks(np.arange(nq + 1) - 0.5, minor=True)
+            ax.grid(True, which="minor", color="white", lw=1.5)
+            ax.tick_params(which="both", length=0, labelbottom=False, labelleft=False)
+            if not tile.any():
+                ax.text((nk - 1) / 2, (nq - 1) / 2, "hop\nskipped", ha="center", va="center", fontsize=7)
+            if i == 0:
+                ax.set_title(f"step {s}", fontsize=9)
+            if s == 0:
+                ax.set_ylabel(f"host {i}", fontsize=9)
+            if s == steps - 1:
+                ax.yaxis.set_label_position("right")
+                ax2 = ax.twinx()
+                ax2.set_yticks([])
+                ax2.set_ylabel(f"{totals[i]} tiles", fontsize=8, rotation=0, ha="left", va="center")
+    balance = totals.max() / max(totals.mean(), 1e-12)
+    fig.suptitle(title or f"computed tiles (blue) per host and step; critical path / mean = {balance:.2f}",
+                 fontsize=10)
+    return fig
+
+
+def plot_double_buffer(n_devices=4, *, handshake=True):
+    """The fused TPU ring kernel as a time-space diagram: double buffer, remote DMAs, handshake.
+
+    Row ``d`` is device ``d``, column ``step`` its ring step. Each box is the hop computed there:
+    the K/V shard ``(d - step) % N`` read from slot ``step % 2`` (colour). Solid arrows: the remote
+    DMA that device ``d`` starts at step ``step`` into slot ``1 - step % 2`` of device ``d + 1``, which
+    that device reads at ``step + 1`` (no DMA after the last step). Dashed arrows (``handshake``): the
+    "capacity" signal device ``d + 1`` sends back after finishing step ``step`` (it no longer reads
+    slot ``step % 2``); device ``d`` waits for it before its DMA of step ``step + 1`` overwrites that
+    slot. With ``handshake=False`` the red marks show those writes: nothing orders them after the
+    neighbour's reads, which is the race the interpreter's race detector reports.
+    """
+    plt = _pyplot()
+    from matplotlib.patches import FancyBboxPatch, Patch
+
+    if not isinstance(n_devices, (int, np.integer)) or n_devices < 1:
+        raise ValueError(f"n_devices must be a positive int; got {n_devices!r}")
+    n = int(n_devices)
+    w, hgt = 0.62, 0.5  # box size in (step, device) units
+    fig, ax = plt.subplots(figsize=(1.6 + 2.0 * n, 1.2 + 0.95 * n), layout="constrained")
+    for d in range(n):
+        for step in range(n):
+            slot = step % 2
+            ax.add_patch(FancyBboxPatch((step - w / 2, d - hgt / 2), w, hgt, boxstyle="round,pad=0.02",
+                                        facecolor=SLOT_COLORS[slot], edgecolor="black", lw=1))
+            ax.text(step, d, f"K/V {(d - step) % n}\nslot {slot}", ha="center", va="center", fontsize=8)
+            if step < n - 1 and n > 1:  # DMA: my slot `slot` -> right neighbour's slot 1 - slot
+                right = (d + 1) % n
+                y_end = right if right > d else n - 0.45  # the wrap-around arrow leaves the figure
+                ax.annotate("", xy=(step + 1 - w / 2, y_end - (hgt / 2 if right > d else 0)),
+                            xytext=(step + w / 2, d + hgt / 2),
+                            arrowprops=dict(arrowstyle="-|>", color="black", lw=1.2, shrinkA=0, shrinkB=2))
+            if step < n - 2 and n > 2:  # the neighbour's next write into the slot I read now
+                left = (d - 1) % n
+                if handshake:
+                    y_end = left if left < d else -0.55
+                    ax.annotate("", xy=(step + 1 - w / 2 + 0.04, y_end + (hgt / 2 if left < d else 0)),
+                                xytext=(step + w / 2 - 0.04, d - hgt / 2),
+                                arrowprops=dict(arrowstyle="-|>", color="tab:green", lw=1.2, ls="--",
+                                                shrinkA=0, shrinkB=2))
+                else:
+                    ax.plot([step + 0.5], [d - 0.08], "x", color="tab:red", ms=11, mew=2.5)
+    ax.set_xlim(-0.6, n - 0.4)
+    ax.set_ylim(n - 0.4, -0.65)
+    ax.set_xticks(range(n), [f"step {s}" for s in range(n)])
+    ax.set_yticks(range(n), [f"device {d}" for d in range(n)])
+    ax.tick_params(length=0)
+    for side in ("top", "right", "bottom", "left"):
+        ax.spines[side].set_visible(False)
+    handles = [Patch(facecolor=SLOT_COLORS[0], edgecolor="black", label="compute on slot 0"),
+               Patch(facecolor=SLOT_COLORS[1], edgecolor="black", label="compute on slot 1"),
+               plt.Line2D([], [], color="black", marker=">", label="remote DMA into the right neighbour's other slot")]
+    if handshake:
+        handles.append(plt.Line2D([], [], color="tab:green", ls="--", marker=">",
+                                  label="handshake: 'my slot is free' to the left neighbour"))
+    elif n > 2:
+        handles.append(plt.Line2D([], [], color="tab:red", marker="x", ls="",
+                                  label="unordered: the left neighbour may overwrite the slot being read"))
+    fig.legend(handles=handles, fontsize=8, loc="outside lower center", ncol=2)
+    ax.set_title(f"fused ring on {n} devices, " + ("with" if handshake else "WITHOUT") + " the handshake",
+                 fontsize=10)
+    return fig
