@@ -1,0 +1,102 @@
+"""Device meshes for the ring, and the bookkeeping ``shard_map`` needs.
+
+A ring of ``N`` hosts is one mesh axis (``"sp"``, sequence parallel) of size ``N``: host ``my_idx``
+owns the ``my_idx``-th contiguous slice of the (layout-ordered) sequence. With ``data > 1`` the mesh is
+2-D ``("data", "sp")``: the batch is split over ``data`` and each row of the mesh is its own ring.
+
+Inside ``jax.shard_map`` (with ``check_vma=True``) every value carries the set of mesh axes it varies
+over. Loop carries created inside the body (zeros, ``-inf``) start out invariant and must be cast to
+the axes of the values they will be combined with; :func:`vary_like` does that.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax import lax
+
+DATA_AXIS = "data"
+
+
+def make_mesh(n_devices=None, axis_name="sp", *, data=1):
+    """A mesh with Auto axis types over the first ``n_devices`` devices (all of them by default).
+
+    ``data == 1``: 1-D mesh ``(axis_name,)`` of size ``n_devices``.
+    ``data > 1``:  2-D mesh ``("data", axis_name)`` of shape ``(data, n_devices // data)``; the batch
+    is sharded on ``"data"`` and the sequence on ``axis_name``.
+    """
+    devices = jax.devices()
+    n = len(devices) if n_devices is None else n_devices
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or not 1 <= n <= len(devices):
+        raise ValueError(f"n_devices must be an int in [1, {len(devices)}] (the available devices); "
+                         f"got {n_devices!r}")
+    if not isinstance(axis_name, str) or not axis_name:
+        raise ValueError(f"axis_name must be a non-empty str; got {axis_name!r}")
+    if not isinstance(data, (int, np.integer)) or isinstance(data, bool) or data < 1 or n % data:
+        raise ValueError(f"data must be a positive int dividing n_devices = {n}; got {data!r}")
+    if data > 1 and axis_name == DATA_AXIS:
+        raise ValueError(f"axis_name must differ from {DATA_AXIS!r} when data > 1; got {axis_name!r}")
+    auto = jax.sharding.AxisType.Auto
+    if data == 1:
+        return jax.make_mesh((int(n),), (axis_name,), axis_types=(auto,), devices=devices[:n])
+    return jax.make_mesh((int(data), int(n // data)), (DATA_AXIS, axis_name), axis_types=(auto, auto),
+                         devices=devices[:n])
+
+
+def resolve_mesh(mesh=None):
+    """``mesh`` if given; else the mesh set by ``jax.set_mesh`` (abstract inside jit); else all devices."""
+    if mesh is not None:
+        if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+            raise ValueError(f"mesh must be a jax.sharding.Mesh (or None); got {type(mesh).__name__}")
+        return mesh
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty:
+        return context
+    return make_mesh()
+
+
+def mesh_platform(mesh):
+    """The platform (``"cpu"``, ``"gpu"``, ``"tpu"``) of a concrete or abstract mesh's devices."""
+    if isinstance(mesh, jax.sharding.Mesh):
+        return mesh.devices.flat[0].platform
+    device = getattr(mesh, "abstract_device", None)
+    platform = getattr(device, "platform", None)
+    return platform if platform is not None else jax.default_backend()
+
+
+def check_mesh_axis(mesh, axis_name, batch, seq, parts):
+    """Mesh/axis errors: the axis exists, the sequence splits into ``parts`` per host, batch over data.
+
+    Returns ``(axis_size, data_axis)`` where ``data_axis`` is ``"data"`` or ``None``.
+    """
+    names = tuple(mesh.axis_names)
+    if axis_name not in names:
+        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh; the mesh has axes {names}")
+    axis_size = int(mesh.shape[axis_name])
+    if seq % (parts * axis_size):
+        what = f"{parts} * " if parts > 1 else ""
+        raise ValueError(f"seq ({seq}) must be divisible by {what}the size of mesh axis {axis_name!r} "
+                         f"({axis_size})" + (" for the zigzag layout" if parts > 1 else ""))
+    data_axis = DATA_AXIS if DATA_AXIS in names and axis_name != DATA_AXIS else None
+    if data_axis is not None and batch % mesh.shape[data_axis]:
+        raise ValueError(f"batch ({batch}) must be divisible by the size of mesh axis {data_axis!r} "
+                         f"({mesh.shape[data_axis]})")
+    return axis_size, data_axis
+
+
+def _vma(x):
+    """The mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
+    mat = getattr(jax.typeof(x), "mat", None)
+    return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def varying_axes(*xs):
+    """The union of the mesh axes that the (non-None) arrays ``xs`` vary over, as a sorted tuple."""
+    return tuple(sorted(frozenset().union(*(_vma(x) for x in xs if x is not None))))
+
+
+def vary_like(x, axes):
+    """Cast every leaf of ``x`` to vary over ``axes`` (a no-op outside ``shard_map``)."""
+    def cast(leaf):
+        missing = tuple(a for a in axes if a not in _vma(leaf))
+        return lax.pcast(leaf, missing, to="varying") if missing else leaf
+    return jax.tree.map(cast, x)

@@ -1,0 +1,23 @@
+"""Merging partial attention results, safe when a part saw no key (``lse = -inf``).
+
+Mirrors ``ringattn_ref.softmax.merge``. Two results over disjoint key sets, each normalised within its
+part, combine exactly (FlashAttention-2, arXiv:2307.08691, the rescaling of §3.1.1):
+``lse = logaddexp(lse1, lse2)``, ``o = exp(lse1 - lse) o1 + exp(lse2 - lse) o2``. With both
+``lse = -inf`` the textbook formula is ``nan``; here it gives ``o = 0, lse = -inf``.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def merge(o1, lse1, o2, lse2):
+    """Combine ``(o1, lse1)`` and ``(o2, lse2)``; o: [b, s, h, d], lse: [b, h, s] (same dtype)."""
+    m = jnp.maximum(lse1, lse2)  # (b, h, s)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # both -inf: weights below are exp(-inf) = 0
+    w1, w2 = jnp.exp(lse1 - m), jnp.exp(lse2 - m)  # (b, h, s)
+    total = w1 + w2
+    lse = m + jnp.log(total)  # log(0) = -inf for rows no part saw
+    inv = 1.0 / jnp.where(total == 0, 1.0, total)
+    c1 = jnp.einsum("bhs->bsh", w1 * inv)[..., None]  # (b, s, h, 1)
+    c2 = jnp.einsum("bhs->bsh", w2 * inv)[..., None]
+    return c1 * o1 + c2 * o2, lse
