@@ -143,3 +143,24 @@ def test_notebook_structure(path):
     assert re.search(r"\bviz\w*\.plot_\w+\(", "\n".join(cells)), \
         "each notebook has at least one figure made by the project's plotting module (viz.plot_...)"
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "outputs in git"
+
+
+def test_ipynb_copies_for_colab(tmp_path):
+    """``make notebooks-ipynb``: one .ipynb per notebook, the install cell first, then the course."""
+    import importlib.util
+
+    import nbformat
+
+    spec = importlib.util.spec_from_file_location("nb_tools", NB_DIR / "_tools.py")
+    tools = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tools)
+    written = tools.write_ipynb(tmp_path / "ipynb")
+    assert [p.stem for p in written] == [p.stem for p in NOTEBOOKS]
+    assert (tmp_path / "ipynb" / ".gitignore").read_text().splitlines()[-1] == "*"
+    for src, out in zip(NOTEBOOKS, written):
+        nb = nbformat.read(out, as_version=4)
+        nbformat.validate(nb)
+        first = nb.cells[0].source
+        assert nb.cells[0].cell_type == "code" and '%pip install -q "{REPO}[notebooks]"' in first
+        assert "jax_num_cpu_devices" in next(c.source for c in nb.cells[1:] if c.cell_type == "code")
+        assert [c.source for c in nb.cells[1:]] == [c.source for c in jupytext.read(src).cells]
