@@ -78,7 +78,6 @@ def report_times(request):
 def test_notebook_runs(path, kernel_name, monkeypatch, record_property):
     # The kernel is a child process: make it import this checkout (also when not pip-installed).
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("MPLBACKEND", "agg")
     nb = jupytext.read(path)
     client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name=kernel_name,
                                      resources={"metadata": {"path": str(NB_DIR)}})
