@@ -42,6 +42,8 @@ def plot_memory_vs_devices(n_devices, ring_bytes, dense_bytes=None, *, local_seq
     per-host activation memory does not depend on the sequence, only on the block).
     """
     plt = _pyplot()
+    from matplotlib.ticker import FuncFormatter
+
     n_devices = np.asarray(n_devices)
     series = [(f"ring: {k}", v, "o-") for k, v in ring_bytes.items()]
     series += [(f"plain attention, 1 device: {k}", v, "s--") for k, v in (dense_bytes or {}).items()]
@@ -54,6 +56,7 @@ def plot_memory_vs_devices(n_devices, ring_bytes, dense_bytes=None, *, local_seq
         ax.plot(n_devices, np.asarray(values, dtype=float) / 2**20, style, lw=2, ms=7, label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
     ax.set_xticks(n_devices, [f"{n}\n(seq {n * local_seq})" for n in n_devices])
     ax.set_xlabel(f"devices N (local sequence fixed at {local_seq} tokens)")
     ax.set_ylabel("temp memory per device (MiB)")
