@@ -235,6 +235,29 @@ def test_two_hops_merge_with_final_lse(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MODULES)
+def test_kernels_inside_shard_map(name):
+    """As in the ring: under shard_map(check_vma=True), Q sharded over 2 devices with positions from
+    axis_index (varying), K/V and their positions replicated (not varying)."""
+    pb, _ = poisoned_problem("causal")  # q_pos 0..31, k_pos 0..63, causal; no poison here
+    mod, opts = MODULES[name], pb["opts"]
+    mesh = jax.make_mesh((2,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+
+    def per_device(q, do, k, v):
+        sq = q.shape[1]
+        q_pos, k_pos = (jax.lax.axis_index("sp") * sq + jnp.arange(sq))[None], jnp.arange(k.shape[1])[None]
+        o, lse = mod.hop_fwd(q, k, v, q_pos, k_pos, None, None, None, **opts)
+        delta = jnp.einsum("bqhd,bqhd->bhq", do, o)
+        dq, dk, dv, _ = mod.hop_bwd(q, k, v, do, lse, delta, q_pos, k_pos, None, None, None, **opts)
+        return o, lse, dq, jax.lax.psum(dk, "sp"), jax.lax.psum(dv, "sp")
+
+    rows, P = jax.P(None, "sp"), jax.P()
+    got = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(rows, rows, P, P),
+                                out_specs=(rows, jax.P(None, None, "sp"), rows, P, P)))(pb["q"], pb["do"], pb["k"], pb["v"])
+    assert_matches_reference(got, run_reference(pb), TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODULES)
 def test_bf16_inputs(name):
     """bf16 in, fp32 accumulation, fp32 out: within BF16_TOL of the fp32 reference on the same values."""
     pb, _ = poisoned_problem("striped_window")

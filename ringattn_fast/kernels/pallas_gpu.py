@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ringattn_fast.kernels.tiles import NEG_INF, check_hop_args, tile_mask, tile_schedule, tile_visible
+from ringattn_fast.kernels.tiles import NEG_INF, check_hop_args, out_struct, same_vma, tile_mask, tile_schedule, tile_visible
 
 __all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts", "tile_schedule"]
 
@@ -50,10 +50,36 @@ def _interpret():
                      f"{backend!r}: use impl='pallas_tpu' or 'xla' there")
 
 
+def _preload(interpret, q):
+    """Interpreting under shard_map with check_vma: read loop operands before the loop (`_Rows`)."""
+    return bool(interpret and jax.typeof(q).mat.varying)
+
+
 def _dot(a, b, trans_a=False, trans_b=False):
     """fp32-accumulating matmul; exact fp32 (no TF32) when the inputs are fp32."""
     exact = a.dtype == jnp.float32 and b.dtype == jnp.float32
     return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=not exact)
+
+
+class _Rows:
+    """Reads ``ref[idx]`` (idx holds one ``pl.ds``) inside a kernel loop.
+
+    Triton reads the rows straight from the ref. Under ``shard_map(check_vma=True)`` the Triton
+    *interpreter* cannot thread a ref through a loop (the ref's value varies over the mesh, the traced
+    loop body's does not), so with ``preload`` the whole block is read once before the loop and
+    sliced as a value. Same arithmetic either way; only used when interpreting on CPU.
+    """
+
+    def __init__(self, ref, preload):
+        self.ref, self.value = ref, (ref[...] if preload else None)
+
+    def __getitem__(self, idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if self.value is None:
+            return self.ref[idx]
+        axis = next(a for a, i in enumerate(idx) if isinstance(i, pl.Slice))
+        x = lax.dynamic_slice_in_dim(self.value, idx[axis].start, idx[axis].size, axis)
+        return x[tuple(slice(None) if a == axis else i for a, i in enumerate(idx))]
 
 
 def _bounds(pos, seg):
@@ -63,8 +89,11 @@ def _bounds(pos, seg):
     return jnp.min(pos), jnp.max(pos), jnp.min(seg), jnp.max(seg)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, scale, causal, window, block_kv, segments):
+def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, scale, causal, window, block_kv, segments, preload):
     qs_ref, ks_ref, o_ref, lse_ref, count_ref = refs if segments else (None, None, *refs)
+    n_kv = k_ref.shape[0] // block_kv
+    k_rows, v_rows, kp_rows = (_Rows(r, preload) for r in (k_ref, v_ref, kp_ref))
+    ks_rows = _Rows(ks_ref, preload) if segments else None
     q, q_pos = q_ref[...], qp_ref[...]  # (block_q, d), (block_q,)
     q_seg = qs_ref[...] if segments else None
     q_lo, q_hi, qs_lo, qs_hi = _bounds(q_pos, q_seg)
@@ -72,12 +101,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, scale, causal, windo
 
     def kv_tile(j, carry):
         kv = pl.ds(j * block_kv, block_kv)
-        k_pos, k_seg = kp_ref[kv], (ks_ref[kv] if segments else None)  # (block_kv,)
+        k_pos, k_seg = kp_rows[kv], (ks_rows[kv] if segments else None)  # (block_kv,)
         k_lo, k_hi, ks_lo, ks_hi = _bounds(k_pos, k_seg)
 
         def compute(carry):
             o, m, l, n = carry
-            k, v = k_ref[kv, :], v_ref[kv, :]  # (block_kv, d)
+            k, v = k_rows[kv, :], v_rows[kv, :]  # (block_kv, d)
             mask = tile_mask(q_pos[:, None], k_pos[None, :], None if q_seg is None else q_seg[:, None],
                              None if k_seg is None else k_seg[None, :], causal=causal, window=window)
             s = jnp.where(mask, scale * _dot(q, k, trans_b=True), NEG_INF)  # (block_q, block_kv)
@@ -94,7 +123,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, scale, causal, windo
 
     init = (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), NEG_INF, jnp.float32),
             jnp.zeros((block_q,), jnp.float32), jnp.int32(0))
-    o, m, l, n = lax.fori_loop(0, k_ref.shape[0] // block_kv, kv_tile, init)
+    o, m, l, n = lax.fori_loop(0, n_kv, kv_tile, init)
     seen = l > 0.0
     o_ref[...] = jnp.where(seen[:, None], o / jnp.where(seen, l, 1.0)[:, None], 0.0)
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
@@ -126,6 +155,7 @@ def _params(d):
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, scale, causal, window, block_q, block_kv, interpret):
     """pallas_call for the forward; returns (o, lse, computed K/V tiles per Q tile [b, h, nq])."""
+    q, k, v, q_pos, k_pos, q_seg, k_seg = same_vma(q, k, v, q_pos, k_pos, q_seg, k_seg)
     (b, sq, h, d), (sk, hk) = q.shape, k.shape[1:3]
     group, d_pad = h // hk, pl.next_power_of_2(d)
     segments = q_seg is not None
@@ -136,15 +166,15 @@ def _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, scale, causal, window, bloc
     stat = pl.BlockSpec((None, None, block_q), lambda bi, hi, i: (bi, hi, i))
     count = pl.BlockSpec((None, None, 1), lambda bi, hi, i: (bi, hi, i))
     kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, window=window,
-                               block_kv=block_kv, segments=segments)
+                               block_kv=block_kv, segments=segments, preload=_preload(interpret, q))
     o, lse, counts = pl.pallas_call(
         kernel,
         grid=(b, h, sq // block_q),
         in_specs=[q_tile, kv_all, kv_all, q_row, k_row] + ([q_row, k_row] if segments else []),
         out_specs=[q_tile, stat, count],
-        out_shape=[jax.ShapeDtypeStruct((b, sq, h, d_pad), jnp.float32),
-                   jax.ShapeDtypeStruct((b, h, sq), jnp.float32),
-                   jax.ShapeDtypeStruct((b, h, sq // block_q), jnp.int32)],
+        out_shape=[out_struct((b, sq, h, d_pad), jnp.float32, q),
+                   out_struct((b, h, sq), jnp.float32, q),
+                   out_struct((b, h, sq // block_q), jnp.int32, q)],
         compiler_params=_params(d_pad), interpret=interpret, name="ring_hop_fwd",
     )(_pad_dim(q, d_pad), _pad_dim(k, d_pad), _pad_dim(v, d_pad), q_pos.astype(jnp.int32),
       k_pos.astype(jnp.int32), *([q_seg.astype(jnp.int32), k_seg.astype(jnp.int32)] if segments else []))
@@ -183,19 +213,22 @@ def _tile_grads(q, k, v, do, lse, delta, mask, scale):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *refs,
-               scale, causal, window, block_kv, segments):
+               scale, causal, window, block_kv, segments, preload):
     qs_ref, ks_ref, dq_ref = refs if segments else (None, None, *refs)
+    n_kv = k_ref.shape[0] // block_kv
+    k_rows, v_rows, kp_rows = (_Rows(r, preload) for r in (k_ref, v_ref, kp_ref))
+    ks_rows = _Rows(ks_ref, preload) if segments else None
     q, do, lse, delta, q_pos = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], qp_ref[...]
     q_seg = qs_ref[...] if segments else None
     q_lo, q_hi, qs_lo, qs_hi = _bounds(q_pos, q_seg)
 
     def kv_tile(j, dq):
         kv = pl.ds(j * block_kv, block_kv)
-        k_pos, k_seg = kp_ref[kv], (ks_ref[kv] if segments else None)
+        k_pos, k_seg = kp_rows[kv], (ks_rows[kv] if segments else None)
         k_lo, k_hi, ks_lo, ks_hi = _bounds(k_pos, k_seg)
 
         def compute(dq):
-            k, v = k_ref[kv, :], v_ref[kv, :]
+            k, v = k_rows[kv, :], v_rows[kv, :]
             mask = tile_mask(q_pos[:, None], k_pos[None, :], None if q_seg is None else q_seg[:, None],
                              None if k_seg is None else k_seg[None, :], causal=causal, window=window)
             _, ds = _tile_grads(q, k, v, do, lse, delta, mask, scale)
@@ -204,12 +237,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, 
         visible = tile_visible(q_lo, q_hi, k_lo, k_hi, qs_lo, qs_hi, ks_lo, ks_hi, causal=causal, window=window)
         return lax.cond(visible, compute, lambda c: c, dq)
 
-    dq_ref[...] = lax.fori_loop(0, k_ref.shape[0] // block_kv, kv_tile, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = lax.fori_loop(0, n_kv, kv_tile, jnp.zeros(q.shape, jnp.float32))
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *refs,
-                scale, causal, window, block_q, group, segments):
+                scale, causal, window, block_q, group, segments, preload):
     qs_ref, ks_ref, dk_ref, dv_ref = refs if segments else (None, None, *refs)
+    n_q = q_ref.shape[0] // block_q
+    q_rows, do_rows, lse_rows, delta_rows, qp_rows = (
+        _Rows(r, preload) for r in (q_ref, do_ref, lse_ref, delta_ref, qp_ref))
+    qs_rows = _Rows(qs_ref, preload) if segments else None
     k, v, k_pos = k_ref[...], v_ref[...], kp_ref[...]  # (block_kv, d), (block_kv,)
     k_seg = ks_ref[...] if segments else None
     k_lo, k_hi, ks_lo, ks_hi = _bounds(k_pos, k_seg)
@@ -218,15 +255,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref,
 
         def q_tile(i, carry, g=g):
             rows = pl.ds(i * block_q, block_q)
-            q_pos, q_seg = qp_ref[rows], (qs_ref[rows] if segments else None)
+            q_pos, q_seg = qp_rows[rows], (qs_rows[rows] if segments else None)
             q_lo, q_hi, qs_lo, qs_hi = _bounds(q_pos, q_seg)
 
             def compute(carry):
                 dk, dv = carry
-                q, do = q_ref[rows, g, :], do_ref[rows, g, :]  # (block_q, d)
+                q, do = q_rows[rows, g, :], do_rows[rows, g, :]  # (block_q, d)
                 mask = tile_mask(q_pos[:, None], k_pos[None, :], None if q_seg is None else q_seg[:, None],
                                  None if k_seg is None else k_seg[None, :], causal=causal, window=window)
-                p, ds = _tile_grads(q, k, v, do, lse_ref[g, rows], delta_ref[g, rows], mask, scale)
+                p, ds = _tile_grads(q, k, v, do, lse_rows[g, rows], delta_rows[g, rows], mask, scale)
                 dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)  # dV_j += P_ij^T dO_i
                 dk = dk + scale * _dot(ds.astype(q.dtype), q, trans_a=True)  # dK_j += dS_ij^T Q_i
                 return dk, dv
@@ -234,7 +271,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref,
             visible = tile_visible(q_lo, q_hi, k_lo, k_hi, qs_lo, qs_hi, ks_lo, ks_hi, causal=causal, window=window)
             return lax.cond(visible, compute, lambda c: c, carry)
 
-        carry = lax.fori_loop(0, q_ref.shape[0] // block_q, q_tile, carry)
+        carry = lax.fori_loop(0, n_q, q_tile, carry)
     dk_ref[...], dv_ref[...] = carry
 
 
@@ -256,6 +293,7 @@ def hop_bwd(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, bias, *, scale,
 def _backward(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, *, scale, causal, window, block_q,
               block_kv, interpret):
     """The two backward pallas_calls (dQ; dK and dV)."""
+    q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg = same_vma(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg)
     (b, sq, h, d), (sk, hk) = q.shape, k.shape[1:3]
     group, d_pad = h // hk, pl.next_power_of_2(d)
     segments = q_seg is not None
@@ -263,7 +301,7 @@ def _backward(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, *, scale, cau
     pos = [q_pos.astype(jnp.int32), k_pos.astype(jnp.int32)]
     pos += [q_seg.astype(jnp.int32), k_seg.astype(jnp.int32)] if segments else []
     args = (q, k, v, do, lse.astype(jnp.float32), delta.astype(jnp.float32), *pos)
-    static = dict(scale=scale, causal=causal, window=window, segments=segments)
+    static = dict(scale=scale, causal=causal, window=window, segments=segments, preload=_preload(interpret, q))
 
     # dQ: one program per (batch, head, Q tile), looping over K/V tiles.
     q_tile = pl.BlockSpec((None, block_q, None, d_pad), lambda bi, hi, i: (bi, i, hi, 0))
@@ -275,7 +313,7 @@ def _backward(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, *, scale, cau
         functools.partial(_dq_kernel, block_kv=block_kv, **static),
         grid=(b, h, sq // block_q),
         in_specs=[q_tile, kv_all, kv_all, q_tile, stat, stat, q_row, k_row] + ([q_row, k_row] if segments else []),
-        out_specs=q_tile, out_shape=jax.ShapeDtypeStruct((b, sq, h, d_pad), jnp.float32),
+        out_specs=q_tile, out_shape=out_struct((b, sq, h, d_pad), jnp.float32, q),
         compiler_params=_params(d_pad), interpret=interpret, name="ring_hop_bwd_dq",
     )(*args)
 
@@ -291,7 +329,7 @@ def _backward(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, *, scale, cau
         in_specs=[q_all, kv_tile, kv_tile, q_all, stat_all, stat_all, q_row, k_row]
         + ([q_row, k_row] if segments else []),
         out_specs=[kv_tile, kv_tile],
-        out_shape=[jax.ShapeDtypeStruct((b, sk, hk, d_pad), jnp.float32)] * 2,
+        out_shape=[out_struct((b, sk, hk, d_pad), jnp.float32, q)] * 2,
         compiler_params=_params(d_pad), interpret=interpret, name="ring_hop_bwd_dkv",
     )(*args)
     return dq[..., :d], dk[..., :d], dv[..., :d], None

@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ringattn_fast.kernels.tiles import NEG_INF, check_hop_args, tile_bounds, tile_mask, tile_schedule, tile_visible
+from ringattn_fast.kernels.tiles import NEG_INF, check_hop_args, out_struct, same_vma, tile_bounds, tile_mask, tile_schedule, tile_visible
 
 __all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts", "tile_schedule", "INTERPRET_PARAMS"]
 
@@ -144,6 +144,7 @@ def _fwd_kernel(qb_ref, kb_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, scal
 @functools.partial(jax.jit, static_argnames=_STATIC + ("count",))
 def _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, scale, causal, window, block_q, block_kv, interpret, count):
     """pallas_call for the forward; returns (o, lse, computed K/V tiles per Q tile [b, h, nq] or None)."""
+    q, k, v, q_pos, k_pos, q_seg, k_seg = same_vma(q, k, v, q_pos, k_pos, q_seg, k_seg)
     (b, sq, h, d), (sk, hk) = q.shape, k.shape[1:3]
     group = h // hk
     n_q, n_kv, segments = sq // block_q, sk // block_kv, q_seg is not None
@@ -154,10 +155,10 @@ def _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, scale, causal, window, bloc
     k_row = pl.BlockSpec((None, SUBLANES, block_kv), lambda bi, hi, i, j, *_: (bi, 0, j))
     stat = pl.BlockSpec((None, None, block_q, LANES), lambda bi, hi, i, j, *_: (bi, hi, i, 0))
     out_specs = [q_tile, stat]
-    out_shape = [jax.ShapeDtypeStruct((b, h, sq, d), jnp.float32), jax.ShapeDtypeStruct((b, h, sq, LANES), jnp.float32)]
+    out_shape = [out_struct((b, h, sq, d), jnp.float32, q), out_struct((b, h, sq, LANES), jnp.float32, q)]
     if count:  # debug output: a counter per (batch, head, Q tile) in SMEM
         out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
-        out_shape.append(jax.ShapeDtypeStruct((b * h * n_q,), jnp.int32))
+        out_shape.append(out_struct((b * h * n_q,), jnp.int32, q))
     kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, window=window, segments=segments,
                                count=count, n_q=n_q, n_kv=n_kv)
     out = pl.pallas_call(
@@ -272,6 +273,7 @@ def hop_bwd(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, bias, *, scale,
 def _backward(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, *, scale, causal, window, block_q,
               block_kv, interpret):
     """The two backward pallas_calls (dQ; dK and dV)."""
+    q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg = same_vma(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg)
     (b, sq, h, d), (sk, hk) = q.shape, k.shape[1:3]
     group = h // hk
     n_q, n_kv, segments = sq // block_q, sk // block_kv, q_seg is not None
@@ -294,7 +296,7 @@ def _backward(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, *, scale, cau
             num_scalar_prefetch=2, grid=(b, h, n_q, n_kv),
             in_specs=[q_tile, kv_tile, kv_tile, q_tile, stat, stat, q_col, k_row] + ([q_col, k_row] if segments else []),
             out_specs=q_tile, scratch_shapes=[pltpu.VMEM((block_q, d), jnp.float32)]),
-        out_shape=jax.ShapeDtypeStruct((b, h, sq, d), jnp.float32),
+        out_shape=out_struct((b, h, sq, d), jnp.float32, q),
         compiler_params=params(4), interpret=interpret, name="ring_hop_bwd_dq_tpu",
     )(*args)
 
@@ -311,7 +313,7 @@ def _backward(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, *, scale, cau
             in_specs=[q_tile, kv_tile, kv_tile, q_tile, stat, stat, q_col, k_row] + ([q_col, k_row] if segments else []),
             out_specs=[kv_tile, kv_tile],
             scratch_shapes=[pltpu.VMEM((block_kv, d), jnp.float32)] * 2),
-        out_shape=[jax.ShapeDtypeStruct((b, hk, sk, d), jnp.float32)] * 2,
+        out_shape=[out_struct((b, hk, sk, d), jnp.float32, q)] * 2,
         compiler_params=params(5), interpret=interpret, name="ring_hop_bwd_dkv_tpu",
     )(*args)
     return dq.swapaxes(1, 2), dk.swapaxes(1, 2), dv.swapaxes(1, 2), None

@@ -10,7 +10,10 @@ min/max outside the kernel, `tile_visible` is the predicate each kernel evaluate
 a tile, and `tile_schedule` evaluates the same predicate for all tiles at once (for tests, cost
 models and figures).
 """
+import jax
 import jax.numpy as jnp
+
+from ringattn_fast.mesh import vary_like, varying_axes
 
 NEG_INF = float("-inf")
 
@@ -76,6 +79,20 @@ def tile_mask(q_pos, k_pos, q_seg, k_seg, *, causal, window):
     if q_seg is not None:
         mask = mask & (q_seg == k_seg)
     return mask
+
+
+def same_vma(*xs):
+    """Cast the (non-None) arrays to vary over the union of their mesh axes (no-op outside shard_map).
+
+    A pallas_call under ``shard_map(check_vma=True)`` needs its inputs to agree and its outputs typed
+    (`out_struct`); e.g. positions computed from ``axis_index`` vary over the ring axis, q may not yet.
+    """
+    return vary_like(xs, varying_axes(*xs))
+
+
+def out_struct(shape, dtype, like):
+    """A pallas_call output type that varies over the same mesh axes as ``like`` (see `same_vma`)."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
 
 
 def check_hop_args(name, q, k, v, q_pos, k_pos, q_seg, k_seg, bias, window, block_q, block_kv):
