@@ -34,7 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ringattn_fast.kernels.tiles import NEG_INF, check_hop_args, out_struct, same_vma, tile_mask, tile_schedule, tile_visible
+from ringattn_fast.kernels.tiles import (NEG_INF, check_hop_args, out_struct, same_vma, tile_mask, tile_schedule,
+                                        tile_visible)
 
 __all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts", "tile_schedule"]
 

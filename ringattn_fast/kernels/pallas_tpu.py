@@ -35,7 +35,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ringattn_fast.kernels.tiles import NEG_INF, check_hop_args, out_struct, same_vma, tile_bounds, tile_mask, tile_schedule, tile_visible
+from ringattn_fast.kernels.tiles import (NEG_INF, check_hop_args, out_struct, same_vma, tile_bounds, tile_mask,
+                                        tile_schedule, tile_visible)
 
 __all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts", "tile_schedule", "INTERPRET_PARAMS"]
 
@@ -294,7 +295,8 @@ def _backward(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, *, scale, cau
         functools.partial(_dq_kernel, **static),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(b, h, n_q, n_kv),
-            in_specs=[q_tile, kv_tile, kv_tile, q_tile, stat, stat, q_col, k_row] + ([q_col, k_row] if segments else []),
+            in_specs=[q_tile, kv_tile, kv_tile, q_tile, stat, stat, q_col, k_row]
+            + ([q_col, k_row] if segments else []),
             out_specs=q_tile, scratch_shapes=[pltpu.VMEM((block_q, d), jnp.float32)]),
         out_shape=out_struct((b, h, sq, d), jnp.float32, q),
         compiler_params=params(4), interpret=interpret, name="ring_hop_bwd_dq_tpu",
@@ -310,7 +312,8 @@ def _backward(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, *, scale, cau
         functools.partial(_dkv_kernel, group=group, **static),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(b, hk, n_kv, group, n_q),
-            in_specs=[q_tile, kv_tile, kv_tile, q_tile, stat, stat, q_col, k_row] + ([q_col, k_row] if segments else []),
+            in_specs=[q_tile, kv_tile, kv_tile, q_tile, stat, stat, q_col, k_row]
+            + ([q_col, k_row] if segments else []),
             out_specs=[kv_tile, kv_tile],
             scratch_shapes=[pltpu.VMEM((block_kv, d), jnp.float32)] * 2),
         out_shape=[out_struct((b, hk, sk, d), jnp.float32, q)] * 2,
