@@ -91,6 +91,17 @@ def ring_perm(n):
     return [(i, (i + 1) % n) for i in range(n)]
 
 
+def ring_loop(step_fn, carry, n):
+    """``carry = step_fn(carry, step)`` for ``step = 0 .. n - 2`` as one XLA while loop.
+
+    The trip count is hidden behind an optimization barrier so XLA keeps the loop even when it runs
+    once (``n = 2``): every ring size then runs the same program with the same buffers (K/V being
+    used + K/V being received), and per-device memory does not depend on ``n``.
+    """
+    trips = lax.optimization_barrier(jnp.int32(n - 1))
+    return lax.fori_loop(0, trips, lambda step, c: step_fn(c, step), carry)
+
+
 def ring_forward(cfg, q, k, v, pos, seg, bias):
     """The forward ring on this host: ``(o, lse)``, o ``[b, sq, h, d]``, lse ``[b, h, sq]`` in float32/64.
 
@@ -123,11 +134,11 @@ def ring_forward(cfg, q, k, v, pos, seg, bias):
         kv, o, lse = carry
         kv_next = lax.ppermute(kv, cfg.axis_name, ring_perm(n))  # issued first: overlaps the hop
         o, lse = hop(step, kv, o, lse)
-        return (kv_next, o, lse), None
+        return kv_next, o, lse
 
     o = jnp.zeros((b, sq, h, d), acc)
     lse = jnp.full((b, h, sq), -jnp.inf, acc)
-    (kv, o, lse), _ = lax.scan(step_fn, (kv,) + vary_like((o, lse), axes), jnp.arange(n - 1))
+    kv, o, lse = ring_loop(step_fn, (kv,) + vary_like((o, lse), axes), n)
     return hop(n - 1, kv, o, lse)  # the last step: nothing left to send
 
 

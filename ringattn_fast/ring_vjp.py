@@ -25,7 +25,7 @@ from . import masks
 from .dispatch import hop_functions
 from .hop import acc_dtype
 from .mesh import varying_axes, vary_like
-from .ring import hop_bias, ring_forward, ring_perm
+from .ring import hop_bias, ring_forward, ring_loop, ring_perm
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -93,10 +93,10 @@ def ring_backward(cfg, q, k, v, pos, seg, bias, o, lse, do):
         kv_next = lax.ppermute(kv, cfg.axis_name, ring_perm(n))  # K/V: issued first, overlaps the hop
         grads, dq, dbias = hop(step, kv, grads, dq, dbias)
         grads = lax.ppermute(grads, cfg.axis_name, ring_perm(n))  # dK/dV follow their K/V shard
-        return (kv_next, grads, dq, dbias), None
+        return kv_next, grads, dq, dbias
 
     carry = (kv,) + vary_like((grads, dq, dbias), axes)
-    (kv, grads, dq, dbias), _ = lax.scan(step_fn, carry, jnp.arange(n - 1))
+    kv, grads, dq, dbias = ring_loop(step_fn, carry, n)
     grads, dq, dbias = hop(n - 1, kv, grads, dq, dbias)
     if n > 1:
         grads = lax.ppermute(grads, cfg.axis_name, ring_perm(n))  # the N-th move: home

@@ -15,8 +15,9 @@ from ringattn_ref import attention, ring_attention as ref_ring_attention, ring_a
 from ringattn_ref.testing import AttentionProblem, attention_problems
 
 # bf16 inputs: the output is computed in float32 and rounded once to bf16 (rel. step 2**-8), so the
-# max error vs the float64 oracle is a few bf16 ulps of the largest value.
-BF16_TOL = 2e-2
+# max error vs the float64 oracle is a few bf16 ulps of the largest value (measured: o 3e-3, dq 7e-3,
+# dk 3e-3, dv 3e-3 of max |ref|; jax.nn.dot_product_attention in bf16: 4e-3, 8e-3, 3e-3, 4e-3).
+BF16_TOL = 1e-2
 
 
 def dense_reference(q, k, v, bias, *, causal, segment_ids, window, scale):
