@@ -95,3 +95,23 @@ def test_no_gpu_cli_exit_status():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == "" and proc.stderr.strip().startswith("bench_gpu: no GPU")
+
+
+def test_reference_backward_failure_keeps_forward_ratio(capsys, monkeypatch):
+    """If only the reference's fwd+bwd raises, the forward ratio (the issue's target) is still reported."""
+    make = bench_gpu.make_functions
+
+    def without_ref_backward(*args):
+        def fail(*xs):
+            raise NotImplementedError("no backward for this shape")
+        return make(*args)[:4] + (fail,)
+
+    monkeypatch.setattr(bench_gpu, "make_functions", without_ref_backward)
+    status, rows, summary, table = _run(capsys, ["--dry-run", "--causal", "false"])
+    (row,) = rows
+    assert status == 0 and row["ok"] and row["ratio_fwd"] > 0 and "ratio_fwd_bwd" not in row
+    assert row["ref_error"] == "fwd+bwd: NotImplementedError: no backward for this shape"
+    assert set(row["ref_err"]) == {"o"} and row["ref_err"]["o"] <= 2e-5
+    assert summary["min_ratio_fwd"] == row["ratio_fwd"]
+    line = table[table.index(bench_gpu.HEADER) + 1]
+    assert "n/a" in line and "fwd+bwd: NotImplementedError" in line
