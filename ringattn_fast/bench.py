@@ -38,7 +38,10 @@ def parse_args(argv=None):
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--causal", default="both", choices=["both", "true", "false"])
-    p.add_argument("--block", type=int, default=512, help="query/key chunk for both ring impls (default 512)")
+    p.add_argument("--block", type=int, default=512,
+                   help="the authors' query_chunk_size = key_chunk_size (default 512)")
+    p.add_argument("--ours-block-q", type=int, default=None, help="ours' block_q (default: its own default)")
+    p.add_argument("--ours-block-kv", type=int, default=None, help="ours' block_kv (default: its own default)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement; the median is kept")
     p.add_argument("--impls", default="ours,dense,authors", help="comma list of ours, dense, authors")
     p.add_argument("--out", help="write the JSON lines here instead of stdout")
@@ -95,7 +98,7 @@ def make_impls(args, mesh, authors):
     for name in args.impls.split(","):
         if name == "ours":
             impls[name] = (lambda causal: partial(rf.ring_attention, mesh=mesh, causal=causal, impl="xla",
-                                                  block_q=args.block, block_kv=args.block), sharded)
+                                                  block_q=args.ours_block_q, block_kv=args.ours_block_kv), sharded)
         elif name == "dense":
             impls[name] = (lambda causal: partial(jax.nn.dot_product_attention, is_causal=causal,
                                                   implementation="xla"), one_device)

@@ -11,15 +11,18 @@ This is the Blockwise Parallel Transformer's inner loop (arXiv:2305.19370 §3; R
 arXiv:2310.01889, Algorithm 1) written as FlashAttention-2 (arXiv:2307.08691): queries in ``block_q``
 chunks (Br), the K/V shard in ``block_kv`` chunks (Bc), an online softmax ``(o, m, l)`` per query
 chunk, so only one ``block_q x block_kv`` tile of logits is alive: temp memory is linear in the local
-sequence. Tiles the mask leaves empty are skipped with ``lax.cond`` (no FLOPs).
+sequence. Each tile is classified from min/max positions (``masks.tile_kind``): empty tiles are
+skipped, full tiles run without a mask, only tiles on a mask boundary pay for it.
 
-Accumulation is float32 for 16/32-bit inputs and float64 for float64. GQA: ``q`` is viewed as
-``[b, s, hk, g, d]`` (query head ``h`` uses kv head ``h // g``), so K/V are never repeated.
-``bias`` is ``[b|1, h|1, sq|1, sk|1]``, added to the scaled logits (mirrors ``ringattn_ref.blockwise``).
+Layout for speed: inputs are cut once per hop into chunk-major, head-major pieces
+(``[n, b, hk, g*block, d]``), so every tile is a plain batched matmul over ``(b, hk)`` and GQA costs
+nothing: the ``g`` query heads that share a kv head are folded into the tile's rows (K/V are never
+repeated). The scale is folded into q (``O(s d)`` work instead of ``O(s^2)``). Accumulation is float32
+for 16/32-bit inputs and float64 for float64. ``bias`` is ``[b|1, h|1, sq|1, sk|1]``, added to the
+scaled logits (mirrors ``ringattn_ref.blockwise``).
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -32,74 +35,121 @@ def acc_dtype(dtype):
     return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
 
+def _q_chunks(x, hk, block):
+    """[b, s, h, d] -> [n, b, hk, g*block, d]: chunk-major, head-major, GQA group folded into rows."""
+    b, s, h, d = x.shape
+    x = x.reshape(b, s // block, block, hk, h // hk, d)
+    return jnp.transpose(x, (1, 0, 3, 4, 2, 5)).reshape(s // block, b, hk, (h // hk) * block, d)
+
+
+def _q_unchunk(x, g):
+    """Inverse of :func:`_q_chunks`: [n, b, hk, g*block, d] -> [b, s, h, d]."""
+    n, b, hk, gq, d = x.shape
+    x = jnp.transpose(x.reshape(n, b, hk, g, gq // g, d), (1, 0, 4, 2, 3, 5))
+    return x.reshape(b, n * (gq // g), hk * g, d)
+
+
+def _kv_chunks(x, block):
+    """[b, s, hk, d] -> [n, b, hk, block, d]."""
+    b, s, hk, d = x.shape
+    return jnp.transpose(x.reshape(b, s // block, block, hk, d), (1, 0, 3, 2, 4))
+
+
+def _kv_unchunk(x):
+    """Inverse of :func:`_kv_chunks`."""
+    n, b, hk, block, d = x.shape
+    return jnp.transpose(x, (1, 0, 3, 2, 4)).reshape(b, n * block, hk, d)
+
+
+def _stat_chunks(x, hk, block):
+    """[b, h, s] -> [n, b, hk, g*block] (rows ordered like :func:`_q_chunks`)."""
+    b, h, s = x.shape
+    x = x.reshape(b, hk, h // hk, s // block, block)
+    return jnp.transpose(x, (3, 0, 1, 2, 4)).reshape(s // block, b, hk, (h // hk) * block)
+
+
+def _stat_unchunk(x, g):
+    n, b, hk, gq = x.shape
+    return jnp.transpose(x.reshape(n, b, hk, g, gq // g), (1, 2, 3, 0, 4)).reshape(b, hk * g, n * (gq // g))
+
+
+def _pos_chunks(x, block):
+    """[b, s] -> [n, b, block] (None stays None)."""
+    if x is None:
+        return None
+    b, s = x.shape
+    return jnp.swapaxes(x.reshape(b, s // block, block), 0, 1)
+
+
 def _rows(x, start, size, axis):
-    """``x[start:start+size]`` along ``axis``; a broadcast (size-1) axis is left alone."""
+    """``x[start:start+size]`` along ``axis``; a broadcast (size-1) axis or None is left alone."""
     if x is None or x.shape[axis] == 1:
         return x
     return lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
-def _logits(q_i, k_j, bias_ij, mask_ij, scale, acc):
-    """Scaled, biased, masked logits of one tile: (b, hk, g, bq, bkv) in ``acc``."""
-    s = jnp.einsum("bqkgd,bskd->bkgqs", q_i, k_j, preferred_element_type=acc) * scale
+def _logits(q_i, k_j, bias_ij, mask_ij, g, acc):
+    """Biased, masked logits of one tile: q_i (b, hk, g*bq, d) pre-scaled, k_j (b, hk, bkv, d)."""
+    s = jnp.einsum("bkqd,bksd->bkqs", q_i, k_j, preferred_element_type=acc)  # (b, hk, g*bq, bkv)
+    if bias_ij is None and mask_ij is None:
+        return s
+    b, hk, gq, bkv = s.shape
+    s = s.reshape(b, hk, g, gq // g, bkv)
     if bias_ij is not None:
         bb, bh, bq, bk = bias_ij.shape
-        hk, g = s.shape[1:3]
         s = s + bias_ij.astype(acc).reshape(bb, hk if bh > 1 else 1, g if bh > 1 else 1, bq, bk)
     if mask_ij is not None:
         s = jnp.where(mask_ij[:, None, None], s, -jnp.inf)
-    return s
+    return s.reshape(b, hk, gq, bkv)
+
+
+def _by_kind(tile, carry, skipped, qp, kp, qs, ks, causal, window):
+    """Run ``tile(carry, masked)`` on a partial tile, ``tile(carry, False)`` on a full one, and
+    return ``skipped(carry)`` on an empty one; no branch at all when nothing is masked."""
+    if not masks.can_be_empty(causal, window, qs is not None):
+        return tile(carry, False)
+    kind = masks.tile_kind(qp, kp, qs, ks, causal=causal, window=window)
+    return lax.switch(kind, [skipped, lambda c: tile(c, False), lambda c: tile(c, True)], carry)
 
 
 def hop_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window, block_q, block_kv):
     """Attention of ``q`` against one K/V shard: ``(o, lse)``, o 0 and lse -inf where a row saw nothing."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    g = h // hk
-    acc = acc_dtype(q.dtype)
-    skip = masks.can_be_empty(causal, window, q_seg is not None)
+    g, acc = h // hk, acc_dtype(q.dtype)
     axes = varying_axes(q, k, v, q_pos, k_pos, q_seg, k_seg, bias)
+    nq, nk = sq // block_q, sk // block_kv
+    qc = _q_chunks(q.astype(acc) * scale, hk, block_q)  # (nq, b, hk, g*bq, d)
+    kc, vc = _kv_chunks(k, block_kv), _kv_chunks(v, block_kv)  # (nk, b, hk, bkv, d)
+    kv_xs = (jnp.arange(nk), kc, vc, _pos_chunks(k_pos, block_kv), _pos_chunks(k_seg, block_kv))
 
-    def q_block(i):  # one Br chunk of queries, all of the shard's keys
-        start = i * block_q
-        q_i = _rows(q, start, block_q, 1).reshape(b, block_q, hk, g, d)  # (b, bq, hk, g, d)
-        qp_i, qs_i = _rows(q_pos, start, block_q, 1), _rows(q_seg, start, block_q, 1)
-        bias_i = _rows(bias, start, block_q, 2)
+    def q_block(xs):  # one Br chunk of queries against all of the shard's keys
+        i, q_i, qp_i, qs_i = xs
+        bias_i = _rows(bias, i * block_q, block_q, 2)
 
-        def kv_block(carry, j):  # one Bc chunk: the online-softmax update (FA-2 Algorithm 1)
-            start_j = j * block_kv
-            kp_j, ks_j = _rows(k_pos, start_j, block_kv, 1), _rows(k_seg, start_j, block_kv, 1)
+        def kv_block(carry, xs):  # one Bc chunk: the online-softmax update (FA-2 Algorithm 1)
+            j, k_j, v_j, kp_j, ks_j = xs
 
-            def update(carry):
-                o, m, l = carry  # (b, hk, g, bq, d), (b, hk, g, bq), (b, hk, g, bq)
-                k_j = _rows(k, start_j, block_kv, 1)  # (b, bkv, hk, d)
-                v_j = _rows(v, start_j, block_kv, 1)
-                mask = masks.allowed(qp_i, kp_j, qs_i, ks_j, causal=causal, window=window)
-                s = _logits(q_i, k_j, _rows(bias_i, start_j, block_kv, 3), mask, scale, acc)
+            def tile(carry, masked):
+                o, m, l = carry  # (b, hk, g*bq, d), (b, hk, g*bq), (b, hk, g*bq)
+                mask = masks.allowed(qp_i, kp_j, qs_i, ks_j, causal=causal, window=window) if masked else None
+                s = _logits(q_i, k_j, _rows(bias_i, j * block_kv, block_kv, 3), mask, g, acc)
                 m_new = jnp.maximum(m, s.max(axis=-1))
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with no key yet
                 p = jnp.exp(s - m_safe[..., None])  # masked -> exp(-inf) = 0
                 alpha = jnp.exp(m - m_safe)
-                l = alpha * l + p.sum(axis=-1)
-                pv = jnp.einsum("bkgqs,bskd->bkgqd", p, v_j.astype(acc))
-                return alpha[..., None] * o + pv, m_new, l
+                pv = jnp.einsum("bkqs,bksd->bkqd", p, v_j.astype(acc))
+                return alpha[..., None] * o + pv, m_new, alpha * l + p.sum(axis=-1)
 
-            if skip:
-                empty = masks.tile_is_empty(qp_i, kp_j, qs_i, ks_j, causal=causal, window=window)
-                return lax.cond(empty, lambda c: c, update, carry), None
-            return update(carry), None
+            return _by_kind(tile, carry, lambda c: c, qp_i, kp_j, qs_i, ks_j, causal, window), None
 
-        init = (jnp.zeros((b, hk, g, block_q, d), acc), jnp.full((b, hk, g, block_q), -jnp.inf, acc),
-                jnp.zeros((b, hk, g, block_q), acc))
-        (o, m, l), _ = lax.scan(kv_block, vary_like(init, axes), jnp.arange(sk // block_kv))
+        init = (jnp.zeros(q_i.shape, acc), jnp.full(q_i.shape[:-1], -jnp.inf, acc), jnp.zeros(q_i.shape[:-1], acc))
+        (o, m, l), _ = lax.scan(kv_block, vary_like(init, axes), kv_xs)
         o = o / jnp.where(l == 0, 1.0, l)[..., None]
-        lse = jnp.where(l == 0, -jnp.inf, m + jnp.log(jnp.where(l == 0, 1.0, l)))
-        return o, lse
+        return o, jnp.where(l == 0, -jnp.inf, m + jnp.log(jnp.where(l == 0, 1.0, l)))
 
-    o, lse = lax.map(q_block, jnp.arange(sq // block_q))  # (nq, b, hk, g, bq, d), (nq, b, hk, g, bq)
-    o = jnp.einsum("nbkgqd->bnqkgd", o).reshape(b, sq, h, d)
-    lse = jnp.einsum("nbkgq->bkgnq", lse).reshape(b, h, sq)
-    return o, lse
+    o, lse = lax.map(q_block, (jnp.arange(nq), qc, _pos_chunks(q_pos, block_q), _pos_chunks(q_seg, block_q)))
+    return _q_unchunk(o, g), _stat_unchunk(lse, g)
 
 
 def _sum_to(x, shape):
@@ -118,76 +168,63 @@ def hop_bwd(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, bias, *, scale,
     """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    g = h // hk
-    acc = acc_dtype(q.dtype)
-    skip = masks.can_be_empty(causal, window, q_seg is not None)
+    g, acc = h // hk, acc_dtype(q.dtype)
     axes = varying_axes(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, bias)
-    lse = lse.reshape(b, hk, g, sq)
-    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that saw nothing: every p below is masked to 0
-    delta = delta.reshape(b, hk, g, sq)
     nq, nk = sq // block_q, sk // block_kv
     bias_rows = bias is not None and bias.shape[2] > 1
     bias_cols = bias is not None and bias.shape[3] > 1
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that saw nothing: every p below is masked to 0
+    q_xs = (jnp.arange(nq), _q_chunks(q.astype(acc) * scale, hk, block_q), _q_chunks(do.astype(acc), hk, block_q),
+            _stat_chunks(lse, hk, block_q), _stat_chunks(delta, hk, block_q), _pos_chunks(q_pos, block_q),
+            _pos_chunks(q_seg, block_q))
+    kv_xs = (jnp.arange(nk), _kv_chunks(k, block_kv), _kv_chunks(v, block_kv), _pos_chunks(k_pos, block_kv),
+             _pos_chunks(k_seg, block_kv))
 
-    def kv_block(dq, j):  # one Bc chunk of keys; its dK_j, dV_j stay in the inner carry
-        start_j = j * block_kv
-        k_j, v_j = _rows(k, start_j, block_kv, 1), _rows(v, start_j, block_kv, 1)  # (b, bkv, hk, d)
-        kp_j, ks_j = _rows(k_pos, start_j, block_kv, 1), _rows(k_seg, start_j, block_kv, 1)
-        bias_j = _rows(bias, start_j, block_kv, 3)
+    def kv_block(dq, xs):  # one Bc chunk of keys; its dK_j, dV_j stay in the inner carry
+        j, k_j, v_j, kp_j, ks_j = xs
+        bias_j = _rows(bias, j * block_kv, block_kv, 3)
 
-        def q_block(carry, i):
-            start = i * block_q
-            qp_i, qs_i = _rows(q_pos, start, block_q, 1), _rows(q_seg, start, block_q, 1)
-            bias_ij = _rows(bias_j, start, block_q, 2)
+        def q_block(carry, xs):
+            i, q_i, do_i, lse_i, delta_i, qp_i, qs_i = xs
+            bias_ij = _rows(bias_j, i * block_q, block_q, 2)
 
-            def tile(carry):
+            def tile(carry, masked):
                 dk_j, dv_j, db_j = carry
-                q_i = _rows(q, start, block_q, 1).reshape(b, block_q, hk, g, d)
-                do_i = _rows(do, start, block_q, 1).reshape(b, block_q, hk, g, d).astype(acc)
-                lse_i, delta_i = _rows(lse, start, block_q, 3), _rows(delta, start, block_q, 3)
-                mask = masks.allowed(qp_i, kp_j, qs_i, ks_j, causal=causal, window=window)
-                s = _logits(q_i, k_j, bias_ij, mask, scale, acc)  # (b, hk, g, bq, bkv)
+                mask = masks.allowed(qp_i, kp_j, qs_i, ks_j, causal=causal, window=window) if masked else None
+                s = _logits(q_i, k_j, bias_ij, mask, g, acc)  # (b, hk, g*bq, bkv)
                 p = jnp.exp(s - lse_i[..., None])  # masked -> 0
-                dv_j = dv_j + jnp.einsum("bkgqs,bqkgd->bskd", p, do_i)
-                dp = jnp.einsum("bqkgd,bskd->bkgqs", do_i, v_j.astype(acc))
+                dv_j = dv_j + jnp.einsum("bkqs,bkqd->bksd", p, do_i)
+                dp = jnp.einsum("bkqd,bksd->bkqs", do_i, v_j.astype(acc))
                 ds = p * (dp - delta_i[..., None])
-                dq_i = scale * jnp.einsum("bkgqs,bskd->bqkgd", ds, k_j.astype(acc))
-                dk_j = dk_j + scale * jnp.einsum("bkgqs,bqkgd->bskd", ds, q_i.astype(acc))
+                dq_i = jnp.einsum("bkqs,bksd->bkqd", ds, k_j.astype(acc)) * scale
+                dk_j = dk_j + jnp.einsum("bkqs,bkqd->bksd", ds, q_i)  # q_i carries the scale
+                db = None
                 if bias is not None:
                     db = _sum_to(ds.reshape(b, h, block_q, block_kv), bias_ij.shape)
-                    db_j = db_j + db if not bias_rows else db
-                return (dk_j, dv_j, db_j if not bias_rows else None), (dq_i, db_j if bias_rows else None)
+                    db_j = db if bias_rows else db_j + db
+                return (dk_j, dv_j, None if bias_rows else db_j), (dq_i, db if bias_rows else None)
 
-            if not skip:
-                return tile(carry)
-            empty = masks.tile_is_empty(qp_i, kp_j, qs_i, ks_j, causal=causal, window=window)
-            zeros = (vary_like(jnp.zeros((b, block_q, hk, g, d), acc), axes),
-                     None if not bias_rows else vary_like(jnp.zeros(bias_ij.shape, acc), axes))
-            return lax.cond(empty, lambda c: (c, zeros), tile, carry)
+            zeros = vary_like((jnp.zeros(q_i.shape, acc),
+                               jnp.zeros(bias_ij.shape, acc) if bias_rows else None), axes)
+            return _by_kind(tile, carry, lambda c: (c, zeros), qp_i, kp_j, qs_i, ks_j, causal, window)
 
-        db0 = None
-        if bias is not None and not bias_rows:
-            db0 = jnp.zeros(bias_j.shape, acc)
+        db0 = jnp.zeros(bias_j.shape, acc) if bias is not None and not bias_rows else None
         init = vary_like((jnp.zeros(k_j.shape, acc), jnp.zeros(k_j.shape, acc), db0), axes)
-        (dk_j, dv_j, db_j), (dq_blocks, db_blocks) = lax.scan(q_block, init, jnp.arange(nq))
-        dq = dq + jnp.einsum("nbqkgd->bnqkgd", dq_blocks).reshape(b, sq, hk, g, d)
+        (dk_j, dv_j, db_j), (dq_blocks, db_blocks) = lax.scan(q_block, init, q_xs)
         if bias_rows:  # (nq, bb, bh, bq, bkv|1) -> (bb, bh, sq, bkv|1)
             db_j = jnp.einsum("nbhqs->bhnqs", db_blocks).reshape(db_blocks.shape[1:3] + (sq, -1))
-        return dq, (dk_j, dv_j, db_j)
+        return dq + dq_blocks, (dk_j, dv_j, db_j)  # dq: (nq, b, hk, g*bq, d)
 
-    dq0 = vary_like(jnp.zeros((b, sq, hk, g, d), acc), axes)
+    dq0 = vary_like(jnp.zeros((nq, b, hk, g * block_q, d), acc), axes)
     if bias is not None and not bias_cols:  # one dbias for all key chunks: accumulate in the carry
-        def kv_block_acc(carry, j):
+        def kv_block_acc(carry, xs):
             dq, db = carry
-            dq, (dk_j, dv_j, db_j) = kv_block(dq, j)
+            dq, (dk_j, dv_j, db_j) = kv_block(dq, xs)
             return (dq, db + db_j), (dk_j, dv_j)
-        db0 = vary_like(jnp.zeros(bias.shape, acc), axes)
-        (dq, dbias), (dk, dv) = lax.scan(kv_block_acc, (dq0, db0), jnp.arange(nk))
+        (dq, dbias), (dk, dv) = lax.scan(kv_block_acc, (dq0, vary_like(jnp.zeros(bias.shape, acc), axes)), kv_xs)
     else:
-        dq, (dk, dv, db_blocks) = lax.scan(kv_block, dq0, jnp.arange(nk))
+        dq, (dk, dv, db_blocks) = lax.scan(kv_block, dq0, kv_xs)
         dbias = None
         if bias is not None:  # (nk, bb, bh, sq|1, bkv) -> (bb, bh, sq|1, sk)
             dbias = jnp.einsum("nbhqs->bhqns", db_blocks).reshape(db_blocks.shape[1:4] + (sk,))
-    dk = jnp.einsum("nbskd->bnskd", dk).reshape(b, sk, hk, d)
-    dv = jnp.einsum("nbskd->bnskd", dv).reshape(b, sk, hk, d)
-    return dq.reshape(b, sq, h, d), dk, dv, dbias
+    return _q_unchunk(dq, g), _kv_unchunk(dk), _kv_unchunk(dv), dbias

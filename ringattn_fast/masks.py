@@ -61,3 +61,35 @@ def tile_is_empty(q_pos, k_pos, q_seg=None, k_seg=None, *, causal=False, window=
     if q_seg is not None:
         empty |= (q_seg.max(axis=1) < k_seg.min(axis=1)) | (q_seg.min(axis=1) > k_seg.max(axis=1))
     return jnp.all(empty)
+
+
+def tile_is_full(q_pos, k_pos, q_seg=None, k_seg=None, *, causal=False, window=None):
+    """True (bool scalar) iff every (query, key) pair of the tile is provably visible (no mask needed).
+
+    causal ``min q_pos >= max k_pos``; window ``max q_pos - min k_pos <= left`` and
+    ``max k_pos - min q_pos <= right``; segments: one id shared by all the tile's queries and keys.
+    """
+    q_lo, q_hi = q_pos.min(axis=1), q_pos.max(axis=1)  # (b,)
+    k_lo, k_hi = k_pos.min(axis=1), k_pos.max(axis=1)  # (b,)
+    full = jnp.ones(q_lo.shape, bool)
+    if causal:
+        full &= q_lo >= k_hi
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            full &= q_hi - k_lo <= left
+        if right >= 0:
+            full &= k_hi - q_lo <= right
+    if q_seg is not None:
+        s_lo = jnp.minimum(q_seg.min(axis=1), k_seg.min(axis=1))
+        s_hi = jnp.maximum(q_seg.max(axis=1), k_seg.max(axis=1))
+        full &= s_lo == s_hi
+    return jnp.all(full)
+
+
+def tile_kind(q_pos, k_pos, q_seg=None, k_seg=None, *, causal=False, window=None):
+    """0 = empty (skip), 1 = full (no mask), 2 = partial (apply the mask): an index for ``lax.switch``."""
+    kw = dict(causal=causal, window=window)
+    empty = tile_is_empty(q_pos, k_pos, q_seg, k_seg, **kw)
+    full = tile_is_full(q_pos, k_pos, q_seg, k_seg, **kw)
+    return jnp.where(empty, 0, jnp.where(full, 1, 2)).astype(jnp.int32)

@@ -149,8 +149,12 @@ def _for_checks(x):
     return jax.ShapeDtypeStruct(x.shape, np.float32)
 
 
-def default_block(shard, target=512):
-    """The largest divisor of ``shard`` that is at most ``target`` (the tile side when not given)."""
+def default_block(shard, target=256):
+    """The largest divisor of ``shard`` that is at most ``target`` (the tile side when not given).
+
+    256 x 256 tiles keep one tile of float32 logits per kv head (256 KiB) cache-sized on CPU; larger
+    tiles cost more temp memory than they save in loop overhead (see ``python -m ringattn_fast.bench``).
+    """
     return max(c for c in range(1, min(shard, target) + 1) if shard % c == 0)
 
 
