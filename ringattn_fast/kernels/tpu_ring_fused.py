@@ -67,7 +67,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ringattn_fast.kernels.tiles import check_hop_args, tile_mask, tile_visible
+from ringattn_fast.kernels.tiles import check_hop_args, tile_mask, tile_schedule
 from ringattn_ref.validation import check_scale, check_window
 
 _COLLECTIVE_ID = 7
@@ -104,15 +104,26 @@ def _resolve_interpret(interpret):
 
 # ---------------------------------------------------------------- ring plumbing (shared by fwd/bwd)
 
-def _neighbours(cfg):
-    """int32 [2] = (right, left) = ((my_idx + 1) % N, (my_idx - 1) % N), scalar-prefetched into SMEM.
+def _schedule(cfg, q_pos, k_pos, q_seg, k_seg):
+    """The scalar-prefetched (SMEM) tables that steer the kernel, computed outside it:
 
-    Computed outside the kernel: inside, ``lax.axis_index`` arithmetic trips the interpreter's
-    ``check_vma`` bookkeeping (an axis-varying index plus an invariant constant).
+    ring int32 [3]            (my_idx, right, left) = (my_idx, (my_idx + 1) % N, (my_idx - 1) % N);
+    hop  int32 [N]            1 if hop ``kv_idx`` has any tile to compute, else 0 (the hop is skipped);
+    vis  int32 [N, b, nq, nk] 1 if tile (i, j) of my Q shard against K/V shard ``kv_idx`` is not
+                              provably empty (`tiles.tile_schedule`: min/max of positions, segments).
+    Building ``vis`` needs every shard's k positions: an ``all_gather`` of int32 metadata only, the
+    K/V themselves move inside the kernel. ``lax.axis_index`` is also kept out of the kernel: inside,
+    its arithmetic trips the interpreter's ``check_vma`` bookkeeping.
     """
-    my_idx = lax.axis_index(cfg.axis_name)
     n = cfg.axis_size
-    return jnp.stack([lax.rem(my_idx + 1, n), lax.rem(my_idx + n - 1, n)]).astype(jnp.int32)
+    my_idx = lax.axis_index(cfg.axis_name)
+    ring = jnp.stack([my_idx, lax.rem(my_idx + 1, n), lax.rem(my_idx + n - 1, n)]).astype(jnp.int32)
+    k_pos_all = lax.all_gather(k_pos, cfg.axis_name)                       # (N, b, sk)
+    k_seg_all = None if k_seg is None else lax.all_gather(k_seg, cfg.axis_name)
+    vis = jnp.stack([tile_schedule(q_pos, k_pos_all[r], q_seg, None if k_seg is None else k_seg_all[r],
+                                   causal=cfg.causal, window=cfg.window, block_q=cfg.block_q,
+                                   block_kv=cfg.block_kv) for r in range(n)]).astype(jnp.int32)
+    return ring, jnp.max(vis.reshape(n, -1), axis=1), vis
 
 
 def _barrier(cfg, right, left):
@@ -147,68 +158,50 @@ def _tile_index(t, h, nq, nk):
     return t // (nk * nq * h), hi, i, j
 
 
-def _bounds(x):
-    return jnp.min(x), jnp.max(x)
-
-
-def _visible(cfg, qm, km):
-    """Tile-skip predicate from the positions (and segments) of q rows ``qm`` and k columns ``km``."""
-    (q_lo, q_hi), (k_lo, k_hi) = _bounds(qm[0]), _bounds(km[0])
-    qs, ks = ((_bounds(qm[1]), _bounds(km[1])) if cfg.has_seg else ((0, 0), (0, 0)))
-    return tile_visible(q_lo, q_hi, k_lo, k_hi, *qs, *ks, causal=cfg.causal, window=cfg.window)
-
-
-def _load_tile(cfg, qmeta_ref, kmeta_buf, slot, bi, i, j):
-    rows, cols = pl.ds(i * cfg.block_q, cfg.block_q), pl.ds(j * cfg.block_kv, cfg.block_kv)
-    qm = (qmeta_ref[bi, 0, rows, :], qmeta_ref[bi, 1, rows, :])  # (bq, 1) positions, segments
-    km = (kmeta_buf[slot, bi, pl.ds(0, 1), cols], kmeta_buf[slot, bi, pl.ds(1, 1), cols])  # (1, bk)
-    return rows, cols, qm, km
-
-
-def _mask(cfg, qm, km):
-    return tile_mask(qm[0], km[0], qm[1] if cfg.has_seg else None, km[1] if cfg.has_seg else None,
-                     causal=cfg.causal, window=cfg.window)  # (bq, bk)
-
-
-def _hop_visible(cfg, qmeta_ref, kmeta_buf, slot):
-    """Whole-hop skip (e.g. a future K/V shard under a causal mask): min/max over the shards."""
-    qm = (qmeta_ref[:, 0, :, :], qmeta_ref[:, 1, :, :])
-    km = (kmeta_buf[slot, :, 0, :], kmeta_buf[slot, :, 1, :])
-    return _visible(cfg, qm, km)
+def _tile_mask(cfg, qmeta_ref, kmeta_buf, slot, bi, rows, cols):
+    """bool (bq, bk) from the true positions (and segments) of the tile's rows and columns."""
+    q_pos, q_seg = qmeta_ref[bi, 0, rows, :], qmeta_ref[bi, 1, rows, :]                    # (bq, 1)
+    k_pos, k_seg = kmeta_buf[slot, bi, pl.ds(0, 1), cols], kmeta_buf[slot, bi, pl.ds(1, 1), cols]  # (1, bk)
+    return tile_mask(q_pos, k_pos, q_seg if cfg.has_seg else None, k_seg if cfg.has_seg else None,
+                     causal=cfg.causal, window=cfg.window)
 
 
 def _dot(a, b, contract):
     return lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
 
 
-def _for_each_visible_tile(cfg, shape, qmeta_ref, kmeta_buf, cnt_ref, slot, tile_fn):
-    """Run ``tile_fn(bi, hi, g, rows, cols, mask)`` on every tile the mask does not leave empty."""
+def _for_each_visible_tile(cfg, shape, hop_ref, vis_ref, kv_idx, qmeta_ref, kmeta_buf, cnt_ref, slot,
+                           tile_fn):
+    """Run ``tile_fn(bi, hi, g, rows, cols, mask)`` on every tile of hop ``kv_idx`` that the schedule
+    marks visible (``g`` = kv head of query head ``hi``); count them in ``cnt_ref``."""
     b, h, sq, hk, sk = shape
     nq, nk = sq // cfg.block_q, sk // cfg.block_kv
 
-    @pl.when(_hop_visible(cfg, qmeta_ref, kmeta_buf, slot))
+    @pl.when(hop_ref[kv_idx] > 0)
     def _():
         def body(t, carry):
             bi, hi, i, j = _tile_index(t, h, nq, nk)
-            rows, cols, qm, km = _load_tile(cfg, qmeta_ref, kmeta_buf, slot, bi, i, j)
 
-            @pl.when(_visible(cfg, qm, km))
+            @pl.when(vis_ref[kv_idx, bi, i, j] > 0)
             def _():
                 cnt_ref[0] += 1
-                tile_fn(bi, hi, hi // (h // hk), rows, cols, _mask(cfg, qm, km))
+                rows, cols = pl.ds(i * cfg.block_q, cfg.block_q), pl.ds(j * cfg.block_kv, cfg.block_kv)
+                tile_fn(bi, hi, hi // (h // hk), rows, cols,
+                        _tile_mask(cfg, qmeta_ref, kmeta_buf, slot, bi, rows, cols))
             return carry
         lax.fori_loop(0, b * h * nq * nk, body, 0)
 
 
 # ---------------------------------------------------------------- forward kernel
 
-def _fwd_kernel(cfg, ring_ref, q_ref, qmeta_ref, kv_ref, kmeta_ref,            # inputs
+def _fwd_kernel(cfg, ring_ref, hop_ref, vis_ref, q_ref, qmeta_ref, kv_ref, kmeta_ref,            # inputs
                 o_ref, lse_ref, cnt_ref,                             # outputs
                 kv_buf, kmeta_buf, m_scr, l_scr, acc_scr, send_sem, recv_sem, cap_sem):
     """Grid = (axis_size,): grid step ``step`` is ring step ``step`` (FA-2 Alg. 1 with the ring as Bc loop)."""
     step, n = pl.program_id(0), cfg.axis_size
     slot = lax.rem(step, 2)
-    right, left = ring_ref[0], ring_ref[1]
+    my_idx, right, left = ring_ref[0], ring_ref[1], ring_ref[2]
+    kv_idx = lax.rem(my_idx - step + n, n)  # the K/V shard in my slot at this step
     b, h, sq, _ = q_ref.shape
     hk, sk = kv_ref.shape[2], kv_ref.shape[3]
 
@@ -248,7 +241,8 @@ def _fwd_kernel(cfg, ring_ref, q_ref, qmeta_ref, kv_ref, kmeta_ref,            #
         acc_scr[bi, hi, rows, :] = alpha * acc_scr[bi, hi, rows, :] + _dot(p.astype(v.dtype), v, ((1,), (0,)))
         m_scr[bi, hi, rows, :] = m_new
 
-    _for_each_visible_tile(cfg, (b, h, sq, hk, sk), qmeta_ref, kmeta_buf, cnt_ref, slot, tile)
+    _for_each_visible_tile(cfg, (b, h, sq, hk, sk), hop_ref, vis_ref, kv_idx, qmeta_ref, kmeta_buf,
+                           cnt_ref, slot, tile)
 
     @pl.when(step < n - 1)
     def _():
@@ -292,7 +286,7 @@ def _call(kernel, cfg, out_shape, in_specs, out_specs, scratch):
         functools.partial(kernel, cfg),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(cfg.axis_size,), in_specs=in_specs, out_specs=out_specs,
+            num_scalar_prefetch=3, grid=(cfg.axis_size,), in_specs=in_specs, out_specs=out_specs,
             scratch_shapes=scratch),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                              collective_id=_COLLECTIVE_ID, has_side_effects=True),
@@ -300,7 +294,7 @@ def _call(kernel, cfg, out_shape, in_specs, out_specs, scratch):
     )
 
 
-def _fwd_call(cfg, q_t, qmeta, kv, kmeta):
+def _fwd_call(cfg, sched, q_t, qmeta, kv, kmeta):
     """q_t [b, h, sq, d], qmeta [b, 2, sq, 1], kv [2, b, hk, sk, d], kmeta [b, 2, sk] ->
     o [b, h, sq, d] (q dtype), lse [b, h, sq, 1] float32, computed-tile count int32 [1]."""
     b, h, sq, d = q_t.shape
@@ -311,12 +305,12 @@ def _fwd_call(cfg, q_t, qmeta, kv, kmeta):
                pltpu.VMEM((b, h, sq, 1), f32), pltpu.VMEM((b, h, sq, 1), f32), pltpu.VMEM(q_t.shape, f32),
                pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2, 2)), pltpu.SemaphoreType.REGULAR]
     call = _call(_fwd_kernel, cfg, out_shape, [_vmem()] * 4, (_vmem(), _vmem(), _smem()), scratch)
-    return call(_neighbours(cfg), q_t, qmeta, kv, kmeta)
+    return call(*sched, q_t, qmeta, kv, kmeta)
 
 
 # ---------------------------------------------------------------- backward kernel
 
-def _bwd_kernel(cfg, ring_ref, q_ref, do_ref, lse_ref, delta_ref, qmeta_ref, kv_ref, kmeta_ref,   # inputs
+def _bwd_kernel(cfg, ring_ref, hop_ref, vis_ref, q_ref, do_ref, lse_ref, delta_ref, qmeta_ref, kv_ref, kmeta_ref,   # inputs
                 dq_ref, dkv_ref, cnt_ref,                                                # outputs
                 kv_buf, kmeta_buf, dkv_buf, send_sem, recv_sem, cap_sem):
     """FA-2 Alg. 2 with the ring as the Bc loop: dQ accumulates here, dK/dV travel with K/V.
@@ -327,7 +321,8 @@ def _bwd_kernel(cfg, ring_ref, q_ref, do_ref, lse_ref, delta_ref, qmeta_ref, kv_
     """
     step, n = pl.program_id(0), cfg.axis_size
     slot = lax.rem(step, 2)
-    right, left = ring_ref[0], ring_ref[1]
+    my_idx, right, left = ring_ref[0], ring_ref[1], ring_ref[2]
+    kv_idx = lax.rem(my_idx - step + n, n)  # the K/V shard in my slot at this step
     b, h, sq, _ = q_ref.shape
     hk, sk = kv_ref.shape[2], kv_ref.shape[3]
 
@@ -370,7 +365,8 @@ def _bwd_kernel(cfg, ring_ref, q_ref, do_ref, lse_ref, delta_ref, qmeta_ref, kv_
         dkv_buf[slot, 0, bi, g, cols, :] += _dot(ds.astype(q.dtype), q, ((0,), (0,))) * cfg.scale
         dkv_buf[slot, 1, bi, g, cols, :] += _dot(p.astype(do.dtype), do, ((0,), (0,)))
 
-    _for_each_visible_tile(cfg, (b, h, sq, hk, sk), qmeta_ref, kmeta_buf, cnt_ref, slot, tile)
+    _for_each_visible_tile(cfg, (b, h, sq, hk, sk), hop_ref, vis_ref, kv_idx, qmeta_ref, kmeta_buf,
+                           cnt_ref, slot, tile)
 
     for c in dkv_copies:
         c.start()  # every step, the last one included: it carries dK/dV home
@@ -390,7 +386,7 @@ def _bwd_kernel(cfg, ring_ref, q_ref, do_ref, lse_ref, delta_ref, qmeta_ref, kv_
         dkv_ref[...] = dkv_buf[n % 2]
 
 
-def _bwd_call(cfg, q_t, do_t, lse, delta, qmeta, kv, kmeta):
+def _bwd_call(cfg, sched, q_t, do_t, lse, delta, qmeta, kv, kmeta):
     """-> dq [b, h, sq, d] float32, dkv [2, b, hk, sk, d] float32, computed-tile count int32 [1]."""
     f32 = jnp.float32
     q_t, do_t, lse, delta, qmeta, kv, kmeta = _match_vma((q_t, do_t, lse, delta, qmeta, kv, kmeta))
@@ -399,7 +395,7 @@ def _bwd_call(cfg, q_t, do_t, lse, delta, qmeta, kv, kmeta):
                pltpu.VMEM((2,) + kv.shape, f32),
                pltpu.SemaphoreType.DMA((3,)), pltpu.SemaphoreType.DMA((3, 2)), pltpu.SemaphoreType.REGULAR]
     call = _call(_bwd_kernel, cfg, out_shape, [_vmem()] * 7, (_vmem(), _vmem(), _smem()), scratch)
-    return call(_neighbours(cfg), q_t, do_t, lse, delta, qmeta, kv, kmeta)
+    return call(*sched, q_t, do_t, lse, delta, qmeta, kv, kmeta)
 
 
 # ---------------------------------------------------------------- layout glue and custom_vjp
@@ -415,7 +411,8 @@ def _pack(q, k, v, q_pos, k_pos, q_seg, k_seg):
 
 def _forward(cfg, q, k, v, q_pos, k_pos, q_seg, k_seg):
     """-> o [b, sq, h, d] (q dtype), lse [b, h, sq] float32, tiles computed on this device int32 [1]."""
-    o, lse, cnt = _fwd_call(cfg, *_pack(q, k, v, q_pos, k_pos, q_seg, k_seg))
+    sched = _schedule(cfg, q_pos, k_pos, q_seg, k_seg)
+    o, lse, cnt = _fwd_call(cfg, sched, *_pack(q, k, v, q_pos, k_pos, q_seg, k_seg))
     return o.transpose(0, 2, 1, 3), lse[..., 0], cnt
 
 
@@ -427,7 +424,8 @@ def _backward(cfg, q, k, v, q_pos, k_pos, q_seg, k_seg, o, lse, do, dlse):
     q_t, qmeta, kv, kmeta = _pack(q, k, v, q_pos, k_pos, q_seg, k_seg)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).transpose(0, 2, 1)  # (b, h, sq)
     delta = (delta - dlse.astype(jnp.float32))[..., None]
-    dq, dkv, cnt = _bwd_call(cfg, q_t, do.transpose(0, 2, 1, 3), lse[..., None], delta, qmeta, kv, kmeta)
+    sched = _schedule(cfg, q_pos, k_pos, q_seg, k_seg)
+    dq, dkv, cnt = _bwd_call(cfg, sched, q_t, do.transpose(0, 2, 1, 3), lse[..., None], delta, qmeta, kv, kmeta)
     dk, dv = dkv.transpose(0, 1, 3, 2, 4)                # (b, sk, hk, d) each
     return dq.transpose(0, 2, 1, 3).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), cnt
 

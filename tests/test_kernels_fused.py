@@ -1,0 +1,232 @@
+"""Fused TPU ring kernel (``ringattn_fast.kernels.tpu_ring_fused``) on the CPU TPU interpreter.
+
+Every kernel here runs under ``pltpu.InterpretParams(detect_races=True)`` (on_race="raise": a race
+raises inside the call), and each test also asserts the interpreter's ``races.races_found`` flag.
+The reference is a plain masked attention in numpy float64 (FA-2's backward written out by hand).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpret_state
+from jax.experimental.pallas import tpu as pltpu
+
+from ringattn_fast.kernels import tpu_ring_fused as fused
+from ringattn_ref.layouts import layout_permutation
+from ringattn_ref.testing import attention_problems
+
+P = jax.P
+RACES = pltpu.InterpretParams(detect_races=True)
+
+
+def reference(q, k, v, do, dlse, q_pos, k_pos, q_seg, k_seg, *, scale, causal, window):
+    """Plain masked attention and its gradients, float64: (o, lse, dq, dk, dv).
+
+    q, do [b, sq, h, d]; k, v [b, sk, hk, d]; dlse [b, h, sq] (cotangent of lse). A row that sees no
+    key gives o = 0, lse = -inf and zero gradients.
+    """
+    q, k, v, do, dlse = (np.asarray(x, np.float64) for x in (q, k, v, do, dlse))
+    group = q.shape[2] // k.shape[2]
+    kk, vv = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)  # (b, sk, h, d)
+    i, j = q_pos[:, None, :, None], k_pos[:, None, None, :]              # (b, 1, sq, 1), (b, 1, 1, sk)
+    mask = np.ones(np.broadcast_shapes(i.shape, j.shape), bool)
+    if causal:
+        mask &= j <= i
+    if window is not None:
+        left, right = window
+        mask &= (j >= i - left) if left >= 0 else True
+        mask &= (j <= i + right) if right >= 0 else True
+    if q_seg is not None:
+        mask &= q_seg[:, None, :, None] == k_seg[:, None, None, :]
+    s = np.where(mask, np.einsum("bqhd,bkhd->bhqk", q, kk) * scale, -np.inf)  # (b, h, sq, sk)
+    m = s.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.where(mask, np.exp(s - m), 0.0)
+    l = e.sum(-1, keepdims=True)
+    p = e / np.where(l > 0, l, 1.0)                                           # softmax, 0 on empty rows
+    lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(np.where(l[..., 0] > 0, l[..., 0], 1.0)), -np.inf)
+    o = np.einsum("bhqk,bkhd->bqhd", p, vv)
+    delta = np.einsum("bqhd,bqhd->bhq", do, o)[..., None]                     # FA-2 D
+    ds = p * (np.einsum("bqhd,bkhd->bhqk", do, vv) - delta + dlse[..., None])
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
+    dk = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+    dv = np.einsum("bhqk,bqhd->bkhd", p, do)
+    b, sk, hk, d = k.shape
+    return o, lse, dq, dk.reshape(b, sk, hk, group, d).sum(3), dv.reshape(b, sk, hk, group, d).sum(3)
+
+
+def run_fused(n, q, k, v, do, dlse, q_pos, k_pos, q_seg, k_seg, *, check_vma=False, **kw):
+    """Shard over n devices, run the fused ring forward and its VJP: (o, lse, dq, dk, dv) as numpy."""
+    mesh = jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    has_seg = q_seg is not None
+
+    def shard_fn(q, k, v, q_pos, k_pos, *seg):
+        q_seg, k_seg = seg if has_seg else (None, None)
+        return fused.fused_ring_attention_shard(q, k, v, q_pos, k_pos, q_seg, k_seg, axis_name="x",
+                                                return_lse=True, interpret=RACES, **kw)
+
+    seq = P(None, "x")
+    ring = jax.shard_map(shard_fn, mesh=mesh, in_specs=(seq,) * (7 if has_seg else 5),
+                         out_specs=(seq, P(None, None, "x")), check_vma=check_vma)
+    ints = (q_pos, k_pos) + ((q_seg, k_seg) if has_seg else ())
+
+    @jax.jit
+    def fwd_bwd(q, k, v, do, dlse):
+        (o, lse), vjp = jax.vjp(lambda q, k, v: ring(q, k, v, *ints), q, k, v)
+        return (o, lse) + vjp((do, dlse))
+
+    out = [np.asarray(x) for x in fwd_bwd(q, k, v, do, dlse)]
+    assert interpret_state.races.races_found is False
+    return out
+
+
+def assert_matches(got, want, tol=2e-5):
+    """Same -inf pattern, and max |got - want| <= tol * max(1, max |want|) for o, lse, dq, dk, dv."""
+    for name, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        finite = np.isfinite(w)
+        assert np.array_equal(np.isfinite(g), finite), f"{name}: -inf pattern differs"
+        if finite.any():
+            err, size = np.abs(g[finite] - w[finite]).max(), max(1.0, np.abs(w[finite]).max())
+            assert err <= tol * size, f"{name}: max error {err:.3g} > {tol} * {size:.3g}"
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@settings(max_examples=5)
+@given(data=st.data())
+def test_matches_reference(n, data):
+    """Outputs, lse and gradients agree with float64 attention on drawn problems (causal, window,
+    segment ids, GQA, contiguous / striped / zigzag / permuted layouts); no race is reported."""
+    # The interpreter costs ~10 ms per tile and device thread: few heads, at most 2 x 2 tiles a hop.
+    p = data.draw(attention_problems(min_hosts=n, max_hosts=n, max_batch=2 if n < 8 else 1,
+                                     max_group=2, max_shard=8 if n < 8 else 4, bias=False,
+                                     masked_rows=False, dtype=np.float32))
+    b, s, h, _ = p.q.shape
+    shard = s // n
+    block_q, block_kv = (blk if shard // blk <= 2 else shard for blk in (p.block_q, p.block_kv))
+    perm = layout_permutation(p.layout, s, n).astype(np.int32)
+    pos = np.broadcast_to(perm, (b, s)).copy()                # true position of each layout slot
+    q, k, v, do = (x[:, perm] for x in (p.q, p.k, p.v, p.do))
+    seg = None if p.segment_ids is None else p.segment_ids[:, perm].astype(np.int32)
+    dlse = np.random.default_rng(s).standard_normal((b, h, s)).astype(np.float32)
+    kw = dict(scale=p.scale if p.scale is not None else q.shape[-1] ** -0.5, causal=p.causal,
+              window=p.window)
+    got = run_fused(n, q, k, v, do, dlse, pos, pos, seg, seg, block_q=block_q, block_kv=block_kv, **kw)
+    assert_matches(got, reference(q, k, v, do, dlse, pos, pos, seg, seg, **kw))
+
+
+def test_eight_devices_everything_at_once():
+    """8 devices, causal + window + segment ids + GQA on a random permutation, 2 x 2 tiles a hop."""
+    n, b, s, h, hk, d = 8, 1, 64, 2, 1, 8
+    rng = np.random.default_rng(3)
+    q, do = (rng.standard_normal((b, s, h, d)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((b, s, hk, d)).astype(np.float32) for _ in range(2))
+    pos = rng.permutation(s).astype(np.int32)[None]
+    seg = (pos >= 23).astype(np.int32) + (pos >= 50)
+    dlse = rng.standard_normal((b, h, s)).astype(np.float32)
+    kw = dict(scale=0.4, causal=True, window=(20, -1))
+    got = run_fused(n, q, k, v, do, dlse, pos, pos, seg, seg, block_q=4, block_kv=4, **kw)
+    assert_matches(got, reference(q, k, v, do, dlse, pos, pos, seg, seg, **kw))
+
+
+def test_check_vma_and_rows_that_see_nothing():
+    """Under shard_map(check_vma=True); keys placed after some queries (causal) leave those rows
+    empty: o = 0, lse = -inf, zero finite gradients."""
+    rng = np.random.default_rng(0)
+    b, s, h, hk, d, n = 1, 32, 4, 1, 16, 4
+    q, do = (rng.standard_normal((b, s, h, d)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((b, s, hk, d)).astype(np.float32) for _ in range(2))
+    dlse = rng.standard_normal((b, h, s)).astype(np.float32)
+    q_pos = np.arange(s, dtype=np.int32)[None]
+    k_pos = q_pos + 6  # queries 0..5 see no key at all
+    kw = dict(scale=0.3, causal=True, window=(9, -1))
+    got = run_fused(n, q, k, v, do, dlse, q_pos, k_pos, None, None, check_vma=True, block_q=4, block_kv=8, **kw)
+    want = reference(q, k, v, do, dlse, q_pos, k_pos, None, None, **kw)
+    assert_matches(got, want)
+    assert np.all(got[0][:, :6] == 0) and np.all(got[1][:, :, :6] == -np.inf)
+    assert np.all(got[2][:, :6] == 0) and all(np.isfinite(g).all() for g in got[2:])
+
+
+def test_bfloat16_output_dtype_and_accuracy():
+    """bf16 in, bf16 out (f32 accumulation inside): close to the float64 reference."""
+    rng = np.random.default_rng(1)
+    b, s, h, d, n = 1, 32, 2, 16, 2
+    q, k, v, do = (rng.standard_normal((b, s, h, d)).astype(np.float32) for _ in range(4))
+    pos = np.arange(s, dtype=np.int32)[None]
+    dlse = np.zeros((b, h, s), np.float32)
+    kw = dict(scale=d ** -0.5, causal=True, window=None)
+    bf = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do)]
+    got = run_fused(n, *bf, dlse, pos, pos, None, None, block_q=8, block_kv=8, **kw)
+    assert got[0].dtype == jnp.bfloat16 and got[2].dtype == jnp.bfloat16
+    want = reference(*(np.asarray(x, np.float32) for x in bf), dlse, pos, pos, None, None, **kw)
+    assert_matches([g.astype(np.float32) for g in got], want, tol=5e-2)
+
+
+def test_skips_empty_tiles():
+    """The kernels compute exactly the tiles `tile_schedule` marks visible, summed over the ring's
+    hops and heads (forward and backward count the same), and skip the rest."""
+    n, b, s, h, d, bq, bk = 4, 1, 64, 2, 8, 4, 8
+    rng = np.random.default_rng(2)
+    q, k, v, do = (rng.standard_normal((b, s, h, d)).astype(np.float32) for _ in range(4))
+    pos = layout_permutation("zigzag", s, n).astype(np.int32)[None]
+    seg = (pos >= 40).astype(np.int32)
+    kw = dict(scale=0.25, causal=True, window=(12, -1), block_q=bq, block_kv=bk)
+    mesh = jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def shard_fn(q, k, v, do, pos, seg):
+        cfg = fused.make_config(q, k, v, pos, pos, seg, seg, axis_name="x", interpret=RACES, **kw)
+        o, lse, fwd_count = fused._forward(cfg, q, k, v, pos, pos, seg, seg)
+        *_, bwd_count = fused._backward(cfg, q, k, v, pos, pos, seg, seg, o, lse, do, jnp.zeros_like(lse))
+        return fwd_count, bwd_count
+
+    counts = jax.jit(jax.shard_map(shard_fn, mesh=mesh, in_specs=(P(None, "x"),) * 6,
+                                   out_specs=(P("x"), P("x")), check_vma=False))(q, k, v, do, pos, seg)
+    assert interpret_state.races.races_found is False
+    # Expected count, written out: a tile is empty iff every key is in the future (causal), every key
+    # is more than 12 before every query (window) or the segment ranges do not meet.
+    qt, kt = pos[0].reshape(-1, bq), pos[0].reshape(-1, bk)   # (s / bq, bq), (s / bk, bk) tiles
+    qs, ks = seg[0].reshape(-1, bq), seg[0].reshape(-1, bk)
+    visible = ((kt.min(1)[None] <= qt.max(1)[:, None]) & (kt.max(1)[None] >= qt.min(1)[:, None] - 12)
+               & (ks.min(1)[None] <= qs.max(1)[:, None]) & (qs.min(1)[:, None] <= ks.max(1)[None]))
+    nq, nk = s // n // bq, s // n // bk   # tiles per shard
+    want = [h * int(visible[d * nq:(d + 1) * nq].sum()) for d in range(n)]  # all hops = all K/V tiles
+    np.testing.assert_array_equal(np.asarray(counts[0]), want)
+    np.testing.assert_array_equal(np.asarray(counts[1]), want)
+    assert sum(want) < h * visible.size // 2  # most tiles are skipped here
+
+
+def test_removing_the_handshake_is_caught_by_the_race_detector():
+    """In a subprocess (a race leaves the interpreter's global state broken): with the handshake no
+    race; without it the detector reports one (on_race='warn') and raises (on_race='raise')."""
+    probe = os.path.join(os.path.dirname(__file__), "_fused_race_probe.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(probe)),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, probe], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["handshake"] == {"races_found": False, "raised": None}
+    assert result["no_handshake_warn"]["races_found"] is True
+    assert result["no_handshake_raise"]["raised"] == "RACE DETECTED"
+
+
+def test_interpret_resolution_and_errors(monkeypatch):
+    assert fused._resolve_interpret(None) == pltpu.InterpretParams(detect_races=True)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(ValueError, match="needs a TPU"):
+        fused._resolve_interpret(None)
+    assert fused._resolve_interpret(False) is False
+    monkeypatch.undo()
+    x = jnp.zeros((1, 8, 2, 4))
+    pos = jnp.zeros((1, 8), jnp.int32)
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    bad = jax.shard_map(lambda x, pos: fused.fused_ring_attention_shard(
+        x, x, x, pos, pos, None, None, axis_name="x", scale=None, causal=True, window=None,
+        block_q=3, block_kv=4), mesh=mesh, in_specs=(P(None, "x"), P(None, "x")), out_specs=P(None, "x"))
+    with pytest.raises(ValueError, match="block_q"):
+        bad(x, pos)
