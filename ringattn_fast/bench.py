@@ -8,7 +8,7 @@ In one process, on ``--devices`` simulated CPU devices, for causal and non-causa
 and ``authors`` (PyPI ``ringattention`` 0.1.2, wrapped in ``shard_map`` as its README does; skipped
 if not installed). For each: max |error| of the output and of (dq, dk, dv) against a float64 oracle
 (``ringattn_ref`` on one host, blockwise), median wall time of the jitted forward and forward+backward
-(compilation excluded), and XLA's per-device temp bytes (``memory_analysis().temp_size_in_bytes``).
+(compilation excluded; the implementations are timed round-robin), and XLA's per-device temp bytes (``memory_analysis().temp_size_in_bytes``).
 One JSON object per line goes to stdout (or ``--out``), a progress bar and a table to stderr.
 
 The authors' package predates jax 0.8: it calls ``jax.lib.xla_bridge.get_backend()`` at import (a
@@ -120,18 +120,25 @@ def make_impls(args, mesh, authors):
     return impls
 
 
-def measure(fn, inputs, repeats):
-    """(outputs, median seconds, temp bytes) of ``jit(fn)`` on ``inputs``, compilation excluded."""
+def compile_one(fn, inputs):
+    """``(compiled, temp bytes)`` of ``jit(fn)`` for ``inputs``, run once (warm-up)."""
     import jax
     compiled = jax.jit(fn).lower(*inputs).compile()
-    temp = compiled.memory_analysis().temp_size_in_bytes
-    out = jax.block_until_ready(compiled(*inputs))  # warm-up
-    times = []
+    jax.block_until_ready(compiled(*inputs))
+    return compiled, compiled.memory_analysis().temp_size_in_bytes
+
+
+def time_interleaved(jobs, repeats):
+    """Median seconds of each compiled ``(fn, inputs)`` job, timed round-robin: on a shared machine a
+    load spike then hits every implementation alike instead of biasing whichever ran during it."""
+    import jax
+    times = [[] for _ in jobs]
     for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*inputs))
-        times.append(time.perf_counter() - start)
-    return out, statistics.median(times), temp
+        for t, (compiled, inputs) in zip(times, jobs):
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*inputs))
+            t.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def oracle(q, k, v, do, causal, block):
@@ -196,12 +203,13 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     shape = (args.batch, args.seq, args.heads, args.dim)
     q64, k64, v64, do64 = (rng.standard_normal(shape) for _ in range(4))
-    progress = Progress(len(causals) * (1 + 2 * len(impls)))
+    progress = Progress(len(causals) * (2 + 2 * len(impls)))
     out = open(args.out, "w") if args.out else sys.stdout
     rows = []
     for causal in causals:
         want_o, want_grads = oracle(q64, k64, v64, do64, causal, args.block)
         progress.step(f"float64 oracle causal={causal}")
+        jobs, results = [], {}
         for name, (make, placement) in impls.items():
             q, k, v, do = (jax.device_put(jnp.asarray(x, args.dtype), placement) for x in (q64, k64, v64, do64))
             attn = make(causal)
@@ -210,16 +218,23 @@ def main(argv=None):
                 o, vjp = jax.vjp(attn, q, k, v)
                 return o, vjp(do)
 
-            _, fwd_s, temp_fwd = measure(attn, (q, k, v), args.repeats)
-            progress.step(f"{name} causal={causal} fwd")
-            (o, grads), fwd_bwd_s, temp_fwd_bwd = measure(fwd_bwd, (q, k, v, do), args.repeats)
-            progress.step(f"{name} causal={causal} fwd+bwd")
-            err_grads = max(float(np.max(np.abs(np.asarray(g, np.float64) - w))) for g, w in zip(grads, want_grads))
-            row = dict(impl=name, causal=causal, devices=args.devices if name != "dense" else 1,
-                       batch=args.batch, seq=args.seq, heads=args.heads, dim=args.dim, dtype=args.dtype,
-                       block=args.block, fwd_s=fwd_s, fwd_bwd_s=fwd_bwd_s, temp_fwd_bytes=int(temp_fwd),
-                       temp_fwd_bwd_bytes=int(temp_fwd_bwd),
-                       err_o=float(np.max(np.abs(np.asarray(o, np.float64) - want_o))), err_grads=err_grads)
+            fwd, temp_fwd = compile_one(attn, (q, k, v))
+            progress.step(f"{name} causal={causal} compile fwd")
+            both, temp_fwd_bwd = compile_one(fwd_bwd, (q, k, v, do))
+            progress.step(f"{name} causal={causal} compile fwd+bwd")
+            o, grads = both(q, k, v, do)
+            results[name] = dict(
+                temp_fwd_bytes=int(temp_fwd), temp_fwd_bwd_bytes=int(temp_fwd_bwd),
+                err_o=float(np.max(np.abs(np.asarray(o, np.float64) - want_o))),
+                err_grads=max(float(np.max(np.abs(np.asarray(g, np.float64) - w))) for g, w in zip(grads, want_grads)))
+            jobs += [(fwd, (q, k, v)), (both, (q, k, v, do))]
+        medians = time_interleaved(jobs, args.repeats)
+        progress.step(f"timing causal={causal} ({args.repeats} rounds)")
+        for n, name in enumerate(impls):
+            row = dict(impl=name, causal=causal, devices=args.devices if name != "dense" else 1, batch=args.batch,
+                       seq=args.seq, heads=args.heads, dim=args.dim, dtype=args.dtype,
+                       block=args.block if name == "authors" else None,
+                       fwd_s=medians[2 * n], fwd_bwd_s=medians[2 * n + 1], **results[name])
             rows.append(row)
             print(json.dumps(row), file=out, flush=True)
     if args.out:
