@@ -153,6 +153,20 @@ def test_check_vma_and_rows_that_see_nothing():
     assert np.all(got[2][:, :6] == 0) and all(np.isfinite(g).all() for g in got[2:])
 
 
+def test_single_device_ring():
+    """axis_size 1: no DMA at all, dK/dV stay in slot 0; still matches the reference."""
+    rng = np.random.default_rng(4)
+    b, s, h, hk, d = 2, 16, 2, 1, 8
+    q, do = (rng.standard_normal((b, s, h, d)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((b, s, hk, d)).astype(np.float32) for _ in range(2))
+    pos = np.tile(np.arange(s, dtype=np.int32), (b, 1))
+    seg = (pos >= 5).astype(np.int32)
+    dlse = rng.standard_normal((b, h, s)).astype(np.float32)
+    kw = dict(scale=0.5, causal=True, window=None)
+    got = run_fused(1, q, k, v, do, dlse, pos, pos, seg, seg, block_q=8, block_kv=4, **kw)
+    assert_matches(got, reference(q, k, v, do, dlse, pos, pos, seg, seg, **kw))
+
+
 def test_bfloat16_output_dtype_and_accuracy():
     """bf16 in, bf16 out (f32 accumulation inside): close to the float64 reference."""
     rng = np.random.default_rng(1)

@@ -23,39 +23,54 @@ What travels
   explicit permutation - gets exact masks). Backward: the same plus ``dkv`` = stack(dK, dV) float32,
   which makes one extra hop after the last step to arrive home; dQ stays (Ring Attention, Sec. 3).
 
-Double buffer, semaphores and handshake (each device, N = axis_size; slot = step % 2)::
+Double buffer, semaphores and handshake (each device, N = axis_size, slot = step % 2; a ring of
+4, seen from device 1, whose right neighbour is 2 and left neighbour is 0)::
 
-          step 0                   step 1                          step N-1
-  me    | barrier                | wait cap (right freed slot 0) |
-        | start send slot0->R.1  | start send slot1->R.0         | (no send: last step)
-        | compute on slot 0      | compute on slot 1             | compute on slot (N-1)%2
-        | wait send; wait recv 1 | wait send; wait recv 0        | write o, lse
-        | signal cap -> left     | signal cap -> left            |
-  left  |     ...writes my slot 1 |  ...writes my slot 0 only after my "cap" of step 0
+          step 0                     step 1                        step 2              step 3 = N-1
+  dev 1 | barrier with 0 and 2     | wait cap (2 freed its slot 0)| wait cap           |
+        | send slot 0 -> 2.slot 1  | send slot 1 -> 2.slot 0      | send 0 -> 2.slot 1 | (no send)
+        | compute K/V 1 in slot 0  | compute K/V 0 in slot 1      | compute K/V 3      | compute K/V 2
+        | wait send, wait recv 1   | wait send, wait recv 0       | wait send, recv 1  | write o, lse
+        | signal cap on 0          | signal cap on 0              | (0 sends no more)  |
+  dev 0 |   writes 1.slot 1        |   writes 1.slot 0 only after | ...                |
+        |   (never read yet)       |   1's "cap" of step 0        |                    |
 
   *wait recv* (DMA semaphore ``recv_sem[array, slot]``) orders my reads of a slot after the write
   into it; *wait send* orders the end of my DMA's read of a slot before I declare it free; the
-  *handshake* (REGULAR semaphore ``cap_sem``, signalled on the left neighbour) orders the left
-  neighbour's next write into a slot after my last read of it. Without the handshake a device can run
-  a step ahead and overwrite the slot its right neighbour is still computing on; the TPU interpreter's
-  race detector reports exactly that (``tests/_fused_race_probe.py``). A barrier-semaphore handshake
-  with both neighbours at step 0 makes sure they are inside the kernel before the first DMA.
+  *handshake* (REGULAR semaphore ``cap_sem``, signalled on the left neighbour, "my slot is free")
+  orders the left neighbour's next write into a slot after my last read of it. Without it a device
+  can run a step ahead and overwrite the slot its right neighbour is still computing on; the TPU
+  interpreter's race detector reports exactly that (``tests/_fused_race_probe.py``). With N = 2 each
+  device sends once, into a slot never read, so the handshake only matters from N = 3 on. The
+  backward is the same ring plus ``dkv``: it is accumulated into during the compute, sent every step
+  *including* the last (N sends for N - 1 of K/V, so dK/dV end at home in slot ``N % 2``), and
+  ``cap`` is signalled at steps 0..N-2 (forward 0..N-3). A barrier-semaphore exchange with both
+  neighbours at step 0 makes sure they are inside the kernel (their scratch exists) before any DMA.
+
+Skipping (docs/design.md, "Skipping"): outside the kernel, `tiles.tile_schedule` marks which
+``block_q x block_kv`` tiles of my Q shard against each K/V shard are provably empty (min/max of
+positions and segment ids); the tables arrive by scalar prefetch in SMEM and the kernel skips a whole
+hop (``hop[kv_idx] == 0``) or a tile (``vis[kv_idx, b, i, j] == 0``) with ``pl.when``. The counters
+the kernels return (``_forward`` / ``_backward``) let tests check that.
 
 Memory: the whole per-device shards (q, o, both K/V slots and, backward, dQ and both dK/dV slots)
 sit in VMEM; fine for the shards a reference implementation is tested with and for a few thousand
-tokens per device on TPU v5e/v5p, not for 32K+ tokens per device (that needs HBM slots and a
-tile pipeline, ``pltpu.emit_pipeline``; not done here). On TPU, use ``block_q`` a multiple of 8 and
-``block_kv`` a multiple of 128 (or the whole shard).
+tokens per device on TPU v5e/v5p, not for 32K+ tokens per device (that needs HBM slots and a tile
+pipeline, ``pltpu.emit_pipeline``; not done here). Statistics use a trailing unit axis in the kernel
+(``[b, h, sq, 1]``). On TPU use ``block_q`` a multiple of 8 and ``block_kv`` a multiple of 128 (or
+the whole shard). Verified only in the CPU TPU interpreter: no TPU was available to compile it.
 
 Failure modes (JAX "Distributed computing in Pallas for TPUs" style)
   - a device that waits for a receive nobody sends hangs: every ``wait_recv`` here pairs with the left
-    neighbour's send of the same step, and there is no send (and no wait) after the last K/V step;
+    neighbour's send of the same step, and there is no K/V send (and no wait) after the last step;
   - a semaphore left non-zero at exit crashes the kernel: ``cap_sem`` is signalled exactly as often as
-    it is waited (steps 0..N-3 forward, 0..N-2 backward);
+    it is waited, and every DMA is waited on by both ends;
   - dropping the handshake (``_handshake=False``) is a silent data race on TPU; the interpreter with
     ``detect_races=True`` reports it, and the interpreter must then be reset (use a subprocess);
   - two kernels with different communication patterns must not share ``collective_id``; forward and
-    backward here talk only to ring neighbours on one axis, so they share ``_COLLECTIVE_ID``.
+    backward here talk only to ring neighbours on one axis, so they share ``_COLLECTIVE_ID``. A
+    neighbour cannot finish a kernel (and re-signal the barrier for the next one) before this device
+    has passed its barrier: it needs this device's data or ``cap`` first.
 """
 import dataclasses
 import functools
@@ -194,8 +209,9 @@ def _for_each_visible_tile(cfg, shape, hop_ref, vis_ref, kv_idx, qmeta_ref, kmet
 
 # ---------------------------------------------------------------- forward kernel
 
-def _fwd_kernel(cfg, ring_ref, hop_ref, vis_ref, q_ref, qmeta_ref, kv_ref, kmeta_ref,            # inputs
-                o_ref, lse_ref, cnt_ref,                             # outputs
+def _fwd_kernel(cfg, ring_ref, hop_ref, vis_ref,                                     # SMEM tables
+                q_ref, qmeta_ref, kv_ref, kmeta_ref,                                 # inputs
+                o_ref, lse_ref, cnt_ref,                                             # outputs
                 kv_buf, kmeta_buf, m_scr, l_scr, acc_scr, send_sem, recv_sem, cap_sem):
     """Grid = (axis_size,): grid step ``step`` is ring step ``step`` (FA-2 Alg. 1 with the ring as Bc loop)."""
     step, n = pl.program_id(0), cfg.axis_size
@@ -310,8 +326,9 @@ def _fwd_call(cfg, sched, q_t, qmeta, kv, kmeta):
 
 # ---------------------------------------------------------------- backward kernel
 
-def _bwd_kernel(cfg, ring_ref, hop_ref, vis_ref, q_ref, do_ref, lse_ref, delta_ref, qmeta_ref, kv_ref, kmeta_ref,   # inputs
-                dq_ref, dkv_ref, cnt_ref,                                                # outputs
+def _bwd_kernel(cfg, ring_ref, hop_ref, vis_ref,                                     # SMEM tables
+                q_ref, do_ref, lse_ref, delta_ref, qmeta_ref, kv_ref, kmeta_ref,     # inputs
+                dq_ref, dkv_ref, cnt_ref,                                            # outputs
                 kv_buf, kmeta_buf, dkv_buf, send_sem, recv_sem, cap_sem):
     """FA-2 Alg. 2 with the ring as the Bc loop: dQ accumulates here, dK/dV travel with K/V.
 
@@ -377,13 +394,13 @@ def _bwd_kernel(cfg, ring_ref, hop_ref, vis_ref, q_ref, do_ref, lse_ref, delta_r
     _finish(dkv_copies)
 
     if n > 1 and cfg.handshake:
-        @pl.when(step < n - 1)  # the left neighbour sends again only at steps <= n-1
+        @pl.when(step < n - 1)  # the left neighbour's dK/dV send at its step + 1 <= n - 1 needs it
         def _():
             pl.semaphore_signal(cap_sem, 1, device_id={cfg.axis_name: left})
 
     @pl.when(step == n - 1)
     def _():
-        dkv_ref[...] = dkv_buf[n % 2]
+        dkv_ref[...] = dkv_buf[n % 2 if n > 1 else 0]  # home after N sends (no send when N == 1)
 
 
 def _bwd_call(cfg, sched, q_t, do_t, lse, delta, qmeta, kv, kmeta):
