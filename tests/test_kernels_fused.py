@@ -244,3 +244,6 @@ def test_interpret_resolution_and_errors(monkeypatch):
         block_q=3, block_kv=4), mesh=mesh, in_specs=(P(None, "x"), P(None, "x")), out_specs=P(None, "x"))
     with pytest.raises(ValueError, match="block_q"):
         bad(x, pos)
+    with pytest.raises(ValueError, match="axis_name 'x'"):
+        fused.fused_ring_attention_shard(x, x, x, pos, pos, None, None, axis_name="x", scale=None,
+                                         causal=True, window=None, block_q=4, block_kv=4)

@@ -477,7 +477,12 @@ def make_config(q, k, v, q_pos, k_pos, q_seg, k_seg, *, axis_name, scale, causal
     name = "fused_ring_attention_shard"
     block_q, block_kv, _ = check_hop_args(name, q, k, v, q_pos, k_pos, q_seg, k_seg, None, window,
                                           block_q, block_kv)
-    return _Cfg(axis_name=axis_name, axis_size=int(lax.axis_size(axis_name)),
+    try:
+        axis_size = int(lax.axis_size(axis_name))
+    except NameError:
+        raise ValueError(f"{name}: axis_name {axis_name!r} is not a mesh axis of an enclosing "
+                         f"jax.shard_map; call it on per-device shards inside shard_map") from None
+    return _Cfg(axis_name=axis_name, axis_size=axis_size,
                 scale=check_scale(scale, q.shape[-1]), causal=bool(causal), window=check_window(window),
                 has_seg=q_seg is not None, block_q=block_q, block_kv=block_kv,
                 interpret=_resolve_interpret(interpret), handshake=_handshake)
