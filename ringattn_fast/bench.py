@@ -8,8 +8,9 @@ In one process, on ``--devices`` simulated CPU devices, for causal and non-causa
 and ``authors`` (PyPI ``ringattention`` 0.1.2, wrapped in ``shard_map`` as its README does; skipped
 if not installed). For each: max |error| of the output and of (dq, dk, dv) against a float64 oracle
 (``ringattn_ref`` on one host, blockwise), median wall time of the jitted forward and forward+backward
-(compilation excluded; the implementations are timed round-robin), and XLA's per-device temp bytes (``memory_analysis().temp_size_in_bytes``).
-One JSON object per line goes to stdout (or ``--out``), a progress bar and a table to stderr.
+(compilation excluded; the implementations are timed round-robin), and XLA's per-device temp bytes
+(``memory_analysis().temp_size_in_bytes``). One JSON object per line goes to stdout (or ``--out``), a
+progress bar and a table to stderr.
 
 The authors' package predates jax 0.8: it calls ``jax.lib.xla_bridge.get_backend()`` at import (a
 stand-in answering the default backend is installed when missing) and imports ``flax`` for its
@@ -226,7 +227,8 @@ def main(argv=None):
             results[name] = dict(
                 temp_fwd_bytes=int(temp_fwd), temp_fwd_bwd_bytes=int(temp_fwd_bwd),
                 err_o=float(np.max(np.abs(np.asarray(o, np.float64) - want_o))),
-                err_grads=max(float(np.max(np.abs(np.asarray(g, np.float64) - w))) for g, w in zip(grads, want_grads)))
+                err_grads=max(float(np.max(np.abs(np.asarray(g, np.float64) - w)))
+                              for g, w in zip(grads, want_grads)))
             jobs += [(fwd, (q, k, v)), (both, (q, k, v, do))]
         medians = time_interleaved(jobs, args.repeats)
         progress.step(f"timing causal={causal} ({args.repeats} rounds)")

@@ -23,6 +23,8 @@ scaled logits (mirrors ``ringattn_ref.blockwise``).
 """
 from __future__ import annotations
 
+from functools import partial
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -103,17 +105,32 @@ def _logits(q_i, k_j, bias_ij, mask_ij, g, acc):
     return s.reshape(b, hk, gq, bkv)
 
 
-def _by_kind(tile, carry, skipped, qp, kp, qs, ks, causal, window):
-    """Run ``tile(carry, masked)`` on a partial tile, ``tile(carry, False)`` on a full one, and
-    return ``skipped(carry)`` on an empty one; no branch at all when nothing is masked."""
-    if not masks.can_be_empty(causal, window, qs is not None):
+def _by_kind(tile, carry, skipped, qp, kp, qs, ks, causal, window, per_tile):
+    """Run ``tile(carry, True)`` on a partial tile, ``tile(carry, False)`` on a full one, and
+    return ``skipped(carry)`` on an empty one; no branch at all unless ``per_tile``."""
+    if not per_tile:
         return tile(carry, False)
     kind = masks.tile_kind(qp, kp, qs, ks, causal=causal, window=window)
     return lax.switch(kind, [skipped, lambda c: tile(c, False), lambda c: tile(c, True)], carry)
 
 
+def _whole_hop(run, q_pos, k_pos, q_seg, k_seg, causal, window):
+    """``run(per_tile=False)`` when the whole hop is provably visible (one branch for the hop, none
+    per tile), else ``run(per_tile=True)``: tiles classified one by one (``masks.tile_kind``)."""
+    if not masks.can_be_empty(causal, window, q_seg is not None):
+        return run(per_tile=False)
+    full = masks.tile_is_full(q_pos, k_pos, q_seg, k_seg, causal=causal, window=window)
+    return lax.cond(full, lambda: run(per_tile=False), lambda: run(per_tile=True))
+
+
 def hop_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window, block_q, block_kv):
     """Attention of ``q`` against one K/V shard: ``(o, lse)``, o 0 and lse -inf where a row saw nothing."""
+    run = partial(_hop_fwd, q, k, v, q_pos, k_pos, q_seg, k_seg, bias, scale=scale, causal=causal,
+                  window=window, block_q=block_q, block_kv=block_kv)
+    return _whole_hop(run, q_pos, k_pos, q_seg, k_seg, causal, window)
+
+
+def _hop_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window, block_q, block_kv, per_tile):
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g, acc = h // hk, acc_dtype(q.dtype)
@@ -141,7 +158,7 @@ def hop_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window,
                 pv = jnp.einsum("bkqs,bksd->bkqd", p, v_j.astype(acc))
                 return alpha[..., None] * o + pv, m_new, alpha * l + p.sum(axis=-1)
 
-            return _by_kind(tile, carry, lambda c: c, qp_i, kp_j, qs_i, ks_j, causal, window), None
+            return _by_kind(tile, carry, lambda c: c, qp_i, kp_j, qs_i, ks_j, causal, window, per_tile), None
 
         init = (jnp.zeros(q_i.shape, acc), jnp.full(q_i.shape[:-1], -jnp.inf, acc), jnp.zeros(q_i.shape[:-1], acc))
         (o, m, l), _ = lax.scan(kv_block, vary_like(init, axes), kv_xs)
@@ -165,7 +182,15 @@ def hop_bwd(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, bias, *, scale,
     Outer loop over K/V chunks (dK_j, dV_j accumulate over the query chunks), inner loop over query
     chunks; per tile ``P = exp(S - lse)``, ``dV += P^T dO``, ``dP = dO V^T``, ``dS = P (dP - delta)``,
     ``dQ += scale dS K``, ``dK += scale dS^T Q``, ``dbias = dS`` (summed over broadcast axes).
+    dQ is accumulated in place, block by block, in the loop carry.
     """
+    run = partial(_hop_bwd, q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, bias, scale=scale,
+                  causal=causal, window=window, block_q=block_q, block_kv=block_kv)
+    return _whole_hop(run, q_pos, k_pos, q_seg, k_seg, causal, window)
+
+
+def _hop_bwd(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window, block_q,
+             block_kv, per_tile):
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g, acc = h // hk, acc_dtype(q.dtype)
@@ -189,7 +214,7 @@ def hop_bwd(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, bias, *, scale,
             bias_ij = _rows(bias_j, i * block_q, block_q, 2)
 
             def tile(carry, masked):
-                dk_j, dv_j, db_j = carry
+                dk_j, dv_j, db_j, dq = carry
                 mask = masks.allowed(qp_i, kp_j, qs_i, ks_j, causal=causal, window=window) if masked else None
                 s = _logits(q_i, k_j, bias_ij, mask, g, acc)  # (b, hk, g*bq, bkv)
                 p = jnp.exp(s - lse_i[..., None])  # masked -> 0
@@ -202,18 +227,18 @@ def hop_bwd(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, bias, *, scale,
                 if bias is not None:
                     db = _sum_to(ds.reshape(b, h, block_q, block_kv), bias_ij.shape)
                     db_j = db if bias_rows else db_j + db
-                return (dk_j, dv_j, None if bias_rows else db_j), (dq_i, db if bias_rows else None)
+                dq = lax.dynamic_update_index_in_dim(dq, dq[i] + dq_i, i, 0)  # in place
+                return (dk_j, dv_j, None if bias_rows else db_j, dq), db if bias_rows else None
 
-            zeros = vary_like((jnp.zeros(q_i.shape, acc),
-                               jnp.zeros(bias_ij.shape, acc) if bias_rows else None), axes)
-            return _by_kind(tile, carry, lambda c: (c, zeros), qp_i, kp_j, qs_i, ks_j, causal, window)
+            zeros = vary_like(jnp.zeros(bias_ij.shape, acc), axes) if bias_rows else None
+            return _by_kind(tile, carry, lambda c: (c, zeros), qp_i, kp_j, qs_i, ks_j, causal, window, per_tile)
 
         db0 = jnp.zeros(bias_j.shape, acc) if bias is not None and not bias_rows else None
-        init = vary_like((jnp.zeros(k_j.shape, acc), jnp.zeros(k_j.shape, acc), db0), axes)
-        (dk_j, dv_j, db_j), (dq_blocks, db_blocks) = lax.scan(q_block, init, q_xs)
+        init = vary_like((jnp.zeros(k_j.shape, acc), jnp.zeros(k_j.shape, acc), db0), axes) + (dq,)
+        (dk_j, dv_j, db_j, dq), db_blocks = lax.scan(q_block, init, q_xs)
         if bias_rows:  # (nq, bb, bh, bq, bkv|1) -> (bb, bh, sq, bkv|1)
             db_j = jnp.einsum("nbhqs->bhnqs", db_blocks).reshape(db_blocks.shape[1:3] + (sq, -1))
-        return dq + dq_blocks, (dk_j, dv_j, db_j)  # dq: (nq, b, hk, g*bq, d)
+        return dq, (dk_j, dv_j, db_j)  # dq: (nq, b, hk, g*bq, d)
 
     dq0 = vary_like(jnp.zeros((nq, b, hk, g * block_q, d), acc), axes)
     if bias is not None and not bias_cols:  # one dbias for all key chunks: accumulate in the carry

@@ -50,7 +50,8 @@ def test_same_message_as_ringattn_ref(case):
 
 def test_mesh_axis_errors():
     q, k, v = arrays()
-    with pytest.raises(ValueError, match=r"axis_name 'seq' is not an axis of the mesh; the mesh has axes \('sp',\)"):
+    missing = r"axis_name 'seq' is not an axis of the mesh; the mesh has axes \('sp',\)"
+    with pytest.raises(ValueError, match=missing):
         rf.ring_attention(q, k, v, mesh=rf.make_mesh(4), axis_name="seq")
     q3, k3, v3 = arrays(q_shape=(B, 12, H, D), kv_shape=(B, 12, 2, D))
     with pytest.raises(ValueError, match=r"seq \(12\) must be divisible by the size of mesh axis 'sp' \(8\)"):
@@ -80,7 +81,8 @@ def test_impl_errors():
     with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'xla', 'pallas_gpu'"):
         rf.ring_attention(q, k, v, mesh=rf.make_mesh(4), impl="cuda")
     with pytest.raises(ValueError, match="impl='pallas_gpu' does not support bias"):
-        rf.ring_attention(q, k, v, mesh=rf.make_mesh(4), impl="pallas_gpu", bias=np.zeros((1, 1, S, S), np.float32))
+        rf.ring_attention(q, k, v, mesh=rf.make_mesh(4), impl="pallas_gpu",
+                          bias=np.zeros((1, 1, S, S), np.float32))
     with pytest.raises(ValueError, match="impl='pallas_tpu' cannot run on 'gpu' devices"):
         resolve_impl("pallas_tpu", "gpu")
     with pytest.raises(ValueError, match="impl='pallas_gpu' cannot run on 'tpu' devices"):
