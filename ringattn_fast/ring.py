@@ -142,13 +142,6 @@ def ring_forward(cfg, q, k, v, pos, seg, bias):
     return hop(n - 1, kv, o, lse)  # the last step: nothing left to send
 
 
-def _for_checks(x):
-    """A shape/dtype stand-in for the shared numpy checks, which do not know bf16/fp8 are floats."""
-    if x is None or not jnp.issubdtype(x.dtype, jnp.floating):
-        return x
-    return jax.ShapeDtypeStruct(x.shape, np.float32)
-
-
 def default_block(shard, target=128):
     """The largest divisor of ``shard`` that is at most ``target`` (the tile side when not given).
 
@@ -187,14 +180,14 @@ def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=N
     custom per-example permutation, ``to_layout(..., positions=...)``). Differentiable in q, k, v, bias.
     Returns [batch, s_local, heads, dim] in q's dtype.
     """
-    b, sq, h, _, d = val.check_qkv(*map(_for_checks, (q, k, v)))
+    b, sq, h, _, d = val.check_qkv(q, k, v)
     n = lax.axis_size(axis_name)
     scale, window = val.check_scale(scale, d), val.check_window(window)
     seg = val.check_segment_ids(segment_ids, b, sq)
     layout = val.check_layout(layout, sq * n)
     val.check_n_hosts(n, sq * n, layout, name=f"the size of mesh axis {axis_name!r}")
     bias_mode = _bias_mode(bias, b, h, sq, n)
-    if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
+    if bias is not None and not val.is_float_dtype(bias.dtype):
         raise ValueError(f"bias must be a floating-point array; got dtype {bias.dtype}")
     block_q = val.check_block(default_block(sq) if block_q is None else block_q, sq, "block_q")
     block_kv = val.check_block(default_block(sq) if block_kv is None else block_kv, sq, "block_kv")
@@ -228,11 +221,11 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
     is sharded on ``axis_name``, the batch on ``"data"`` if the mesh has it. ``mesh=None``: the mesh of
     ``jax.set_mesh`` or all devices. Returns [batch, seq, heads, dim] in q's dtype, in true order.
     """
-    b, s, h, _, d = val.check_qkv(*map(_for_checks, (q, k, v)))
+    b, s, h, _, d = val.check_qkv(q, k, v)
     val.check_scale(scale, d)
     val.check_window(window)
     val.check_segment_ids(segment_ids, b, s)
-    val.check_bias(_for_checks(bias), b, h, s)
+    val.check_bias(bias, b, h, s)
     layout = val.check_layout(layout, s)
     mesh = resolve_mesh(mesh)
     n, dax = check_mesh_axis(mesh, axis_name, b, s, 2 if isinstance(layout, str) and layout == "zigzag" else 1)

@@ -11,6 +11,13 @@ import numpy as np
 LAYOUTS = ("contiguous", "striped", "zigzag")
 
 
+def is_float_dtype(dtype):
+    """True for numpy floats and for the ml_dtypes floats JAX uses (bfloat16, float8_*), which numpy
+    does not count as ``np.floating``."""
+    dtype = np.dtype(dtype)
+    return np.issubdtype(dtype, np.floating) or dtype.name.startswith(("bfloat", "float"))
+
+
 def check_qkv(q, k, v):
     """Check q/k/v shapes and dtypes; return ``(batch, seq, heads, kv_heads, dim)``.
 
@@ -19,7 +26,7 @@ def check_qkv(q, k, v):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if len(x.shape) != 4:
             raise ValueError(f"{name} must be 4-D [batch, seq, heads, dim]; got shape {tuple(x.shape)}")
-        if not np.issubdtype(np.dtype(x.dtype), np.floating):
+        if not is_float_dtype(x.dtype):
             raise ValueError(f"{name} must be a floating-point array; got dtype {x.dtype}")
     if tuple(k.shape) != tuple(v.shape):
         raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
@@ -83,7 +90,7 @@ def check_bias(bias, batch, heads, seq):
     if len(shape) != 4 or any(g not in (1, n) for g, n in zip(shape, need)):
         raise ValueError(f"bias must be broadcastable to [batch, heads, seq, seq] = {need} "
                          f"(each dim equal or 1, 4-D); got shape {shape}")
-    if not np.issubdtype(np.dtype(bias.dtype), np.floating):
+    if not is_float_dtype(bias.dtype):
         raise ValueError(f"bias must be a floating-point array; got dtype {bias.dtype}")
     return bias
 
@@ -129,6 +136,6 @@ def check_cotangent(do, q_shape, name="do"):
     """The output cotangent must be a float array shaped like q: [batch, seq, heads, dim]."""
     if tuple(do.shape) != tuple(q_shape):
         raise ValueError(f"{name} must have the shape of q {tuple(q_shape)}; got {tuple(do.shape)}")
-    if not np.issubdtype(np.dtype(do.dtype), np.floating):
+    if not is_float_dtype(do.dtype):
         raise ValueError(f"{name} must be a floating-point array; got dtype {do.dtype}")
     return do

@@ -79,3 +79,14 @@ def test_layout_helpers_check_their_arguments():
         to_layout(Q, "zigzag", 6)
     with pytest.raises(ValueError, match=r"layout must be one of"):
         from_layout(Q, "spiral", 4)
+
+
+def test_ml_dtypes_floats_are_floats_and_ints_are_not():
+    """bfloat16 / float8 (ml_dtypes) pass the float check that numpy's np.floating would fail."""
+    import ml_dtypes
+
+    from ringattn_ref.validation import is_float_dtype
+
+    assert is_float_dtype(ml_dtypes.bfloat16) and is_float_dtype(ml_dtypes.float8_e4m3fn)
+    assert is_float_dtype(np.float16) and is_float_dtype(np.float64)
+    assert not any(is_float_dtype(t) for t in (np.int32, np.bool_, np.complex64, np.uint8))
