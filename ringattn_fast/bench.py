@@ -6,7 +6,7 @@
 In one process, on ``--devices`` simulated CPU devices, for causal and non-causal attention:
 ``ours`` (``ring_attention``, impl="xla"), ``dense`` (``jax.nn.dot_product_attention`` on one device)
 and ``authors`` (PyPI ``ringattention`` 0.1.2, wrapped in ``shard_map`` as its README does; skipped
-if not installed). For each: max |error| of the output and of (dq, dk, dv) against a float64 oracle
+if not installed). For each: max abs error of the output and of (dq, dk, dv) against a float64 oracle
 (``ringattn_ref`` on one host, blockwise), median wall time of the jitted forward and forward+backward
 (compilation excluded; the implementations are timed round-robin), and XLA's per-device temp bytes
 (``memory_analysis().temp_size_in_bytes``). One JSON object per line goes to stdout (or ``--out``), a

@@ -9,7 +9,7 @@ For every (seq, heads, causal) row, on one device, the whole sequence as a singl
 
 1. **check**: kernel 1 (``kernels.pallas_gpu.hop_fwd`` / ``hop_bwd``, the per-hop contract of
    docs/design.md) against the XLA path (``ringattn_fast.hop``) run on the same inputs upcast to
-   float32 at ``precision="highest"`` (no TF32): max |error| of o and of dq, dk, dv, where
+   float32 at ``precision="highest"`` (no TF32): max abs error of o and of dq, dk, dv, where
    do ~ N(0, 1) and delta = rowsum(do * o) (FA-2 Alg. 2 line 4). The row passes when every
    error is at most ``tol * max(1, max|reference|)`` (tol 2e-2 for bf16/fp16, 2e-5 for float32).
    The same errors are shown for the reference column, so bf16 rounding can be told from a bug.
@@ -153,7 +153,7 @@ def _one_line(e, width=160):
 
 
 def max_errors(outs, refs):
-    """{name: max |out - ref|} over o, dq, dk, dv, computed in float32 on the device."""
+    """{name: max abs(out - ref)} over o, dq, dk, dv, computed in float32 on the device."""
     import jax.numpy as jnp
     return {name: float(jnp.max(jnp.abs(x.astype(jnp.float32) - r))) for name, x, r in zip(("o",) + GRADS, outs, refs)}
 
