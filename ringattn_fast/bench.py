@@ -2,6 +2,7 @@
 
     python -m ringattn_fast.bench                       # 8 CPU devices, b=1, S=8192, h=4, d=64, fp32
     python -m ringattn_fast.bench --seq 2048 --causal true --out runs.jsonl --plot bench.png
+    python -m ringattn_fast.bench --gpu-kernel [--quick]   # on a GPU: the Pallas Triton kernel vs cuDNN
 
 In one process, on ``--devices`` simulated CPU devices, for causal and non-causal attention:
 ``ours`` (``ring_attention``, impl="xla"), ``dense`` (``jax.nn.dot_product_attention`` on one device)
@@ -189,6 +190,10 @@ def plot(rows, path):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--gpu-kernel" in argv:  # issue 4's GPU check lives in its own module
+        from . import bench_gpu
+        return bench_gpu.main([a for a in argv if a != "--gpu-kernel"])
     args = parse_args(argv)
     args.block = min(args.block, args.seq // args.devices)  # a chunk cannot exceed the per-device shard
     import jax
@@ -249,4 +254,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    result = main()
+    sys.exit(result if isinstance(result, int) else 0)

@@ -115,3 +115,12 @@ def test_reference_backward_failure_keeps_forward_ratio(capsys, monkeypatch):
     assert summary["min_ratio_fwd"] == row["ratio_fwd"]
     line = table[table.index(bench_gpu.HEADER) + 1]
     assert "n/a" in line and "fwd+bwd: NotImplementedError" in line
+
+
+def test_bench_gpu_kernel_flag_routes_to_the_gpu_check(capsys):
+    """``python -m ringattn_fast.bench --gpu-kernel`` is the issue's entry point for this check."""
+    from ringattn_fast import bench
+
+    status = bench.main(["--gpu-kernel", "--dry-run", "--causal", "true"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert status == 0 and [r["causal"] for r in rows if not r.get("summary")] == [True]
