@@ -13,17 +13,7 @@ import math
 
 import numpy as np
 
-
-def _pending(answer, what):
-    if answer is None:
-        print(f"Exercise not attempted yet: {what}")
-        return True
-    return False
-
-
-def _correct(msg=""):
-    print("Correct" + (f": {msg}" if msg else "."))
-    return True
+from ringattn_ref.exercises import _correct, _pending  # one voice for every notebook's checks
 
 
 def _as_int(x, what):

@@ -34,8 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ringattn_fast.kernels.tiles import (NEG_INF, check_hop_args, out_struct, same_vma, tile_mask, tile_schedule,
-                                        tile_visible)
+from ringattn_fast.kernels.tiles import (NEG_INF, check_bwd_args, check_hop_args, out_struct, same_vma,
+                                         tile_mask, tile_schedule, tile_visible)
 
 __all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts", "tile_schedule"]
 
@@ -283,9 +283,7 @@ def hop_bwd(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, bias, *, scale,
     lse, delta float32 [b, h, sq]. Returns dq float32 [b, sq, h, d], dk, dv float32 [b, sk, hk, d]
     (summed over the GQA group), and None for dbias.
     """
-    if do.shape != q.shape or lse.shape != (q.shape[0], q.shape[2], q.shape[1]) or delta.shape != lse.shape:
-        raise ValueError(f"pallas_gpu.hop_bwd: do must be shaped like q {q.shape} and lse, delta [b, h, sq]; "
-                         f"got do {do.shape}, lse {lse.shape}, delta {delta.shape}")
+    check_bwd_args("pallas_gpu.hop_bwd", q, do, lse, delta)
     return _backward(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, **_prepare(
         "pallas_gpu.hop_bwd", q, k, v, q_pos, k_pos, q_seg, k_seg, bias, scale, causal, window, block_q, block_kv))
 

@@ -126,3 +126,10 @@ def check_hop_args(name, q, k, v, q_pos, k_pos, q_seg, k_seg, bias, window, bloc
         raise ValueError(f"{name}: block_q must divide sq and block_kv must divide sk; got block_q={block_q}, "
                          f"sq={sq}, block_kv={block_kv}, sk={sk}")
     return block_q, block_kv, h // hk
+
+
+def check_bwd_args(name, q, do, lse, delta):
+    """hop_bwd's extra inputs: do shaped like q, lse and delta [b, h, sq]."""
+    if do.shape != q.shape or lse.shape != (q.shape[0], q.shape[2], q.shape[1]) or delta.shape != lse.shape:
+        raise ValueError(f"{name}: do must be shaped like q {q.shape} and lse, delta [b, h, sq]; "
+                         f"got do {do.shape}, lse {lse.shape}, delta {delta.shape}")
