@@ -10,17 +10,9 @@ from hypothesis import strategies as st
 from ringattn_ref import attention, blockwise_attention, merge
 from ringattn_ref.masks import tile_is_empty, visible
 from ringattn_ref.softmax import finalize, init_state, online_update
-from ringattn_ref.testing import attention_problems
+from ringattn_ref.testing import attention_problems, max_abs_error as max_err
 
 TOL = 1e-12
-
-
-def max_err(a, b):
-    """Max abs difference; equal infinities (lse = -inf) count as 0."""
-    a, b = np.asarray(a), np.asarray(b)
-    assert np.array_equal(np.isneginf(a), np.isneginf(b))
-    fin = np.isfinite(a)
-    return float(np.abs(a[fin] - b[fin]).max(initial=0.0))
 
 
 def loop_attention(q, k, v, *, causal, segment_ids, bias, window, scale):

@@ -7,16 +7,9 @@ from hypothesis import strategies as st
 from ringattn_ref import (attention, blockwise_attention, from_layout, hop_attention, merge,
                           ring_attention, to_layout)
 from ringattn_ref.layouts import layout_permutation
-from ringattn_ref.testing import attention_problems
+from ringattn_ref.testing import attention_problems, max_abs_error as max_err
 
 TOL = 1e-12
-
-
-def max_err(a, b):
-    a, b = np.asarray(a), np.asarray(b)
-    assert np.array_equal(np.isneginf(a), np.isneginf(b))
-    fin = np.isfinite(a)
-    return float(np.abs(a[fin] - b[fin]).max(initial=0.0))
 
 
 @settings(max_examples=60)
