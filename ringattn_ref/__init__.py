@@ -26,6 +26,7 @@ _EXPORTS = {
     "ring_attention": "ring",
     "RingTrace": "ring",
     "ring_attention_vjp": "backward",
+    "hop_attention_vjp": "backward",
     "blockwise_feedforward": "feedforward",
     "relu_ffn": "feedforward",
     "HARDWARE": "cost",

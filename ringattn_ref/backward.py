@@ -12,7 +12,12 @@ empty, recomputes the probabilities and accumulates the gradients (FA-2 Algorith
 ``dQ`` stays on its host. ``dK``/``dV`` travel with their K/V block (the authors' code rotates
 ``k, v, dk, dv`` together); after the last step host ``i`` holds block ``i + 1``, so one final
 gradient-only send brings every ``dK``/``dV`` home. With GQA the kv-head gradients are summed over the
-query heads of the group. A row that saw nothing has ``P = 0``: zero, finite gradients.
+query heads of the group. A row that saw nothing has ``P = 0``: zero, finite gradients. A masked
+pair has ``P = dS = 0`` by ``where`` (never ``0 * nan``), and ``dQ`` multiplies only finite K, so
+a masked key's values never reach a gradient.
+
+:func:`hop_attention_vjp` is one hop of it on its own: the backward half of the per-hop contract
+(``ringattn_fast.hop.hop_bwd`` and the Pallas kernels are tested against it).
 """
 from __future__ import annotations
 
@@ -20,9 +25,10 @@ import numpy as np
 
 from .attention import repeat_kv
 from .blockwise import tile_logits
-from .masks import tile_is_empty
-from .ring import hop_is_empty, ring_forward, send_to_next, setup_ring, swap_buffers
-from .validation import check_cotangent
+from .masks import as_rows, tile_is_empty
+from .ring import Host, KVBlock, hop_is_empty, ring_forward, send_to_next, setup_ring, swap_buffers
+from .validation import (check_block, check_bool, check_cotangent, check_positions, check_scale,
+                         check_window)
 
 
 def sum_over_group(x, kv_heads):
@@ -40,28 +46,54 @@ def attend_kv_block_bwd(host, block, bias, *, scale, causal, window, block_q, bl
     q, do, k, v = host.q, host.do, block.k, block.v
     h, kv_heads = q.shape[2], k.shape[2]
     lse = np.where(np.isfinite(host.lse), host.lse, 0.0)  # rows that saw nothing: P = exp(-inf) = 0
+    k_finite = np.where(np.isfinite(k), k, 0.0)  # dQ = dS K: a masked key's K must not enter as 0 * nan
     computed = 0
     for qi in range(q.shape[1] // block_q):
         qs = slice(qi * block_q, (qi + 1) * block_q)
         for kj in range(k.shape[1] // block_kv):
             ks = slice(kj * block_kv, (kj + 1) * block_kv)
-            if tile_is_empty(host.q_pos[qs], block.k_pos[ks], causal=causal, window=window):
+            q_seg, k_seg = (None, None) if host.q_seg is None else (host.q_seg[:, qs], block.k_seg[:, ks])
+            if tile_is_empty(host.q_pos[:, qs], block.k_pos[:, ks], q_seg, k_seg, causal=causal, window=window):
                 continue
-            s = tile_logits(q[:, qs], k[:, ks], host.q_pos[qs], block.k_pos[ks],
-                            None if host.q_seg is None else host.q_seg[:, qs],
-                            None if block.k_seg is None else block.k_seg[:, ks], bias,
+            s = tile_logits(q[:, qs], k[:, ks], host.q_pos[:, qs], block.k_pos[:, ks], q_seg, k_seg, bias,
                             scale=scale, causal=causal, window=window)  # (b, h, tq, tk)
-            p = np.exp(s - lse[:, :, qs, None])  # (b, h, tq, tk)
-            k_tile, v_tile = repeat_kv(k[:, ks], h), repeat_kv(v[:, ks], h)  # (b, tk, h, d)
+            live = s != -np.inf
+            p = np.where(live, np.exp(s - lse[:, :, qs, None]), 0.0)  # (b, h, tq, tk)
+            k_tile, v_tile = repeat_kv(k_finite[:, ks], h), repeat_kv(v[:, ks], h)  # (b, tk, h, d)
             dv = np.einsum("bhqk,bqhd->bkhd", p, do[:, qs])  # (b, tk, h, d)
             dp = np.einsum("bqhd,bkhd->bhqk", do[:, qs], v_tile)  # (b, h, tq, tk)
-            ds = p * (dp - host.delta[:, :, qs, None])  # (b, h, tq, tk)
+            ds = np.where(live, p * (dp - host.delta[:, :, qs, None]), 0.0)  # (b, h, tq, tk)
             host.dq[:, qs] += scale * np.einsum("bhqk,bkhd->bqhd", ds, k_tile)
             dk = scale * np.einsum("bhqk,bqhd->bkhd", ds, q[:, qs])  # (b, tk, h, d)
             block.dk[:, ks] += sum_over_group(dk, kv_heads)
             block.dv[:, ks] += sum_over_group(dv, kv_heads)
             computed += 1
     return computed
+
+
+def hop_attention_vjp(q, k, v, do, lse, delta, q_pos, k_pos, q_seg=None, k_seg=None, bias=None, *,
+                      scale=None, causal=False, window=None, block_q=None, block_kv=None):
+    """One hop's gradients ``(dq, dk, dv)`` float64, from the *final* ``lse`` and ``delta``.
+
+    The backward per-hop oracle (FA-2 Algorithm 2 on one K/V block). q, do: [b, sq, h, d]; k, v:
+    [b, sk, hk, d]; lse, delta: [b, h, sq] over *all* hops (``delta = rowsum(do * o_final)``, minus
+    the cotangent of lse if lse is an output too); positions, segments, bias and keywords as in
+    :func:`ringattn_ref.hop_attention`. dk, dv are summed over the GQA group. For a single hop that is
+    the whole attention: ``o, lse = hop_attention(...)``, ``delta = einsum("bqhd,bqhd->bhq", do, o)``.
+    """
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    q_pos, k_pos = as_rows(q_pos, b), as_rows(k_pos, b)
+    check_positions(q_pos, b, sq, "q_pos"), check_positions(k_pos, b, sk, "k_pos")
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    host = Host(my_idx=0, q=f64(q), q_pos=q_pos, q_seg=q_seg, held=None, do=f64(check_cotangent(do, q.shape)),
+                lse=f64(lse), delta=f64(delta), dq=np.zeros((b, sq, h, d)))
+    block = KVBlock(kv_idx=0, k=f64(k), v=f64(v), k_pos=k_pos, k_seg=k_seg, dk=np.zeros(k.shape),
+                    dv=np.zeros(v.shape))
+    attend_kv_block_bwd(host, block, None if bias is None else f64(bias), scale=check_scale(scale, d),
+                        causal=check_bool(causal, "causal"), window=check_window(window),
+                        block_q=check_block(block_q, sq, "block_q"), block_kv=check_block(block_kv, sk, "block_kv"))
+    return host.dq, block.dk, block.dv
 
 
 def ring_attention_vjp(q, k, v, do, *, n_hosts, causal=False, segment_ids=None, bias=None,

@@ -13,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 
 from .attention import repeat_kv
-from .masks import tile_is_empty, visible
+from .masks import allowed, as_rows, tile_is_empty
 from .softmax import finalize, init_state, online_update
-from .validation import (check_bias, check_block, check_qkv, check_scale, check_segment_ids,
-                         check_window)
+from .validation import (check_bias, check_block, check_bool, check_positions, check_qkv, check_scale,
+                         check_segment_ids, check_window)
 
 DEFAULT_BLOCK = 128
 
@@ -33,25 +33,31 @@ def default_block(shard, target=DEFAULT_BLOCK):
 def bias_tile(bias, q_pos, k_pos):
     """The part of a full bias for queries ``q_pos`` and keys ``k_pos`` (true positions).
 
-    bias: [b|1, h|1, s|1, s|1] in true order -> [b|1, h|1, sq|1, sk|1]; broadcast dims stay 1.
+    bias: [b|1, h|1, s|1, s|1] in true order; q_pos [b|1, tq], k_pos [b|1, tk] (one row of positions
+    per example, or one row for all) -> [b|1, h|1, tq|1, tk|1]; broadcast dims stay 1.
     """
     if bias is None:
         return None
-    rows = q_pos if bias.shape[2] > 1 else [0]
-    cols = k_pos if bias.shape[3] > 1 else [0]
-    return bias[:, :, rows][:, :, :, cols]
+    rows_per_example = []
+    for i in range(max(bias.shape[0], q_pos.shape[0], k_pos.shape[0])):
+        bi = bias[min(i, bias.shape[0] - 1)]  # (h|1, s|1, s|1)
+        rows = q_pos[min(i, q_pos.shape[0] - 1)] if bias.shape[2] > 1 else [0]
+        cols = k_pos[min(i, k_pos.shape[0] - 1)] if bias.shape[3] > 1 else [0]
+        rows_per_example.append(bi[:, rows][:, :, cols])
+    return np.stack(rows_per_example)
 
 
 def tile_logits(q, k, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window):
     """Masked logits of one tile: ``scale * q k^T + bias`` with -inf where the mask forbids.
 
-    q: [b, tq, h, d]; k: [b, tk, hk, d]; q_pos [tq], k_pos [tk]; q_seg [b, tq], k_seg [b, tk] or None;
-    bias: full bias in true order or None. Returns [b, h, tq, tk].
+    q: [b, tq, h, d]; k: [b, tk, hk, d]; q_pos [b|1, tq], k_pos [b|1, tk] true positions;
+    q_seg [b, tq], k_seg [b, tk] or None; bias: full bias in true order or None. Returns [b, h, tq, tk].
     """
     s = scale * np.einsum("bqhd,bkhd->bhqk", q, repeat_kv(k, q.shape[2]))  # (b, h, tq, tk)
     if bias is not None:
         s = s + bias_tile(bias, q_pos, k_pos)
-    mask = visible(q_pos, k_pos, q_seg, k_seg, causal=causal, window=window)  # (b|1, tq, tk)
+    seg = (None, None) if q_seg is None else (q_seg[:, :, None], k_seg[:, None, :])
+    mask = allowed(q_pos[:, :, None], k_pos[:, None, :], *seg, causal=causal, window=window)  # (b|1, tq, tk)
     return np.where(mask[:, None], s, -np.inf)
 
 
@@ -59,8 +65,8 @@ def attend_kv_block(state, q, k, v, q_pos, k_pos, q_seg, k_seg, bias, *, scale, 
                     block_q, block_kv):
     """Fold the attention of ``q`` over one K/V block into ``state = (m, l, o)``, in place.
 
-    q: [b, sq, h, d]; k, v: [b, sk, hk, d]; q_pos [sq], k_pos [sk] true positions; segments
-    [b, sq] / [b, sk] or None; bias: full bias in true order or None; m, l: [b, h, sq];
+    q: [b, sq, h, d]; k, v: [b, sk, hk, d]; q_pos [b|1, sq], k_pos [b|1, sk] true positions;
+    segments [b, sq] / [b, sk] or None; bias: full bias in true order or None; m, l: [b, h, sq];
     o: [b, sq, h, d] unnormalised. Tiles whose mask is provably empty are skipped
     (:func:`ringattn_ref.masks.tile_is_empty`). Returns ``(tiles_computed, tiles_skipped)``.
     """
@@ -70,12 +76,11 @@ def attend_kv_block(state, q, k, v, q_pos, k_pos, q_seg, k_seg, bias, *, scale, 
         qs = slice(qi * block_q, (qi + 1) * block_q)
         for kj in range(k.shape[1] // block_kv):  # inner loop over key blocks (B_c columns)
             ks = slice(kj * block_kv, (kj + 1) * block_kv)
-            if tile_is_empty(q_pos[qs], k_pos[ks], causal=causal, window=window):
+            q_seg_t, k_seg_t = (None, None) if q_seg is None else (q_seg[:, qs], k_seg[:, ks])
+            if tile_is_empty(q_pos[:, qs], k_pos[:, ks], q_seg_t, k_seg_t, causal=causal, window=window):
                 skipped += 1
                 continue
-            s = tile_logits(q[:, qs], k[:, ks], q_pos[qs], k_pos[ks],
-                            None if q_seg is None else q_seg[:, qs],
-                            None if k_seg is None else k_seg[:, ks], bias,
+            s = tile_logits(q[:, qs], k[:, ks], q_pos[:, qs], k_pos[:, ks], q_seg_t, k_seg_t, bias,
                             scale=scale, causal=causal, window=window)  # (b, h, tq, tk)
             v_tile = repeat_kv(v[:, ks], q.shape[2])  # (b, tk, h, d)
             m[:, :, qs], l[:, :, qs], o[:, qs] = online_update(m[:, :, qs], l[:, :, qs], o[:, qs],
@@ -84,19 +89,29 @@ def attend_kv_block(state, q, k, v, q_pos, k_pos, q_seg, k_seg, bias, *, scale, 
     return computed, skipped
 
 
-def hop_attention(q, k, v, q_pos, k_pos, q_seg=None, k_seg=None, bias=None, *, scale, causal=False,
-                  window=None, block_q, block_kv):
-    """One host's normalised partial result for one hop: ``(o, lse)`` of ``q`` over one K/V block.
+def hop_attention(q, k, v, q_pos, k_pos, q_seg=None, k_seg=None, bias=None, *, scale=None,
+                  causal=False, window=None, block_q=None, block_kv=None):
+    """One hop's normalised partial result: ``(o, lse)`` of ``q`` over one K/V block, float64.
 
-    Shapes as in :func:`attend_kv_block`; o: [b, sq, h, d], lse: [b, h, sq] (-inf where the row saw
-    nothing in this block). Partials over disjoint blocks combine with ``softmax.merge`` in any order.
+    The per-hop oracle (the contract of ``ringattn_fast.hop`` and the Pallas kernels; test your own
+    kernel against it). q: [b, sq, h, d]; k, v: [b, sk, hk, d]; q_pos [b, sq] / k_pos [b, sk] true
+    positions, one row per example (or ``[sq]`` / ``[sk]`` for all); q_seg [b, sq], k_seg [b, sk] or
+    None; bias: full bias ``[b|1, h|1, S|1, S|1]`` indexed by true positions, or None; block_q /
+    block_kv: tile sides (default: the whole block). Returns o [b, sq, h, d] and lse [b, h, sq]
+    (-inf where the row saw nothing in this block). Partials over disjoint blocks combine with
+    ``softmax.merge`` in any order.
     """
     b, sq, h, d = q.shape
+    sk = k.shape[1]
+    q_pos, k_pos = as_rows(q_pos, b), as_rows(k_pos, b)
+    check_positions(q_pos, b, sq, "q_pos"), check_positions(k_pos, b, sk, "k_pos")
     state = init_state(b, h, sq, d)
     attend_kv_block(state, np.asarray(q, np.float64), np.asarray(k, np.float64),
-                    np.asarray(v, np.float64), np.asarray(q_pos), np.asarray(k_pos), q_seg, k_seg,
-                    bias, scale=scale, causal=causal, window=window, block_q=block_q,
-                    block_kv=block_kv)
+                    np.asarray(v, np.float64), q_pos, k_pos, q_seg, k_seg,
+                    None if bias is None else np.asarray(bias, np.float64),
+                    scale=check_scale(scale, d), causal=check_bool(causal, "causal"),
+                    window=check_window(window), block_q=check_block(block_q, sq, "block_q"),
+                    block_kv=check_block(block_kv, sk, "block_kv"))
     return finalize(*state)
 
 
@@ -112,10 +127,11 @@ def blockwise_attention(q, k, v, *, block_q=None, block_kv=None, causal=False, s
     block_q = check_block(default_block(s) if block_q is None else block_q, s, "block_q")
     block_kv = check_block(default_block(s) if block_kv is None else block_kv, s, "block_kv")
     scale = check_scale(scale, d)
-    window = check_window(window)
+    causal = check_bool(causal, "causal")
+    window = check_window(window, s)
     segment_ids = check_segment_ids(segment_ids, b, s)
     bias = None if check_bias(bias, b, h, s) is None else np.asarray(bias, np.float64)
-    pos = np.arange(s)
+    pos = np.arange(s)[None]  # (1, s)
     o, lse = hop_attention(q, k, v, pos, pos, segment_ids, segment_ids, bias, scale=scale,
                            causal=causal, window=window, block_q=block_q, block_kv=block_kv)
     return (o, lse) if return_lse else o

@@ -23,7 +23,7 @@ from .blockwise import attend_kv_block, default_block
 from .layouts import layout_permutation
 from .masks import tile_is_empty
 from .softmax import finalize, init_state
-from .validation import (check_bias, check_block, check_layout, check_n_hosts, check_qkv,
+from .validation import (check_bias, check_block, check_bool, check_layout, check_n_hosts, check_qkv,
                          check_scale, check_segment_ids, check_window)
 
 
@@ -31,7 +31,7 @@ from .validation import (check_bias, check_block, check_layout, check_n_hosts, c
 class KVBlock:
     """What travels around the ring: one K/V shard with its true positions and segment ids.
 
-    k, v: [b, c, kv_heads, d]; k_pos: int [c]; k_seg: int [b, c] or None. In the backward pass the
+    k, v: [b, c, kv_heads, d]; k_pos: int [1, c] (the same for every example); k_seg: int [b, c] or None. In the backward pass the
     block's gradients dk, dv ([b, c, kv_heads, d]) travel with it.
     """
     kv_idx: int
@@ -56,7 +56,7 @@ class Host:
     """One virtual device: its query shard (stays), the K/V block it holds, its receive buffer,
     and its online-softmax state.
 
-    q: [b, c, h, d]; q_pos: int [c] true positions; q_seg: int [b, c] or None;
+    q: [b, c, h, d]; q_pos: int [1, c] true positions; q_seg: int [b, c] or None;
     m, l: [b, h, c]; o: [b, c, h, d] (unnormalised until the end).
     Backward only (``backward.py``): do: [b, c, h, d]; lse, delta: [b, h, c]; dq: [b, c, h, d].
     """
@@ -150,7 +150,7 @@ def setup_ring(q, k, v, *, n_hosts, causal, segment_ids, bias, window, scale, la
     problem = RingProblem(
         n_hosts=n_hosts, shard=c, perm=layout_permutation(layout, s, n_hosts),
         layout_name=layout if isinstance(layout, str) else "custom", scale=check_scale(scale, d),
-        causal=bool(causal), window=check_window(window),
+        causal=check_bool(causal, "causal"), window=check_window(window, s),
         bias=None if check_bias(bias, b, h, s) is None else np.asarray(bias, np.float64),
         block_q=block_q, block_kv=block_kv, itemsize=np.dtype(q.dtype).itemsize)
     segment_ids = check_segment_ids(segment_ids, b, s)
@@ -161,15 +161,16 @@ def setup_ring(q, k, v, *, n_hosts, causal, segment_ids, bias, window, scale, la
     for r in range(n_hosts):
         sl = slice(r * c, (r + 1) * c)
         seg = None if seg_l is None else seg_l[:, sl]
-        hosts.append(Host(my_idx=r, q=q_l[:, sl], q_pos=perm[sl], q_seg=seg,
-                          held=KVBlock(kv_idx=r, k=k_l[:, sl], v=v_l[:, sl], k_pos=perm[sl],
-                                       k_seg=seg)))
+        pos = perm[None, sl]  # (1, c): true positions, shared by every example
+        hosts.append(Host(my_idx=r, q=q_l[:, sl], q_pos=pos, q_seg=seg,
+                          held=KVBlock(kv_idx=r, k=k_l[:, sl], v=v_l[:, sl], k_pos=pos, k_seg=seg)))
     return problem, hosts
 
 
 def hop_is_empty(host, problem):
     """A whole hop is skipped when the mask is provably empty for the host's queries and block."""
-    return tile_is_empty(host.q_pos, host.held.k_pos, causal=problem.causal, window=problem.window)
+    return tile_is_empty(host.q_pos, host.held.k_pos, host.q_seg, host.held.k_seg, causal=problem.causal,
+                         window=problem.window)
 
 
 def send_to_next(hosts):

@@ -1,14 +1,16 @@
 """Argument checks shared by ``ringattn_ref`` and ``ringattn_fast``.
 
 Every public function validates at its boundary with these helpers, so both packages raise the same
-``ValueError`` messages: the argument's name, what was received, and what is needed. They look only
-at ``.shape`` / ``.dtype``, so they work for numpy and JAX arrays (also under ``jax.jit`` tracing).
+``ValueError`` messages: the argument's name, what was received, and what is needed. They look at
+``.shape`` / ``.dtype``, so they work for numpy and JAX arrays (also under ``jax.jit`` tracing), and at
+the values of integer ids and positions only when those are known (not traced).
 """
 from __future__ import annotations
 
 import numpy as np
 
 LAYOUTS = ("contiguous", "striped", "zigzag")
+INT32_MAX = 2**31 - 1  # positions and segment ids travel (and are compared) as int32
 
 
 def is_float_dtype(dtype):
@@ -28,6 +30,8 @@ def check_qkv(q, k, v):
             raise ValueError(f"{name} must be 4-D [batch, seq, heads, dim]; got shape {tuple(x.shape)}")
         if not is_float_dtype(x.dtype):
             raise ValueError(f"{name} must be a floating-point array; got dtype {x.dtype}")
+    if q.shape[1] < 1:
+        raise ValueError(f"q must hold at least one token; got shape {tuple(q.shape)} (seq = 0)")
     if tuple(k.shape) != tuple(v.shape):
         raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
     b, s, h, d = q.shape
@@ -55,18 +59,65 @@ def check_scale(scale, dim):
     return value
 
 
-def check_window(window):
-    """Normalise ``window`` to ``(left, right)`` ints (-1 = unbounded) or ``None``."""
+def check_bool(value, name):
+    """A flag must be a real bool (``causal="False"`` would otherwise be truthy); returns a bool."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a bool (True or False); got {value!r} of type {type(value).__name__}")
+    return bool(value)
+
+
+def _is_int(x):
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_window(window, seq=None):
+    """Normalise ``window`` to ``(left, right)`` ints (-1 = unbounded) or ``None``.
+
+    Each bound must be an int (not a bool, float or str) >= -1. A bound that no pair can exceed is
+    unbounded, so it is clamped to -1 before any int32 arithmetic: one of at least ``seq - 1`` (the
+    largest distance between two of ``seq`` tokens) when ``seq`` is given, and one beyond int32 always.
+    Example: ``check_window((10**12, 0)) == (-1, 0)``; ``check_window((8, 8), seq=8) == (-1, -1)``.
+    """
     if window is None:
         return None
     try:
         left, right = window
-        left, right = int(left), int(right)
     except (TypeError, ValueError):
         raise ValueError(f"window must be a pair (left, right) of ints >= -1; got {window!r}") from None
-    if left < -1 or right < -1:
-        raise ValueError(f"window must be a pair (left, right) of ints >= -1 (-1 = unbounded); got {window!r}")
-    return left, right
+    if not (_is_int(left) and _is_int(right)) or left < -1 or right < -1:
+        raise ValueError(f"window must be a pair (left, right) of ints >= -1 (-1 = unbounded), not bools, "
+                         f"floats or strings; got {window!r}")
+    limit = INT32_MAX if seq is None else min(INT32_MAX, max(int(seq) - 1, 0))
+    return tuple(-1 if int(w) >= limit else int(w) for w in (left, right))
+
+
+def _concrete(x):
+    """``x`` as a numpy array when its values are known now (numpy, a concrete jax array), else None."""
+    if isinstance(x, np.ndarray):
+        return x
+    try:
+        return np.asarray(x)  # a jax tracer raises here
+    except Exception:  # noqa: BLE001 - any tracer error means "values unknown at trace time"
+        return None
+
+
+def check_int32_values(x, name, *, low=-INT32_MAX - 1, traced_wide_ok=False):
+    """Integer ids/positions are compared as int32: values outside ``[low, 2**31)`` would wrap and, e.g.,
+    merge two documents silently. Checked when the values are known (not under ``jax.jit``); a traced
+    array wider than 32 bits is rejected, as its values cannot be checked, unless ``traced_wide_ok``
+    (positions: a 64-bit ``arange`` under x64 is common, and a position past 2**31 is not)."""
+    if not np.issubdtype(np.dtype(x.dtype), np.integer):
+        raise ValueError(f"{name} must be an integer array; got dtype {x.dtype}")
+    values = _concrete(x)
+    if values is None:
+        if np.dtype(x.dtype).itemsize > 4 and not traced_wide_ok:
+            raise ValueError(f"{name} has dtype {x.dtype} under jax.jit, where its values cannot be checked "
+                             f"against the int32 range it is compared in; pass int32 {name}")
+        return x
+    if values.size and (values.min() < low or values.max() > INT32_MAX):
+        raise ValueError(f"{name} must lie in [{low}, {INT32_MAX}] (compared as int32); got values in "
+                         f"[{values.min()}, {values.max()}]")
+    return x
 
 
 def check_segment_ids(segment_ids, batch, seq):
@@ -76,9 +127,17 @@ def check_segment_ids(segment_ids, batch, seq):
     shape = tuple(segment_ids.shape)
     if shape != (batch, seq):
         raise ValueError(f"segment_ids must have shape [batch, seq] = {(batch, seq)}; got {shape}")
-    if not np.issubdtype(np.dtype(segment_ids.dtype), np.integer):
-        raise ValueError(f"segment_ids must be an integer array; got dtype {segment_ids.dtype}")
-    return segment_ids
+    return check_int32_values(segment_ids, "segment_ids")
+
+
+def check_positions(positions, batch, seq, name="positions"):
+    """True positions: int [batch, seq] in ``[0, 2**31)``, or None."""
+    if positions is None:
+        return None
+    shape = tuple(positions.shape)
+    if shape != (batch, seq):
+        raise ValueError(f"{name} must have shape [batch, seq] = {(batch, seq)}; got {shape}")
+    return check_int32_values(positions, name, low=0, traced_wide_ok=True)
 
 
 def check_bias(bias, batch, heads, seq):

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import cost
 from .layouts import layout_permutation
-from .masks import tile_is_empty, visible
+from .masks import allowed, tile_is_empty
 from .validation import check_window
 
 SKIPPED_GREY = (0.82, 0.82, 0.82, 1.0)
@@ -103,7 +103,7 @@ def plot_hop_masks(seq, n_hosts, layout="contiguous", causal=True, window=None, 
         for s in range(n_steps):
             kv = (r - s) % n_hosts
             k_pos = perm[kv * shard:(kv + 1) * shard]
-            mask = visible(q_pos, k_pos, causal=causal, window=window)[0]  # (shard, shard)
+            mask = allowed(q_pos[:, None], k_pos[None, :], causal=causal, window=window)  # (shard, shard)
             ax = axes[row, s]
             empty = tile_is_empty(q_pos, k_pos, causal=causal, window=window)
             ax.imshow(mask, cmap="Blues", vmin=0, vmax=1.4, interpolation="nearest")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .masks import tile_is_empty, visible
+from .masks import allowed, tile_is_empty
 from .validation import check_window
 from .viz import _pyplot
 
@@ -79,7 +79,7 @@ def plot_tiles(q_pos, k_pos, block_q, block_kv, *, causal=True, window=None, tit
     for name, size, n in (("block_q", block_q, q_pos.size), ("block_kv", block_kv, k_pos.size)):
         if not isinstance(size, (int, np.integer)) or size < 1 or n % size:
             raise ValueError(f"{name} must be a positive int dividing {n}; got {size!r}")
-    mask = visible(q_pos, k_pos, causal=causal, window=window)[0]  # (sq, sk)
+    mask = allowed(q_pos[:, None], k_pos[None, :], causal=causal, window=window)  # (sq, sk)
     nq, nk = q_pos.size // block_q, k_pos.size // block_kv
     fig, ax = plt.subplots(figsize=(1.2 + 4.2 * k_pos.size / max(q_pos.size, k_pos.size),
                                     0.9 + 4.2 * q_pos.size / max(q_pos.size, k_pos.size)),

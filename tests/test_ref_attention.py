@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringattn_ref import attention, blockwise_attention, merge
-from ringattn_ref.masks import tile_is_empty, visible
+from ringattn_ref.masks import allowed, tile_is_empty
 from ringattn_ref.softmax import finalize, init_state, online_update
 from ringattn_ref.testing import attention_problems, max_abs_error as max_err
 
@@ -146,12 +146,12 @@ def test_tile_is_empty_is_sound_and_exact_on_intervals(data):
     q_lo, k_lo = draw(st.integers(0, 30)), draw(st.integers(0, 30))
     q_pos = np.arange(q_lo, q_lo + draw(st.integers(1, 6)))
     k_pos = np.arange(k_lo, k_lo + draw(st.integers(1, 6)))
-    any_visible = visible(q_pos, k_pos, causal=causal, window=window).any()
+    any_visible = allowed(q_pos[:, None], k_pos[None, :], causal=causal, window=window).any()
     assert tile_is_empty(q_pos, k_pos, causal=causal, window=window) == (not any_visible)
     perm = np.random.default_rng(draw(st.integers(0, 99))).permutation(40)
     qs, ks = perm[:5], perm[5:11]  # scattered positions: must stay sound
     if tile_is_empty(qs, ks, causal=causal, window=window):
-        assert not visible(qs, ks, causal=causal, window=window).any()
+        assert not allowed(qs[:, None], ks[None, :], causal=causal, window=window).any()
 
 
 def test_package_name_attention_is_the_function_even_after_submodule_imports():

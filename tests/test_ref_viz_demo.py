@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ringattn_ref import cost, layout_permutation, ring_attention, viz
-from ringattn_ref.masks import visible
+from ringattn_ref.masks import allowed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,7 @@ def test_hop_masks_one_host_with_window_and_bad_host():
     axes = [ax for ax in fig.axes if ax.images]
     assert len(axes) == 4 and "host 2" in fig._suptitle.get_text()
     q_pos, k_pos = np.arange(8, 12), np.arange(4, 8)  # host 2 at step 1 holds block 1
-    want = visible(q_pos, k_pos, window=(2, 0))[0]
+    want = allowed(q_pos[:, None], k_pos[None, :], window=(2, 0))
     np.testing.assert_array_equal(np.asarray(axes[1].images[0].get_array()), want)
     assert [("skip" in _texts(ax)) for ax in axes] == [False, False, True, True]
     with pytest.raises(ValueError, match=r"host must be an int in \[0, 4\) or None; got 4"):

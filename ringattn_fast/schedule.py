@@ -1,0 +1,138 @@
+"""What the forward and the backward ring share: what stays, what travels, and in which order.
+
+Ring Attention (arXiv:2310.01889, Algorithm 1) on ``N = axis_size`` hosts: host ``my_idx`` keeps its
+query shard (a :class:`QShard`) and, at ring step ``step``, holds K/V shard
+``kv_idx = (my_idx - step) % N`` (the authors' index arithmetic): with 4 hosts, at step 1 host 0 holds
+K/V shard 3. A :class:`KVShard` (K, V, their true positions, segment ids and a key-only bias) moves
+to host ``my_idx + 1`` with one ``lax.ppermute`` of the whole named tuple, as ``ringattn_ref.ring``
+moves its ``KVBlock``. The per-hop functions (``hop.py`` and the Pallas kernels) all take
+``(QShard, KVShard, HopConfig)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+class QShard(NamedTuple):
+    """What stays on a host: q [b, sq, h, d], its true positions int32 [b, sq], segment ids or None."""
+    q: jax.Array
+    pos: jax.Array
+    seg: jax.Array | None = None
+
+
+class KVShard(NamedTuple):
+    """What travels: k, v [b, sk, hk, d], true positions int32 [b, sk], segment ids or None, and a
+    bias for these keys ``[b|1, h|1, sq|1, sk|1]`` or None (in the ring only a key-only bias travels;
+    the ring hands each hop the bias block of the keys it holds)."""
+    k: jax.Array
+    v: jax.Array
+    pos: jax.Array
+    seg: jax.Array | None = None
+    bias: jax.Array | None = None
+
+
+class HopGrads(NamedTuple):
+    """One hop's gradients: dq [b, sq, h, d]; dk, dv [b, sk, hk, d] (summed over the GQA group);
+    dbias shaped like the hop's bias, or None."""
+    dq: jax.Array
+    dk: jax.Array
+    dv: jax.Array
+    dbias: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class HopConfig:
+    """Static settings of one hop (hashable, so kernels can take it as a static argument).
+
+    scale: logit scale; causal / window: the mask (window normalised, -1 = unbounded, int32-safe);
+    block_q / block_kv: the tile sides Br / Bc, dividing the shard.
+    """
+    scale: float
+    causal: bool = False
+    window: tuple | None = None
+    block_q: int = 128
+    block_kv: int = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class RingConfig:
+    """Static settings of one ring call (hashable: a ``custom_vjp`` non-differentiable argument).
+
+    bias_mode: ``None``; ``"columns"`` (local ``[b|1, h|1, sq|1, N*sk]``: all key columns, sliced per
+    hop); ``"travel"`` (key-only ``[b|1, h|1, 1, sk]``, moves with K/V); ``"static"`` (key dim 1).
+    skip_empty_hops: skip a hop whose mask is provably empty with ``lax.cond`` around it; off for a
+    kernel that must run on every host at every step (the TPU interpreter's barrier).
+    """
+    axis_name: str
+    hop: HopConfig
+    impl: str = "xla"
+    bias_mode: str | None = None
+    skip_empty_hops: bool = True
+
+
+def ring_perm(n):
+    """``lax.ppermute`` pairs: host ``i`` sends to host ``i + 1`` (mod ``n``)."""
+    return [(i, (i + 1) % n) for i in range(n)]
+
+
+def send_to_next(x, axis_name):
+    """Send a pytree (a :class:`KVShard`, or gradients) one host along the ring: one ppermute."""
+    return lax.ppermute(x, axis_name, ring_perm(lax.axis_size(axis_name)))
+
+
+def ring_loop(step_fn, carry, n):
+    """``carry = step_fn(carry, step)`` for ``step = 0 .. n - 2`` as one XLA while loop.
+
+    The trip count is hidden behind an optimization barrier so XLA keeps the loop even when it runs
+    once (``n = 2``): every ring size then runs the same program with the same buffers (K/V being
+    used + K/V being received), and per-device memory does not depend on ``n``.
+    """
+    trips = lax.optimization_barrier(jnp.int32(n - 1))
+    return lax.fori_loop(0, trips, lambda step, c: step_fn(c, step), carry)
+
+
+def kv_index(my_idx, step, n):
+    """The K/V shard host ``my_idx`` holds at ring step ``step``: ``(my_idx - step) % n``."""
+    return (my_idx - step) % n
+
+
+def local_positions(layout, seq_local, axis_name, batch):
+    """True positions (int32 ``[batch, seq_local]``) of this host's tokens under ``layout``.
+
+    Host ``r`` of ``N`` owns layout positions ``r*seq_local + i``; ``perm`` of ``ringattn_ref.layouts``
+    maps them to true positions: contiguous ``r*seq_local + i``; striped ``i*N + r``; zigzag chunk
+    ``r`` then chunk ``2N-1-r`` (chunks of ``seq_local/2``); an explicit ``perm`` is looked up.
+    """
+    n, r = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    i = jnp.arange(seq_local, dtype=jnp.int32)
+    if isinstance(layout, str) and layout == "contiguous":
+        pos = r * seq_local + i
+    elif isinstance(layout, str) and layout == "striped":
+        pos = i * n + r
+    elif isinstance(layout, str) and layout == "zigzag":
+        c = seq_local // 2
+        pos = jnp.where(i < c, r * c + i, (2 * n - 1 - r) * c + i - c)
+    else:
+        perm = jnp.asarray(layout, dtype=jnp.int32)
+        pos = lax.dynamic_slice_in_dim(perm, r * seq_local, seq_local)
+    return jnp.broadcast_to(pos.astype(jnp.int32)[None], (batch, seq_local))
+
+
+def hop_kv(cfg, kv, bias, kv_idx):
+    """The shard a hop attends to: ``kv`` with the bias block of its keys (``[b|1, h|1, sq|1, sk|1]``).
+
+    ``bias`` is this host's non-travelling bias (``cfg.bias_mode`` "columns": every key column, of
+    which the hop takes block ``kv_idx``; "static": one column for all keys); a key-only bias is
+    already in ``kv.bias``.
+    """
+    if cfg.bias_mode == "columns":
+        sk = kv.k.shape[1]
+        return kv._replace(bias=lax.dynamic_slice_in_dim(bias, kv_idx * sk, sk, axis=3))
+    if cfg.bias_mode == "static":
+        return kv._replace(bias=bias)
+    return kv  # "travel" (already there) or no bias
