@@ -1,32 +1,17 @@
 """ringattn_fast — Ring Attention for real: jax.shard_map + lax.ppermute, custom VJP, Pallas kernels.
 
-Reading order: ``mesh`` -> ``masks`` -> ``softmax`` (merge) -> ``hop`` (one hop, XLA) -> ``ring``
-(forward, public API) -> ``ring_vjp`` (backward ring) -> ``layouts`` -> ``dispatch`` (``impl=``) ->
-``feedforward`` -> ``bench``. Names are imported lazily: ``import ringattn_fast`` imports no kernel
-(and not even JAX) until a name is used.
+Reading order, following ``q`` from the public function to a kernel and back:
+``ring`` (``ring_attention`` -> ``ring_attention_shard`` -> the ``custom_vjp`` and the forward ring)
+-> ``schedule`` (what stays, what travels: ``QShard``, ``KVShard``; ``ring_loop``, positions)
+-> ``dispatch`` (``impl=``) -> ``hop`` (one hop in XLA) or ``kernels/`` (Pallas) -> ``masks`` and
+``softmax.merge`` -> ``backward`` (the backward ring). Beside the ring: ``mesh``, ``layouts``,
+``feedforward``.
 """
-from importlib import import_module
+from .feedforward import blockwise_feedforward
+from .layouts import from_layout, to_layout
+from .mesh import make_mesh
+from .ring import ring_attention, ring_attention_shard
+from .softmax import merge
 
-_EXPORTS = {
-    "make_mesh": "mesh",
-    "ring_attention": "ring",
-    "ring_attention_shard": "ring",
-    "to_layout": "layouts",
-    "from_layout": "layouts",
-    "merge": "softmax",
-    "blockwise_feedforward": "feedforward",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__all__ = ["blockwise_feedforward", "from_layout", "make_mesh", "merge", "ring_attention",
+           "ring_attention_shard", "to_layout"]

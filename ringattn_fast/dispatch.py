@@ -1,51 +1,65 @@
-"""``impl=`` dispatch, decided per call from the devices of the mesh (never at import time).
+"""``impl=``: which code computes a hop, decided per call from the devices of the mesh.
 
 ``"auto"`` picks, for the platform of the mesh's devices: TPU -> ``"pallas_tpu_fused"`` (one kernel
 runs the whole ring, moving K/V by remote DMA), GPU -> ``"pallas_gpu"`` (a Triton flash kernel per
-hop), CPU -> ``"xla"`` (``hop.py``). The Pallas kernels take no ``bias``: with a bias ``"auto"``
-falls back to ``"xla"``, and asking for a Pallas impl explicitly with a bias is an error. On CPU the
-Pallas impls run in their interpreters (slow; for tests). Kernel modules are imported lazily, here.
+hop), CPU -> ``"xla"`` (``hop.py``). The Pallas kernels take no ``bias`` and compute in float32: with
+a bias ``"auto"`` falls back to ``"xla"``, and asking for a Pallas impl explicitly with a bias, with
+float64 or with mixed q/k/v dtypes is an error (``kernels.tiles.check_kernel_dtypes``). On CPU the
+Pallas impls run in their interpreters (slow; for tests). The per-hop TPU kernel must run on every
+host at every step (the TPU interpreter puts a barrier before each kernel), so the ring never skips
+its hops with ``lax.cond``: it skips tiles inside the kernel, from its prefetched tile schedule.
 """
 from __future__ import annotations
 
-from importlib import import_module
+from typing import Callable, NamedTuple
 
-IMPLS = ("auto", "xla", "pallas_gpu", "pallas_tpu", "pallas_tpu_fused")
+from . import hop
+from .kernels import pallas_gpu, pallas_tpu, tpu_ring_fused
+from .kernels.tiles import check_kernel_dtypes
+
+
+class Kernels(NamedTuple):
+    """What one impl provides: per-hop functions (the contract of ``docs/design.md``), or a whole
+    ring; where it runs (``"cpu"`` = interpret mode); whether the ring may skip empty hops around it."""
+    hop_fwd: Callable | None
+    hop_bwd: Callable | None
+    ring: Callable | None
+    runs_on: tuple
+    ring_may_skip: bool
+
+
+KERNELS = {
+    "xla": Kernels(hop.hop_fwd, hop.hop_bwd, None, ("cpu", "gpu", "cuda", "rocm", "tpu"), True),
+    "pallas_gpu": Kernels(pallas_gpu.hop_fwd, pallas_gpu.hop_bwd, None, ("gpu", "cuda", "rocm", "cpu"), True),
+    "pallas_tpu": Kernels(pallas_tpu.hop_fwd, pallas_tpu.hop_bwd, None, ("tpu", "cpu"), False),
+    "pallas_tpu_fused": Kernels(None, None, tpu_ring_fused.fused_ring_attention_shard, ("tpu", "cpu"), False),
+}
+IMPLS = ("auto",) + tuple(KERNELS)
 _AUTO = {"tpu": "pallas_tpu_fused", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu"}
-_RUNS_ON = {"pallas_gpu": ("gpu", "cuda", "rocm", "cpu"), "pallas_tpu": ("tpu", "cpu"),
-            "pallas_tpu_fused": ("tpu", "cpu")}
-_MODULES = {"pallas_gpu": "ringattn_fast.kernels.pallas_gpu", "pallas_tpu": "ringattn_fast.kernels.pallas_tpu",
-            "pallas_tpu_fused": "ringattn_fast.kernels.tpu_ring_fused"}
 
 
-def resolve_impl(impl, platform, *, has_bias=False):
-    """The concrete impl for this call: ``"xla"``, ``"pallas_gpu"``, ``"pallas_tpu"`` or ``"pallas_tpu_fused"``."""
+def kernels_for(impl):
+    """The :class:`Kernels` of a resolved impl (``"xla"``, ``"pallas_gpu"``, ...)."""
+    return KERNELS[impl]
+
+
+def check_impl(impl, platform, q, k, v, *, has_bias=False):
+    """The concrete impl for this call, or a ValueError naming what does not fit (bias, dtype, platform)."""
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
     if impl == "auto":
         impl = "xla" if has_bias else _AUTO.get(platform, "xla")
+        try:
+            check_kernel_dtypes(impl, q, k, v) if impl != "xla" else None
+        except ValueError:  # float64 or mixed dtypes: the kernels compute in float32, XLA does not
+            impl = "xla"
     if impl == "xla":
         return impl
     if has_bias:
         raise ValueError(f"impl={impl!r} does not support bias (the Pallas kernels take none); "
                          f"use impl='xla' or impl='auto' with a bias")
-    if platform not in _RUNS_ON[impl]:
+    if platform not in KERNELS[impl].runs_on:
         raise ValueError(f"impl={impl!r} cannot run on {platform!r} devices; it runs on "
-                         f"{_RUNS_ON[impl]} (cpu = interpret mode)")
+                         f"{KERNELS[impl].runs_on} (cpu = interpret mode)")
+    check_kernel_dtypes(impl, q, k, v)
     return impl
-
-
-def hop_functions(impl):
-    """``(hop_fwd, hop_bwd)`` implementing the per-hop contract for a per-hop impl."""
-    if impl == "xla":
-        from . import hop
-        return hop.hop_fwd, hop.hop_bwd
-    if impl in ("pallas_gpu", "pallas_tpu"):
-        module = import_module(_MODULES[impl])
-        return module.hop_fwd, module.hop_bwd
-    raise ValueError(f"impl {impl!r} has no per-hop functions")
-
-
-def fused_ring():
-    """``fused_ring_attention_shard`` of the fused TPU ring kernel (its own custom_vjp)."""
-    return import_module(_MODULES["pallas_tpu_fused"]).fused_ring_attention_shard

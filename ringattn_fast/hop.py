@@ -1,11 +1,12 @@
 """One ring hop in XLA: blockwise attention of the local queries against the K/V shard held now.
 
-Implements the per-hop contract of ``docs/design.md`` (the Pallas kernels implement the same one):
+Implements the per-hop contract of ``docs/design.md`` (the Pallas kernels implement the same one;
+``ringattn_ref.hop_attention`` and ``hop_attention_vjp`` are its float64 oracles):
 
-    hop_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window, block_q, block_kv)
+    hop_fwd(qs: QShard, kv: KVShard, cfg: HopConfig)
         -> o float [b, sq, h, d] normalised within the hop, lse float [b, h, sq]
-    hop_bwd(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, bias, *, ...same...)
-        -> dq [b, sq, h, d], dk, dv [b, sk, hk, d] (summed over the GQA group), dbias like bias
+    hop_bwd(qs, kv, cfg, *, do, lse, delta)
+        -> HopGrads(dq [b, sq, h, d], dk, dv [b, sk, hk, d] summed over the GQA group, dbias like kv.bias)
 
 This is the Blockwise Parallel Transformer's inner loop (arXiv:2305.19370 §3; Ring Attention,
 arXiv:2310.01889, Algorithm 1) written as FlashAttention-2 (arXiv:2307.08691): queries in ``block_q``
@@ -18,8 +19,10 @@ Layout for speed: inputs are cut once per hop into chunk-major, head-major piece
 (``[n, b, hk, g*block, d]``), so every tile is a plain batched matmul over ``(b, hk)`` and GQA costs
 nothing: the ``g`` query heads that share a kv head are folded into the tile's rows (K/V are never
 repeated). The scale is folded into q (``O(s d)`` work instead of ``O(s^2)``). Accumulation is float32
-for 16/32-bit inputs and float64 for float64. ``bias`` is ``[b|1, h|1, sq|1, sk|1]``, added to the
-scaled logits (mirrors ``ringattn_ref.blockwise``).
+for 16/32-bit inputs and float64 for float64. ``kv.bias`` is ``[b|1, h|1, sq|1, sk|1]``, added to the
+scaled logits (mirrors ``ringattn_ref.blockwise``). A masked pair (logit -inf) contributes nothing,
+whatever the key holds: probabilities and ``dS`` are zeroed with ``where``, V and K enter the matmuls
+only where finite, and a row that sees a non-finite value is NaN (``docs/design.md``, "Non-finite keys").
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from jax import lax
 
 from . import masks
 from .mesh import varying_axes, vary_like
+from .schedule import HopGrads
 
 
 def acc_dtype(dtype):
@@ -122,38 +126,43 @@ def _logits_t(k_j, qt_i, bias_ij, mask_ij, g, acc):
     return st.reshape(b, hk, bkv, gq)
 
 
-def _by_kind(tile, carry, skipped, qp, kp, qs, ks, causal, window, per_tile):
+def _by_kind(tile, carry, skipped, qp, kp, qs, ks, cfg, per_tile):
     """Run ``tile(carry, True)`` on a partial tile, ``tile(carry, False)`` on a full one, and
     return ``skipped(carry)`` on an empty one; no branch at all unless ``per_tile``."""
     if not per_tile:
         return tile(carry, False)
-    kind = masks.tile_kind(qp, kp, qs, ks, causal=causal, window=window)
+    kind = masks.tile_kind(qp, kp, qs, ks, causal=cfg.causal, window=cfg.window)
     return lax.switch(kind, [skipped, lambda c: tile(c, False), lambda c: tile(c, True)], carry)
 
 
-def _whole_hop(run, q_pos, k_pos, q_seg, k_seg, causal, window):
+def _whole_hop(run, qs, kv, cfg):
     """``run(per_tile=False)`` when the whole hop is provably visible (one branch for the hop, none
     per tile), else ``run(per_tile=True)``: tiles classified one by one (``masks.tile_kind``)."""
-    if not masks.can_be_empty(causal, window, q_seg is not None):
+    if not masks.can_be_empty(cfg.causal, cfg.window, qs.seg is not None):
         return run(per_tile=False)
-    full = masks.tile_is_full(q_pos, k_pos, q_seg, k_seg, causal=causal, window=window)
+    full = masks.tile_is_full(qs.pos, kv.pos, qs.seg, kv.seg, causal=cfg.causal, window=cfg.window)
     return lax.cond(full, lambda: run(per_tile=False), lambda: run(per_tile=True))
 
 
-def hop_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window, block_q, block_kv):
-    """Attention of ``q`` against one K/V shard: ``(o, lse)``, o 0 and lse -inf where a row saw nothing."""
-    run = partial(_hop_fwd, q, k, v, q_pos, k_pos, q_seg, k_seg, bias, scale=scale, causal=causal,
-                  window=window, block_q=block_q, block_kv=block_kv)
-    return _whole_hop(run, q_pos, k_pos, q_seg, k_seg, causal, window)
+def _finite(x):
+    """``x`` with its non-finite entries set to 0, for a matmul where a masked entry meets ``0 * nan``."""
+    return jnp.where(jnp.isfinite(x), x, 0.0)
 
 
-def _hop_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window, block_q, block_kv, per_tile):
+def hop_fwd(qs, kv, cfg):
+    """Attention of ``qs.q`` against one K/V shard: ``(o, lse)``, o 0 and lse -inf where a row saw nothing."""
+    return _whole_hop(partial(_hop_fwd, qs, kv, cfg), qs, kv, cfg)
+
+
+def _hop_fwd(qs, kv, cfg, *, per_tile):
+    (q, q_pos, q_seg), (k, v, k_pos, k_seg, bias) = qs, kv
+    block_q, block_kv = cfg.block_q, cfg.block_kv
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g, acc = h // hk, acc_dtype(q.dtype)
     axes = varying_axes(q, k, v, q_pos, k_pos, q_seg, k_seg, bias)
     nq, nk = sq // block_q, sk // block_kv
-    qc = _q_chunks(q.astype(acc) * scale, hk, block_q)  # (nq, b, hk, g*bq, d)
+    qc = _q_chunks(q.astype(acc) * cfg.scale, hk, block_q)  # (nq, b, hk, g*bq, d)
     kc, vc = _kv_chunks(k, block_kv), _kv_chunks(v, block_kv)  # (nk, b, hk, bkv, d)
     kv_xs = (jnp.arange(nk), kc, vc, _pos_chunks(k_pos, block_kv), _pos_chunks(k_seg, block_kv))
 
@@ -163,19 +172,30 @@ def _hop_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window
 
         def kv_block(carry, xs):  # one Bc chunk: the online-softmax update (FA-2 Algorithm 1)
             j, k_j, v_j, kp_j, ks_j = xs
+            v_j = v_j.astype(acc)
+            bad_j = ~jnp.isfinite(v_j).all(-1)  # (b, hk, bkv): keys whose V holds a nan/inf
 
             def tile(carry, masked):
                 o, m, l = carry  # (b, hk, g*bq, d), (b, hk, g*bq), (b, hk, g*bq)
-                mask = masks.allowed(qp_i, kp_j, qs_i, ks_j, causal=causal, window=window) if masked else None
+                mask = masks.allowed(qp_i[:, :, None], kp_j[:, None, :], *_seg_pair(qs_i, ks_j),
+                                     causal=cfg.causal, window=cfg.window) if masked else None
                 s = _logits(q_i, k_j, _rows(bias_i, j * block_kv, block_kv, 3), mask, g, acc)
                 m_new = jnp.maximum(m, s.max(axis=-1))
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with no key yet
-                p = jnp.exp(s - m_safe[..., None])  # masked -> exp(-inf) = 0
                 alpha = jnp.exp(m - m_safe)
-                pv = jnp.einsum("bkqs,bksd->bkqd", p, v_j.astype(acc))
+                if mask is None and bias is None:  # every pair live: plain FA-2 arithmetic
+                    p = jnp.exp(s - m_safe[..., None])
+                    row_bad = bad_j.any(-1)[:, :, None]  # (b, hk, 1)
+                    pv = jnp.einsum("bkqs,bksd->bkqd", p, v_j)
+                else:  # masked pairs: p = 0 by where, and their V never enters the matmul
+                    live = s != -jnp.inf
+                    p = jnp.where(live, jnp.exp(s - m_safe[..., None]), 0.0)
+                    row_bad = (live & bad_j[:, :, None, :]).any(-1)  # (b, hk, g*bq)
+                    pv = jnp.einsum("bkqs,bksd->bkqd", p, _finite(v_j))
+                pv = jnp.where(row_bad[..., None], jnp.nan, pv)
                 return alpha[..., None] * o + pv, m_new, alpha * l + p.sum(axis=-1)
 
-            return _by_kind(tile, carry, lambda c: c, qp_i, kp_j, qs_i, ks_j, causal, window, per_tile), None
+            return _by_kind(tile, carry, lambda c: c, qp_i, kp_j, qs_i, ks_j, cfg, per_tile), None
 
         init = (jnp.zeros(q_i.shape, acc), jnp.full(q_i.shape[:-1], -jnp.inf, acc), jnp.zeros(q_i.shape[:-1], acc))
         (o, m, l), _ = lax.scan(kv_block, vary_like(init, axes), kv_xs)
@@ -186,14 +206,18 @@ def _hop_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window
     return _q_unchunk(o, g), _stat_unchunk(lse, g)
 
 
+def _seg_pair(q_seg, k_seg):
+    """Segment ids as a column of queries and a row of keys for ``masks.allowed`` (or Nones)."""
+    return (None, None) if q_seg is None else (q_seg[:, :, None], k_seg[:, None, :])
+
+
 def _sum_to(x, shape):
     """Sum ``x`` over the axes where ``shape`` is 1 (the bias's broadcast axes), keeping dims."""
     axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape)) if m == 1 and n != 1)
     return x.sum(axis=axes, keepdims=True) if axes else x
 
 
-def hop_bwd(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window,
-            block_q, block_kv):
+def hop_bwd(qs, kv, cfg, *, do, lse, delta):
     """FlashAttention-2 backward (Algorithm 2) of one hop, recomputing each tile from ``q, k, lse``.
 
     Outer loop over K/V chunks (dK_j, dV_j accumulate over the query chunks), inner loop over query
@@ -205,14 +229,16 @@ def hop_bwd(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, bias, *, scale,
     hop) and ``K^T`` (once per key chunk), so all five matmuls contract a last axis or the lhs's last
     with the rhs's first (``dQ^T = K^T dS^T``): XLA CPU runs ``P^T dO`` written on the untransposed
     ``P`` (both operands contracted on their row axis) 1.4-3x slower (measured at 128 and 1024 tiles).
+
+    do: [b, sq, h, d]; lse, delta: [b, h, sq] over all hops (delta = rowsum(do * o_final)). Returns
+    :class:`HopGrads` in float32 (float64 for float64).
     """
-    run = partial(_hop_bwd, q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, bias, scale=scale,
-                  causal=causal, window=window, block_q=block_q, block_kv=block_kv)
-    return _whole_hop(run, q_pos, k_pos, q_seg, k_seg, causal, window)
+    return HopGrads(*_whole_hop(partial(_hop_bwd, qs, kv, cfg, do, lse, delta), qs, kv, cfg))
 
 
-def _hop_bwd(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window, block_q,
-             block_kv, per_tile):
+def _hop_bwd(qs, kv, cfg, do, lse, delta, *, per_tile):
+    (q, q_pos, q_seg), (k, v, k_pos, k_seg, bias) = qs, kv
+    scale, block_q, block_kv = cfg.scale, cfg.block_q, cfg.block_kv
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g, acc = h // hk, acc_dtype(q.dtype)
@@ -232,7 +258,7 @@ def _hop_bwd(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, bias, *, scale
         j, k_j, v_j, kp_j, ks_j = xs
         bias_j = _rows(bias, j * block_kv, block_kv, 3)
         k_j, v_j = k_j.astype(acc), v_j.astype(acc)  # (b, hk, bkv, d)
-        kt_j = jnp.swapaxes(k_j, -1, -2)  # K_j^T: (b, hk, d, bkv)
+        kt_j = jnp.swapaxes(_finite(k_j), -1, -2)  # K_j^T: (b, hk, d, bkv); a masked key's nan stays out of dQ
 
         def q_block(carry, xs):
             i, qt_i, do_i, lse_i, delta_i, qp_i, qs_i = xs  # (b, hk, d, g*bq), (b, hk, g*bq, d), (b, hk, g*bq) x2
@@ -240,12 +266,16 @@ def _hop_bwd(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, bias, *, scale
 
             def tile(carry, masked):
                 dk_j, dv_j, db_j, dqt = carry
-                mask = masks.allowed(qp_i, kp_j, qs_i, ks_j, causal=causal, window=window) if masked else None
+                mask = masks.allowed(qp_i[:, :, None], kp_j[:, None, :], *_seg_pair(qs_i, ks_j),
+                                     causal=cfg.causal, window=cfg.window) if masked else None
                 st = _logits_t(k_j, qt_i, bias_ij, mask, g, acc)  # S^T: (b, hk, bkv, g*bq)
-                pt = jnp.exp(st - lse_i[:, :, None])  # P^T; masked -> 0
-                dv_j = dv_j + jnp.einsum("bksq,bkqd->bksd", pt, do_i)  # dV += P^T dO
+                pt = jnp.exp(st - lse_i[:, :, None])  # P^T
                 dpt = jnp.einsum("bksd,bkqd->bksq", v_j, do_i)  # dP^T = V dO^T
                 dst = pt * (dpt - delta_i[:, :, None])  # dS^T
+                if mask is not None or bias is not None:  # masked pairs: P = dS = 0, whatever K, V hold
+                    live = st != -jnp.inf
+                    pt, dst = jnp.where(live, pt, 0.0), jnp.where(live, dst, 0.0)
+                dv_j = dv_j + jnp.einsum("bksq,bkqd->bksd", pt, do_i)  # dV += P^T dO
                 dqt_i = jnp.einsum("bkds,bksq->bkdq", kt_j, dst) * scale  # dQ^T = K^T dS^T: (b, hk, d, g*bq)
                 dk_j = dk_j + jnp.einsum("bksq,bkdq->bksd", dst, qt_i)  # dK += dS^T Q (q carries the scale)
                 db = None
@@ -257,7 +287,7 @@ def _hop_bwd(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, bias, *, scale
                 return (dk_j, dv_j, None if bias_rows else db_j, dqt), db if bias_rows else None
 
             zeros = vary_like(jnp.zeros(bias_ij.shape, acc), axes) if bias_rows else None
-            return _by_kind(tile, carry, lambda c: (c, zeros), qp_i, kp_j, qs_i, ks_j, causal, window, per_tile)
+            return _by_kind(tile, carry, lambda c: (c, zeros), qp_i, kp_j, qs_i, ks_j, cfg, per_tile)
 
         db0 = jnp.zeros(bias_j.shape, acc) if bias is not None and not bias_rows else None
         init = vary_like((jnp.zeros(k_j.shape, acc), jnp.zeros(k_j.shape, acc), db0), axes) + (dqt,)

@@ -1,0 +1,91 @@
+"""The backward ring: the second ring that ``ring.py``'s ``custom_vjp`` runs for the gradients.
+
+The forward saved only its inputs, ``o`` and ``lse``: ``O(S/N)`` per host. The backward recomputes
+every tile FlashAttention-2 style (arXiv:2307.08691, Algorithm 2) with ``D = rowsum(dO * O)`` and
+runs the ring again, as the authors' code does (arXiv:2310.01889): ``dQ`` stays on its host;
+``dK, dV`` (float32/64 accumulators, and the gradient of a key-only bias) travel *with* their K/V
+shard as :class:`KVGrads`.
+
+Message count: at step ``step`` host ``i`` holds K/V shard ``i - step`` and its gradient
+accumulators; it adds its hop's contribution and sends both on. K/V are sent ``N - 1`` times (top of
+each step but the last), dK/dV ``N`` times (after every step): after the last hop host ``i`` holds the
+accumulators of shard ``i + 1`` and that ``N``-th send delivers every shard's gradient to its home.
+A token that visits all ``N`` hosts and returns needs ``N`` moves, so no message is wasted.
+Mirrors ``ringattn_ref.backward``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import masks
+from .dispatch import kernels_for
+from .hop import acc_dtype
+from .mesh import varying_axes, vary_like
+from .schedule import hop_kv, kv_index, ring_loop, send_to_next
+
+
+class KVGrads(NamedTuple):
+    """The gradient accumulators that travel with a K/V shard: dk, dv [b, sk, hk, d] and the gradient
+    of a key-only (travelling) bias, or None."""
+    dk: jax.Array
+    dv: jax.Array
+    dbias: jax.Array | None = None
+
+
+def _add_hop(cfg, grads, dq, dbias, g, kv_idx, sk):
+    """Fold one hop's :class:`~ringattn_fast.schedule.HopGrads` ``g`` into the accumulators."""
+    dbias_t = grads.dbias
+    if cfg.bias_mode == "travel":
+        dbias_t = dbias_t + g.dbias
+    elif cfg.bias_mode == "columns":  # each block of key columns is visited exactly once
+        dbias = lax.dynamic_update_slice_in_dim(dbias, g.dbias.astype(dbias.dtype), kv_idx * sk, axis=3)
+    elif cfg.bias_mode == "static":
+        dbias = dbias + g.dbias
+    return KVGrads(grads.dk + g.dk, grads.dv + g.dv, dbias_t), dq + g.dq, dbias
+
+
+def ring_backward(cfg, qs, kv, bias, o, lse, do):
+    """The backward ring on this host: ``(dq, KVGrads, dbias)`` in float32/64, dK/dV home.
+
+    qs, kv, bias: as given to ``ring.ring_forward``; o [b, sq, h, d] and lse [b, h, sq]: its results;
+    do: the output cotangent. dbias: the gradient of the non-travelling bias (or None).
+    """
+    hop_bwd = kernels_for(cfg.impl).hop_bwd
+    n, my_idx = lax.axis_size(cfg.axis_name), lax.axis_index(cfg.axis_name)
+    acc = acc_dtype(qs.q.dtype)
+    sk = kv.k.shape[1]
+    skip = cfg.skip_empty_hops and masks.can_be_empty(cfg.hop.causal, cfg.hop.window, qs.seg is not None)
+    axes = varying_axes(*qs, *kv, bias, o, lse, do)
+    delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(acc), o.astype(acc))  # FA-2's D, (b, h, sq)
+    zeros = lambda x: None if x is None else jnp.zeros(x.shape, acc)  # noqa: E731
+    grads = KVGrads(zeros(kv.k), zeros(kv.v), zeros(kv.bias))
+    dq, dbias = zeros(qs.q), zeros(bias)  # both stay here
+
+    def hop(step, kv, grads, dq, dbias):
+        kv_idx = kv_index(my_idx, step, n)
+
+        def backward(grads, dq, dbias):
+            g = hop_bwd(qs, hop_kv(cfg, kv, bias, kv_idx), cfg.hop, do=do, lse=lse, delta=delta)
+            return _add_hop(cfg, grads, dq, dbias, g, kv_idx, sk)
+
+        if skip:
+            empty = masks.tile_is_empty(qs.pos, kv.pos, qs.seg, kv.seg, causal=cfg.hop.causal, window=cfg.hop.window)
+            return lax.cond(empty, lambda *a: a, backward, grads, dq, dbias)
+        return backward(grads, dq, dbias)
+
+    def step_fn(carry, step):
+        kv, grads, dq, dbias = carry
+        kv_next = send_to_next(kv, cfg.axis_name)  # K/V: issued first, overlaps the hop
+        grads, dq, dbias = hop(step, kv, grads, dq, dbias)
+        return kv_next, send_to_next(grads, cfg.axis_name), dq, dbias  # dK/dV follow their K/V shard
+
+    carry = (kv,) + vary_like((grads, dq, dbias), axes)
+    kv, grads, dq, dbias = ring_loop(step_fn, carry, n)
+    grads, dq, dbias = hop(n - 1, kv, grads, dq, dbias)
+    if n > 1:
+        grads = send_to_next(grads, cfg.axis_name)  # the N-th move: home
+    return dq, grads, dbias
