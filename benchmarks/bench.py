@@ -1,8 +1,10 @@
 """Benchmark: ``ringattn_fast.ring_attention`` vs ``jax.nn.dot_product_attention`` vs the authors' package.
 
-    python -m ringattn_fast.bench                       # 8 CPU devices, b=1, S=8192, h=4, d=64, fp32
-    python -m ringattn_fast.bench --seq 2048 --causal true --out runs.jsonl --plot bench.png
-    python -m ringattn_fast.bench --gpu-kernel [--quick]   # on a GPU: the Pallas Triton kernel vs cuDNN
+    python -m benchmarks.bench                       # 8 CPU devices, b=1, S=8192, h=4, d=64, fp32
+    python -m benchmarks.bench --seq 2048 --causal true --out runs.jsonl --plot bench.png
+    python -m benchmarks.bench --gpu-kernel [--quick]   # on a GPU: the Pallas Triton kernel vs cuDNN
+
+(from the repository root: ``benchmarks`` is a folder of the checkout, not an installed package).
 
 In one process, on ``--devices`` simulated CPU devices, for causal and non-causal attention:
 ``ours`` (``ring_attention``, impl="xla"), ``dense`` (``jax.nn.dot_product_attention`` on one device)
@@ -13,10 +15,8 @@ if not installed). For each: max abs error of the output and of (dq, dk, dv) aga
 (``memory_analysis().temp_size_in_bytes``). One JSON object per line goes to stdout (or ``--out``), a
 progress bar and a table to stderr.
 
-The authors' package predates jax 0.8: it calls ``jax.lib.xla_bridge.get_backend()`` at import (a
-stand-in answering the default backend is installed when missing) and imports ``flax`` for its
-blockwise FFN only (when flax is absent, empty stand-in modules let it import; the ring path used
-here never touches flax).
+The authors' package predates jax 0.8; :mod:`benchmarks.authors` imports it with the stand-ins it
+needs (``jax.lib.xla_bridge.get_backend``, empty ``flax`` modules).
 """
 from __future__ import annotations
 
@@ -25,14 +25,16 @@ import json
 import statistics
 import sys
 import time
-import types
 from functools import partial
 
 import numpy as np
 
+from . import bench_gpu
+from .authors import import_ring_attention
+
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m ringattn_fast.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n")[0])
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices = ring size (default 8)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=8192)
@@ -65,26 +67,6 @@ class Progress:
                          f"{elapsed:6.0f}s  {label:<40}")
         sys.stderr.write("\n" if self.done == self.total else "")
         sys.stderr.flush()
-
-
-def import_authors():
-    """The authors' ``ring_attention`` (jax path), with the stand-ins described above; None if absent."""
-    import importlib.util
-
-    import jax
-    if importlib.util.find_spec("ringattention") is None:
-        return None
-    bridge = getattr(jax.lib, "xla_bridge", None)
-    if bridge is None or not hasattr(bridge, "get_backend"):
-        jax.lib.xla_bridge = types.SimpleNamespace(
-            get_backend=lambda: types.SimpleNamespace(platform=jax.default_backend()))
-    if importlib.util.find_spec("flax") is None:
-        for name in ("flax", "flax.linen", "flax.linen.partitioning"):
-            sys.modules.setdefault(name, types.ModuleType(name))
-        sys.modules["flax"].linen = sys.modules["flax.linen"]
-        sys.modules["flax.linen"].partitioning = sys.modules["flax.linen.partitioning"]
-    from ringattention import ringattention_jax
-    return ringattention_jax
 
 
 def make_impls(args, mesh, authors):
@@ -192,7 +174,6 @@ def plot(rows, path):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--gpu-kernel" in argv:  # issue 4's GPU check lives in its own module
-        from . import bench_gpu
         return bench_gpu.main([a for a in argv if a != "--gpu-kernel"])
     args = parse_args(argv)
     args.block = min(args.block, args.seq // args.devices)  # a chunk cannot exceed the per-device shard
@@ -202,7 +183,7 @@ def main(argv=None):
 
     import ringattn_fast as rf
 
-    authors = import_authors() if "authors" in args.impls.split(",") else None
+    authors = import_ring_attention() if "authors" in args.impls.split(",") else None
     mesh = rf.make_mesh(args.devices)
     impls = make_impls(args, mesh, authors)
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]

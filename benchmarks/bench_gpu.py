@@ -1,8 +1,10 @@
 """GPU check of the Pallas Triton per-hop kernel (issue 4, "GPU check"): errors and TFLOP/s vs cuDNN.
 
-    python -m ringattn_fast.bench_gpu                    # a GPU: seq 4K-32K, heads 8 and 32, d=128, bf16
-    python -m ringattn_fast.bench_gpu --quick            # seq 4K and 16K, heads 32 (about a minute)
-    python -m ringattn_fast.bench_gpu --dry-run          # no GPU needed: tiny shapes, float32, interpreted
+    python -m benchmarks.bench_gpu                    # a GPU: seq 4K-32K, heads 8 and 32, d=128, bf16
+    python -m benchmarks.bench_gpu --quick            # seq 4K and 16K, heads 32 (about a minute)
+    python -m benchmarks.bench_gpu --dry-run          # no GPU needed: tiny shapes, float32, interpreted
+
+(from the repository root; ``python -m benchmarks.bench --gpu-kernel ...`` is the same check).
 
 For every (seq, heads, causal) row, on one device, the whole sequence as a single hop
 (``q_pos = k_pos = arange(seq)``):
@@ -44,7 +46,7 @@ GRADS = ("dq", "dk", "dv")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m ringattn_fast.bench_gpu", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_gpu", description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="tiny float32 shapes on the default backend (CPU: "
                    "Triton interpret mode), reference implementation='xla'; no GPU needed")
     p.add_argument("--quick", action="store_true", help="seq 4096 and 16384, heads 32 only")

@@ -1,8 +1,9 @@
-"""The GPU kernel check script (`ringattn_fast.bench_gpu`), exercised on CPU with --dry-run.
+"""The GPU kernel check script (`benchmarks/bench_gpu.py`), exercised on CPU with --dry-run.
 
 The dry run goes through the same code as on a GPU (kernel 1 vs the XLA hop, timing, table, JSON),
 with the Triton kernel interpreted; only the cuDNN call cannot run here, and its failure path is
-tested by asking for it on CPU.
+tested by asking for it on CPU. ``benchmarks`` is imported from the checkout (pytest's
+``pythonpath``); neither it nor these tests need the authors' package or a GPU.
 """
 import json
 import os
@@ -11,7 +12,7 @@ import sys
 
 import pytest
 
-from ringattn_fast import bench_gpu
+from benchmarks import bench_gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,7 +92,7 @@ def test_no_gpu_exits_2(capsys):
 
 def test_no_gpu_cli_exit_status():
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-m", "ringattn_fast.bench_gpu", "--quick"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_gpu", "--quick"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == "" and proc.stderr.strip().startswith("bench_gpu: no GPU")
@@ -118,8 +119,8 @@ def test_reference_backward_failure_keeps_forward_ratio(capsys, monkeypatch):
 
 
 def test_bench_gpu_kernel_flag_routes_to_the_gpu_check(capsys):
-    """``python -m ringattn_fast.bench --gpu-kernel`` is the issue's entry point for this check."""
-    from ringattn_fast import bench
+    """``python -m benchmarks.bench --gpu-kernel`` is the issue's entry point for this check."""
+    from benchmarks import bench
 
     status = bench.main(["--gpu-kernel", "--dry-run", "--causal", "true"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]

@@ -1,46 +1,46 @@
-"""ringattn_fast.viz: the figures of notebooks 07-09 draw what their data says, and reject bad input."""
+"""ringattn_course.figures: the figures of notebooks 07-09 draw what their data says, and reject bad input."""
 import numpy as np
 import pytest
 
 pytest.importorskip("matplotlib")
 
-from ringattn_fast import viz  # noqa: E402
+from ringattn_course import figures  # noqa: E402
 
 
 def test_memory_vs_devices_plots_one_line_per_series():
-    fig = viz.plot_memory_vs_devices([2, 4, 8], {"forward": [2**20] * 3, "fwd+bwd": [2**21] * 3},
-                                     {"forward": [2**20, 2**22, 2**24]}, local_seq=256)
+    fig = figures.plot_memory_vs_devices([2, 4, 8], {"forward": [2**20] * 3, "fwd+bwd": [2**21] * 3},
+                                         {"forward": [2**20, 2**22, 2**24]}, local_seq=256)
     lines = fig.axes[0].get_lines()
     assert len(lines) == 3
     assert np.allclose(lines[2].get_ydata(), [1, 4, 16])  # MiB
     with pytest.raises(ValueError, match="expected one per device count"):
-        viz.plot_memory_vs_devices([2, 4], {"forward": [1, 2, 3]}, local_seq=8)
+        figures.plot_memory_vs_devices([2, 4], {"forward": [1, 2, 3]}, local_seq=8)
 
 
 def test_tile_schedule_counts_tiles_per_host():
     visible = np.zeros((2, 2, 3, 3), dtype=bool)
     visible[0, 0] = np.tril(np.ones((3, 3), dtype=bool))  # host 0: 6 tiles, host 1: 9 + 0
     visible[1, 0] = True
-    fig = viz.plot_tile_schedule(visible)
+    fig = figures.plot_tile_schedule(visible)
     assert len(fig.axes) == 2 * 2 + 2  # a panel per (host, step) + the twin axes of the totals
     labels = [ax.get_ylabel() for ax in fig.axes if ax.get_ylabel().endswith("tiles")]
     assert labels == ["6 tiles", "9 tiles"]
     assert "1.20" in fig._suptitle.get_text()  # critical path 9 / mean 7.5
     with pytest.raises(ValueError, match="visible must be bool"):
-        viz.plot_tile_schedule(np.zeros((2, 3, 3), dtype=bool))
+        figures.plot_tile_schedule(np.zeros((2, 3, 3), dtype=bool))
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_double_buffer_draws_every_hop(n):
-    fig = viz.plot_double_buffer(n)
+    fig = figures.plot_double_buffer(n)
     ax = fig.axes[0]
     assert len(ax.patches) == n * n and len([t for t in ax.texts if t.get_text().startswith("K/V")]) == n * n
     texts = [t.get_text() for t in ax.texts if t.get_text().startswith("K/V")]  # not the arrows
     assert texts[0] == "K/V 0\nslot 0"  # device 0, step 0: its own shard in slot 0
     if n > 1:
         assert texts[n + 1] == "K/V 0\nslot 1"  # device 1, step 1: shard (1 - 1) % n, slot 1
-    racy = viz.plot_double_buffer(n, handshake=False)
+    racy = figures.plot_double_buffer(n, handshake=False)
     marks = [line for line in racy.axes[0].get_lines() if line.get_marker() == "x"]
     assert len(marks) == n * max(n - 2, 0)  # one unordered write per device and step < n - 2
     with pytest.raises(ValueError, match="n_devices"):
-        viz.plot_double_buffer(0)
+        figures.plot_double_buffer(0)

@@ -3,9 +3,9 @@
 For every exercise cell ``x = None ...; exercises.check_NAME(x)`` in ``notebooks/NN_*.md``, the
 ``<details class="answer">`` block that follows it holds the answer as a ```` ```python ```` block.
 The answer is run after the notebook's first code cell (its imports: answers may use only those),
-then ``check_NAME`` (of the ``exercises`` module the notebook imports: ``ringattn_ref.exercises`` or
-``ringattn_fast.exercises``) must return True on it, False on the placeholder ``None``, and raise
-``AssertionError`` on a slightly wrong answer (numbers shifted, functions' outputs shifted).
+then ``check_NAME`` (of the ``exercises`` module the notebook imports, ``ringattn_course.exercises``)
+must return True on it, False on the placeholder ``None``, and raise ``AssertionError`` on a slightly
+wrong answer (numbers shifted, functions' outputs shifted).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ringattn_ref import exercises
+from ringattn_course import exercises
 
 jupytext = pytest.importorskip("jupytext")
 

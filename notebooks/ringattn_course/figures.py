@@ -1,8 +1,8 @@
 """Figures for the ``ringattn_fast`` notebooks (07-10): memory per device, tile schedules, the fused ring.
 
 Companion of :mod:`ringattn_ref.viz` (which draws the simulated ring). Every function returns a
-matplotlib ``Figure``; matplotlib is imported inside the functions (nothing else in ``ringattn_fast``
-needs it), with the non-interactive Agg backend when there is no display.
+matplotlib ``Figure``; matplotlib is imported inside the functions (the course's other helpers do
+not need it), with the non-interactive Agg backend when there is no display.
 
 - :func:`plot_memory_vs_devices` -- per-device temp bytes measured with ``memory_analysis()`` as the
   ring grows at a fixed local sequence (notebook 07);

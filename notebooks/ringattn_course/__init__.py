@@ -1,0 +1,12 @@
+"""ringattn_course — the notebook course's own helpers, kept out of the libraries.
+
+- :mod:`ringattn_course.exercises` -- the ``check_*`` self-checks of every notebook's exercises;
+- :mod:`ringattn_course.figures` -- the figures of notebooks 07-09 (memory per device, tile
+  schedules, the fused ring's double buffer). The figures of the simulated ring stay in the library
+  (:mod:`ringattn_ref.viz`, :mod:`ringattn_ref.viz_blocks`: the demo draws them too).
+
+It lives next to the notebooks (``notebooks/ringattn_course/``), so a kernel started in
+``notebooks/`` imports it as is; ``pip install -e .`` (or ``pip install ".[notebooks]"``, as the
+Colab copies do) installs it with the libraries (``[tool.setuptools] package-dir`` in
+``pyproject.toml``).
+"""
