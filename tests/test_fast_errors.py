@@ -6,7 +6,7 @@ import pytest
 
 import ringattn_fast as rf
 import ringattn_ref
-from ringattn_fast.dispatch import resolve_impl
+from ringattn_fast.dispatch import check_impl
 
 B, S, H, D = 2, 16, 4, 8
 
@@ -35,6 +35,17 @@ SHARED_CASES = {  # name -> (positional arrays, keywords): each must fail in bot
     "layout wrong length": (arrays(), {"layout": np.arange(S - 1)}),
     "block_q does not divide shard": (arrays(), {"block_q": 3}),
     "block_kv not positive": (arrays(), {"block_kv": 0}),
+    # issue 8, defect 4: no silent coercion of flags and window bounds
+    "causal a string": (arrays(), {"causal": "False"}),
+    "causal an int": (arrays(), {"causal": 1}),
+    "window floats": (arrays(), {"window": (1.7, 0.2)}),
+    "window strings": (arrays(), {"window": ("3", "1")}),
+    "window bools": (arrays(), {"window": (True, False)}),
+    # defect 3: ids beyond int32 would wrap and merge documents
+    "segment_ids beyond int32": (arrays(), {"segment_ids": np.where(np.arange(S) < S // 2, 0, 2**32)[None]
+                                            .repeat(B, 0).astype(np.int64)}),
+    # defect 7: a zero-length sequence
+    "empty sequence": (arrays(q_shape=(B, 0, H, D), kv_shape=(B, 0, 2, D)), {}),
 }
 
 
@@ -84,11 +95,25 @@ def test_impl_errors():
         rf.ring_attention(q, k, v, mesh=rf.make_mesh(4), impl="pallas_gpu",
                           bias=np.zeros((1, 1, S, S), np.float32))
     with pytest.raises(ValueError, match="impl='pallas_tpu' cannot run on 'gpu' devices"):
-        resolve_impl("pallas_tpu", "gpu")
+        check_impl("pallas_tpu", "gpu", q, k, v)
     with pytest.raises(ValueError, match="impl='pallas_gpu' cannot run on 'tpu' devices"):
-        resolve_impl("pallas_gpu", "tpu")
-    assert [resolve_impl("auto", p) for p in ("cpu", "gpu", "tpu")] == ["xla", "pallas_gpu", "pallas_tpu_fused"]
-    assert resolve_impl("auto", "tpu", has_bias=True) == "xla"
+        check_impl("pallas_gpu", "tpu", q, k, v)
+    assert [check_impl("auto", p, q, k, v) for p in ("cpu", "gpu", "tpu")] == ["xla", "pallas_gpu", "pallas_tpu_fused"]
+    assert check_impl("auto", "tpu", q, k, v, has_bias=True) == "xla"
+    q64 = q.astype(np.float64)
+    assert check_impl("auto", "gpu", q64, q64, q64) == "xla"  # the kernels compute in float32
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu", "pallas_tpu_fused"])
+def test_kernel_dtypes_are_named(impl):
+    """Issue 8, defect 6: float64 (crashed, or came back float64 at float32 accuracy) and mixed q/k/v
+    dtypes (pallas_gpu lost 1e-3) are rejected with the impl and the dtypes named."""
+    q, k, v = arrays()
+    with pytest.raises(ValueError, match=rf"impl='{impl}'.*float64"):
+        check_impl(impl, "cpu", q.astype(np.float64), k.astype(np.float64), v.astype(np.float64))
+    with pytest.raises(ValueError, match=rf"impl='{impl}'.*bfloat16"):
+        check_impl(impl, "cpu", q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+    assert check_impl(impl, "cpu", q, k, v) == impl
 
 
 def test_shard_errors_inside_shard_map():
@@ -102,10 +127,32 @@ def test_shard_errors_inside_shard_map():
 
     with pytest.raises(ValueError, match=r"bias \(per host\) must be \[batch\|1, heads\|1, 4\|1, 16\]"):
         run(bias=jnp.zeros((B, H, 4, 4)))  # a full bias must hold every key column
-    with pytest.raises(ValueError, match=r"positions must be an int array \[batch, s_local\] = \(2, 4\)"):
+    with pytest.raises(ValueError, match=r"positions must have shape \[batch, seq\] = \(2, 4\); got \(2, 16\)"):
         run(positions=jnp.zeros((B, S), jnp.int32))
-    with pytest.raises(NameError):  # the axis must exist in the surrounding shard_map
-        run(axis_name="ring")
+    for impl in ("xla", "pallas_gpu", "pallas_tpu", "pallas_tpu_fused"):  # defect 7: name the axis, every impl
+        with pytest.raises(ValueError, match="axis_name 'ring' must name a mesh axis of an enclosing jax.shard_map"):
+            run(axis_name="ring", impl=impl)
+
+
+def test_positions_and_ids_outside_int32_are_rejected():
+    """Issue 8, defect 3: ids 0 and 2**32 used to attend to each other (error 0.6, no warning)."""
+    with pytest.raises(ValueError, match=r"q_pos must lie in \[0, 2147483647\]"):
+        ringattn_ref.hop_attention(*arrays(), np.full((B, S), -1), np.arange(S))
+    with pytest.raises(ValueError, match=r"positions must lie in \[0, 2147483647\]"):
+        from ringattn_ref.validation import check_positions
+        check_positions(np.full((B, S), 2**31), B, S)
+    seg = np.zeros((B, S), np.int64)
+    seg[:, S // 2:] = 2**32
+    with pytest.raises(ValueError, match=r"segment_ids must lie in \[-2147483648, 2147483647\]"):
+        rf.ring_attention(*arrays(), mesh=rf.make_mesh(4), segment_ids=seg)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_gpu", "pallas_tpu", "pallas_tpu_fused"])
+def test_shard_outside_shard_map_names_axis_name(impl):
+    """Issue 8, defect 7: outside shard_map every impl says what axis_name must name (was NameError)."""
+    q, k, v = (jnp.asarray(a) for a in arrays())
+    with pytest.raises(ValueError, match="axis_name 'sp' must name a mesh axis of an enclosing jax.shard_map"):
+        rf.ring_attention_shard(q, k, v, impl=impl)
 
 
 def test_layout_errors():
