@@ -52,10 +52,12 @@ def ring_backward(cfg, qs, kv, bias, o, lse, do):
     """The backward ring on this host: ``(dq, KVGrads, dbias)`` in float32/64, dK/dV home.
 
     qs, kv, bias: as given to ``ring.ring_forward``; o [b, sq, h, d] and lse [b, h, sq]: its results;
-    do: the output cotangent. dbias: the gradient of the non-travelling bias (or None).
+    do: the output cotangent. dbias: the gradient of the non-travelling bias (or None). The gradients
+    of a key that held a nan/inf are those of its marked K and V (unspecified: NaN where it was seen).
     """
     hop_bwd = kernels_for(cfg.impl).hop_bwd
     n, my_idx = lax.axis_size(cfg.axis_name), lax.axis_index(cfg.axis_name)
+    kv = kv._replace(**dict(zip("kv", masks.mark_bad_keys(kv.k, kv.v))))  # as the forward did
     acc = acc_dtype(qs.q.dtype)
     sk = kv.k.shape[1]
     skip = cfg.skip_empty_hops and masks.can_be_empty(cfg.hop.causal, cfg.hop.window, qs.seg is not None)

@@ -20,9 +20,10 @@ Layout for speed: inputs are cut once per hop into chunk-major, head-major piece
 nothing: the ``g`` query heads that share a kv head are folded into the tile's rows (K/V are never
 repeated). The scale is folded into q (``O(s d)`` work instead of ``O(s^2)``). Accumulation is float32
 for 16/32-bit inputs and float64 for float64. ``kv.bias`` is ``[b|1, h|1, sq|1, sk|1]``, added to the
-scaled logits (mirrors ``ringattn_ref.blockwise``). A masked pair (logit -inf) contributes nothing,
-whatever the key holds: probabilities and ``dS`` are zeroed with ``where``, V and K enter the matmuls
-only where finite, and a row that sees a non-finite value is NaN (``docs/design.md``, "Non-finite keys").
+scaled logits (mirrors ``ringattn_ref.blockwise``); a -inf bias masks its pair whatever the logit.
+Non-finite keys (``docs/design.md``): the ring hands the hop finite V and an all-NaN K for each key
+that held a nan/inf (``masks.mark_bad_keys``), so a mask hides such a key and exactly the rows that
+see it turn NaN; the hop only keeps K's NaN out of ``dQ = dS K`` where a mask hid the key.
 """
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ def _logits(q_i, k_j, bias_ij, mask_ij, g, acc):
     s = s.reshape(b, hk, g, gq // g, bkv)
     if bias_ij is not None:
         bb, bh, bq, bk = bias_ij.shape
-        s = s + bias_ij.astype(acc).reshape(bb, hk if bh > 1 else 1, g if bh > 1 else 1, bq, bk)
+        bias_b = bias_ij.astype(acc).reshape(bb, hk if bh > 1 else 1, g if bh > 1 else 1, bq, bk)
+        s = jnp.where(bias_b == -jnp.inf, -jnp.inf, s + bias_b)  # -inf masks even a NaN logit
     if mask_ij is not None:
         s = jnp.where(mask_ij[:, None, None], s, -jnp.inf)
     return s.reshape(b, hk, gq, bkv)
@@ -120,7 +122,8 @@ def _logits_t(k_j, qt_i, bias_ij, mask_ij, g, acc):
     if bias_ij is not None:  # (bb, bh, bq, bk) -> (bb, hk|1, bk, g|1, bq)
         bb, bh, bq, bk = bias_ij.shape
         bias_t = bias_ij.astype(acc).reshape(bb, hk if bh > 1 else 1, g if bh > 1 else 1, bq, bk)
-        st = st + jnp.transpose(bias_t, (0, 1, 4, 2, 3))
+        bias_t = jnp.transpose(bias_t, (0, 1, 4, 2, 3))
+        st = jnp.where(bias_t == -jnp.inf, -jnp.inf, st + bias_t)
     if mask_ij is not None:  # (b, bq, bkv) -> (b, 1, bkv, 1, bq)
         st = jnp.where(jnp.swapaxes(mask_ij, 1, 2)[:, None, :, None, :], st, -jnp.inf)
     return st.reshape(b, hk, bkv, gq)
@@ -172,8 +175,6 @@ def _hop_fwd(qs, kv, cfg, *, per_tile):
 
         def kv_block(carry, xs):  # one Bc chunk: the online-softmax update (FA-2 Algorithm 1)
             j, k_j, v_j, kp_j, ks_j = xs
-            v_j = v_j.astype(acc)
-            bad_j = ~jnp.isfinite(v_j).all(-1)  # (b, hk, bkv): keys whose V holds a nan/inf
 
             def tile(carry, masked):
                 o, m, l = carry  # (b, hk, g*bq, d), (b, hk, g*bq), (b, hk, g*bq)
@@ -182,17 +183,9 @@ def _hop_fwd(qs, kv, cfg, *, per_tile):
                 s = _logits(q_i, k_j, _rows(bias_i, j * block_kv, block_kv, 3), mask, g, acc)
                 m_new = jnp.maximum(m, s.max(axis=-1))
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with no key yet
+                p = jnp.exp(s - m_safe[..., None])  # masked -> exp(-inf) = 0
                 alpha = jnp.exp(m - m_safe)
-                if mask is None and bias is None:  # every pair live: plain FA-2 arithmetic
-                    p = jnp.exp(s - m_safe[..., None])
-                    row_bad = bad_j.any(-1)[:, :, None]  # (b, hk, 1)
-                    pv = jnp.einsum("bkqs,bksd->bkqd", p, v_j)
-                else:  # masked pairs: p = 0 by where, and their V never enters the matmul
-                    live = s != -jnp.inf
-                    p = jnp.where(live, jnp.exp(s - m_safe[..., None]), 0.0)
-                    row_bad = (live & bad_j[:, :, None, :]).any(-1)  # (b, hk, g*bq)
-                    pv = jnp.einsum("bkqs,bksd->bkqd", p, _finite(v_j))
-                pv = jnp.where(row_bad[..., None], jnp.nan, pv)
+                pv = jnp.einsum("bkqs,bksd->bkqd", p, v_j.astype(acc))
                 return alpha[..., None] * o + pv, m_new, alpha * l + p.sum(axis=-1)
 
             return _by_kind(tile, carry, lambda c: c, qp_i, kp_j, qs_i, ks_j, cfg, per_tile), None
@@ -269,13 +262,10 @@ def _hop_bwd(qs, kv, cfg, do, lse, delta, *, per_tile):
                 mask = masks.allowed(qp_i[:, :, None], kp_j[:, None, :], *_seg_pair(qs_i, ks_j),
                                      causal=cfg.causal, window=cfg.window) if masked else None
                 st = _logits_t(k_j, qt_i, bias_ij, mask, g, acc)  # S^T: (b, hk, bkv, g*bq)
-                pt = jnp.exp(st - lse_i[:, :, None])  # P^T
-                dpt = jnp.einsum("bksd,bkqd->bksq", v_j, do_i)  # dP^T = V dO^T
-                dst = pt * (dpt - delta_i[:, :, None])  # dS^T
-                if mask is not None or bias is not None:  # masked pairs: P = dS = 0, whatever K, V hold
-                    live = st != -jnp.inf
-                    pt, dst = jnp.where(live, pt, 0.0), jnp.where(live, dst, 0.0)
+                pt = jnp.exp(st - lse_i[:, :, None])  # P^T; masked -> 0
                 dv_j = dv_j + jnp.einsum("bksq,bkqd->bksd", pt, do_i)  # dV += P^T dO
+                dpt = jnp.einsum("bksd,bkqd->bksq", v_j, do_i)  # dP^T = V dO^T
+                dst = jnp.where(pt == 0, 0.0, pt * (dpt - delta_i[:, :, None]))  # dS^T; 0 where P is 0, even in a NaN row
                 dqt_i = jnp.einsum("bkds,bksq->bkdq", kt_j, dst) * scale  # dQ^T = K^T dS^T: (b, hk, d, g*bq)
                 dk_j = dk_j + jnp.einsum("bksq,bkdq->bksd", dst, qt_i)  # dK += dS^T Q (q carries the scale)
                 db = None

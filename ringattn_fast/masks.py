@@ -13,7 +13,17 @@ import jax.numpy as jnp
 
 from ringattn_ref.masks import allowed, bounds_empty, can_be_empty, tile_is_empty
 
-__all__ = ["allowed", "bounds_empty", "can_be_empty", "tile_is_empty", "tile_is_full", "tile_kind"]
+__all__ = ["allowed", "bounds_empty", "can_be_empty", "mark_bad_keys", "tile_is_empty", "tile_is_full",
+           "tile_kind"]
+
+
+def mark_bad_keys(k, v):
+    """``ringattn_ref.masks.mark_bad_keys`` in ``jnp``: V set to 0 and K to all-NaN for each key whose
+    K or V holds a nan/inf. Done once per ring, before the first hop (two elementwise passes over the
+    host's shard), so no hop or kernel multiplies ``0 * nan``: a masked key contributes nothing, and
+    exactly the rows that may see a bad key turn NaN, in every impl. k, v: [b, s, kv_heads, d]."""
+    bad = ~(jnp.isfinite(k).all(-1, keepdims=True) & jnp.isfinite(v).all(-1, keepdims=True))  # (b, s, hk, 1)
+    return jnp.where(bad, jnp.nan, k), jnp.where(bad, 0, v).astype(v.dtype)
 
 
 def tile_is_full(q_pos, k_pos, q_seg=None, k_seg=None, *, causal=False, window=None):

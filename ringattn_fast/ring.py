@@ -39,11 +39,13 @@ def ring_forward(cfg, qs, kv, bias):
     """The forward ring on this host: ``(o, lse)``, o ``[b, sq, h, d]``, lse ``[b, h, sq]`` in float32/64.
 
     qs: this host's queries; kv: this host's own K/V shard (it starts the ring); bias: the host's
-    non-travelling bias (``cfg.bias_mode`` "columns" or "static") or None.
+    non-travelling bias (``cfg.bias_mode`` "columns" or "static") or None. A key holding a nan/inf is
+    marked first (``masks.mark_bad_keys``), so no hop meets ``0 * nan``.
     """
     hop_fwd = kernels_for(cfg.impl).hop_fwd
     n, my_idx = lax.axis_size(cfg.axis_name), lax.axis_index(cfg.axis_name)
     b, sq, h, d = qs.q.shape
+    kv = kv._replace(**dict(zip("kv", masks.mark_bad_keys(kv.k, kv.v))))
     acc = acc_dtype(qs.q.dtype)
     skip = cfg.skip_empty_hops and masks.can_be_empty(cfg.hop.causal, cfg.hop.window, qs.seg is not None)
 
@@ -164,7 +166,8 @@ def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=N
     hop = HopConfig(scale=scale, causal=causal, window=window, block_q=block_q, block_kv=block_kv)
     qs = QShard(q, pos, seg)
     kv = KVShard(k, v, pos, seg, bias if bias_mode == "travel" else None)
-    if impl == "pallas_tpu_fused":
+    if impl == "pallas_tpu_fused":  # the whole ring in one kernel (its own custom_vjp)
+        kv = kv._replace(**dict(zip("kv", masks.mark_bad_keys(k, v))))
         return kernels_for(impl).ring(qs, kv, hop, axis_name=axis_name)
     cfg = RingConfig(axis_name, hop, impl, bias_mode, skip_empty_hops=kernels_for(impl).ring_may_skip)
     return _ring(cfg, qs, kv, None if bias_mode == "travel" else bias)

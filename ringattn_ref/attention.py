@@ -5,15 +5,14 @@
 It materialises the full ``[batch, heads, seq, seq]`` score matrix on purpose: no blocks, no
 online softmax, nothing clever, so that it can be trusted.
 
-A masked pair (a logit of -inf, from the mask or a -inf bias) contributes nothing, whatever the
-key's values: :func:`attend_values` multiplies only finite values of V and marks with NaN the rows
-that do see a non-finite value (``docs/design.md``, "Non-finite keys").
+A masked pair (by the mask or a -inf bias) contributes nothing, whatever the key holds; a row that
+may see a key holding a nan/inf is NaN (``masks.mark_bad_keys``; ``docs/design.md``, "Non-finite keys").
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .masks import allowed
+from .masks import allowed, mark_bad_keys
 from .validation import check_bias, check_bool, check_qkv, check_scale, check_segment_ids, check_window
 
 
@@ -23,20 +22,6 @@ def repeat_kv(x, heads):
     x: [b, s, kv_heads, d] -> [b, s, heads, d].
     """
     return np.repeat(x, heads // x.shape[2], axis=2)
-
-
-def attend_values(p, v, live):
-    """``p @ v`` where only live pairs count: ``[b, h, q, k] x [b, k, h, d] -> [b, q, h, d]``.
-
-    p: probabilities (0 where not live); v: values with kv heads already repeated; live: bool
-    ``[b|1, h|1, q, k]``, the pairs whose logit is not -inf. A non-finite value of a key that is not
-    live never enters (``0 * nan`` would); a row that has a live key with a non-finite value is NaN.
-    """
-    finite = np.isfinite(v)
-    o = np.einsum("bhqk,bkhd->bqhd", p, np.where(finite, v, 0.0))
-    bad_key = ~finite.all(axis=-1)  # (b, k, h)
-    row_bad = np.einsum("bhqk,bkh->bqh", np.broadcast_to(live, p.shape).astype(float), bad_key.astype(float)) > 0
-    return np.where(row_bad[..., None], np.nan, o)
 
 
 def attention(q, k, v, *, causal=False, segment_ids=None, bias=None, window=None, scale=None,
@@ -56,11 +41,13 @@ def attention(q, k, v, *, causal=False, segment_ids=None, bias=None, window=None
     window = check_window(window, s)
     segment_ids = check_segment_ids(segment_ids, b, s)
     bias = check_bias(bias, b, h, s)
-    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    q = np.asarray(q, dtype=np.float64)
+    k, v = mark_bad_keys(k, v)
 
     logits = scale * np.einsum("bqhd,bkhd->bhqk", q, repeat_kv(k, h))  # (b, h, s, s)
     if bias is not None:
-        logits = logits + np.asarray(bias, dtype=np.float64)
+        bias = np.asarray(bias, dtype=np.float64)
+        logits = np.where(bias == -np.inf, -np.inf, logits + bias)  # -inf masks even a NaN logit
     pos = np.arange(s)[None]  # (1, s) true positions
     seg = (None, None) if segment_ids is None else (segment_ids[:, :, None], segment_ids[:, None, :])
     mask = allowed(pos[:, :, None], pos[:, None, :], *seg, causal=causal, window=window)  # (b|1, s, s)
@@ -68,11 +55,10 @@ def attention(q, k, v, *, causal=False, segment_ids=None, bias=None, window=None
 
     m = logits.max(axis=-1, keepdims=True)  # (b, h, s, 1); -inf for a row that sees nothing
     m = np.where(np.isfinite(m), m, 0.0)
-    live = logits != -np.inf  # (b, h, s, s): the pairs that count (NaN logits do)
-    p = np.where(live, np.exp(logits - m), 0.0)  # (b, h, s, s); exactly 0 where masked
+    p = np.exp(logits - m)  # (b, h, s, s); exactly 0 where masked
     l = p.sum(axis=-1)  # (b, h, s)
-    seen = l > 0
-    o = attend_values(p / np.where(seen, l, 1.0)[..., None], repeat_kv(v, h), live)
+    seen = l != 0  # NaN (a row that sees a bad key) counts as seen: it stays NaN
+    o = np.einsum("bhqk,bkhd->bqhd", p / np.where(seen, l, 1.0)[..., None], repeat_kv(v, h))
     if not return_lse:
         return o
     with np.errstate(divide="ignore"):

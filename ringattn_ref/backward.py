@@ -13,8 +13,8 @@ empty, recomputes the probabilities and accumulates the gradients (FA-2 Algorith
 ``k, v, dk, dv`` together); after the last step host ``i`` holds block ``i + 1``, so one final
 gradient-only send brings every ``dK``/``dV`` home. With GQA the kv-head gradients are summed over the
 query heads of the group. A row that saw nothing has ``P = 0``: zero, finite gradients. A masked
-pair has ``P = dS = 0`` by ``where`` (never ``0 * nan``), and ``dQ`` multiplies only finite K, so
-a masked key's values never reach a gradient.
+pair has ``P = 0`` and ``dS = 0`` by ``where`` (never ``0 * nan``), and ``dQ`` multiplies only finite K, so
+a masked key's values never reach a gradient (``masks.mark_bad_keys``).
 
 :func:`hop_attention_vjp` is one hop of it on its own: the backward half of the per-hop contract
 (``ringattn_fast.hop.hop_bwd`` and the Pallas kernels are tested against it).
@@ -25,7 +25,7 @@ import numpy as np
 
 from .attention import repeat_kv
 from .blockwise import tile_logits
-from .masks import as_rows, tile_is_empty
+from .masks import as_rows, mark_bad_keys, tile_is_empty
 from .ring import Host, KVBlock, hop_is_empty, ring_forward, send_to_next, setup_ring, swap_buffers
 from .validation import (check_block, check_bool, check_cotangent, check_positions, check_scale,
                          check_window)
@@ -57,12 +57,12 @@ def attend_kv_block_bwd(host, block, bias, *, scale, causal, window, block_q, bl
                 continue
             s = tile_logits(q[:, qs], k[:, ks], host.q_pos[:, qs], block.k_pos[:, ks], q_seg, k_seg, bias,
                             scale=scale, causal=causal, window=window)  # (b, h, tq, tk)
-            live = s != -np.inf
-            p = np.where(live, np.exp(s - lse[:, :, qs, None]), 0.0)  # (b, h, tq, tk)
+            p = np.exp(s - lse[:, :, qs, None])  # (b, h, tq, tk); 0 where masked
             k_tile, v_tile = repeat_kv(k_finite[:, ks], h), repeat_kv(v[:, ks], h)  # (b, tk, h, d)
             dv = np.einsum("bhqk,bqhd->bkhd", p, do[:, qs])  # (b, tk, h, d)
             dp = np.einsum("bqhd,bkhd->bhqk", do[:, qs], v_tile)  # (b, h, tq, tk)
-            ds = np.where(live, p * (dp - host.delta[:, :, qs, None]), 0.0)  # (b, h, tq, tk)
+            ds = np.where(p == 0, 0.0, p * (dp - host.delta[:, :, qs, None]))  # (b, h, tq, tk); a pair of
+            # probability 0 has no gradient, even in a row made NaN by a bad key (its delta is NaN)
             host.dq[:, qs] += scale * np.einsum("bhqk,bkhd->bqhd", ds, k_tile)
             dk = scale * np.einsum("bhqk,bqhd->bkhd", ds, q[:, qs])  # (b, tk, h, d)
             block.dk[:, ks] += sum_over_group(dk, kv_heads)
@@ -88,8 +88,8 @@ def hop_attention_vjp(q, k, v, do, lse, delta, q_pos, k_pos, q_seg=None, k_seg=N
     f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
     host = Host(my_idx=0, q=f64(q), q_pos=q_pos, q_seg=q_seg, held=None, do=f64(check_cotangent(do, q.shape)),
                 lse=f64(lse), delta=f64(delta), dq=np.zeros((b, sq, h, d)))
-    block = KVBlock(kv_idx=0, k=f64(k), v=f64(v), k_pos=k_pos, k_seg=k_seg, dk=np.zeros(k.shape),
-                    dv=np.zeros(v.shape))
+    k, v = mark_bad_keys(k, v)
+    block = KVBlock(kv_idx=0, k=k, v=v, k_pos=k_pos, k_seg=k_seg, dk=np.zeros(k.shape), dv=np.zeros(v.shape))
     attend_kv_block_bwd(host, block, None if bias is None else f64(bias), scale=check_scale(scale, d),
                         causal=check_bool(causal, "causal"), window=check_window(window),
                         block_q=check_block(block_q, sq, "block_q"), block_kv=check_block(block_kv, sk, "block_kv"))

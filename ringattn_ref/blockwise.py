@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .attention import repeat_kv
-from .masks import allowed, as_rows, tile_is_empty
+from .masks import allowed, as_rows, mark_bad_keys, tile_is_empty
 from .softmax import finalize, init_state, online_update
 from .validation import (check_bias, check_block, check_bool, check_positions, check_qkv, check_scale,
                          check_segment_ids, check_window)
@@ -55,7 +55,8 @@ def tile_logits(q, k, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window
     """
     s = scale * np.einsum("bqhd,bkhd->bhqk", q, repeat_kv(k, q.shape[2]))  # (b, h, tq, tk)
     if bias is not None:
-        s = s + bias_tile(bias, q_pos, k_pos)
+        b_t = bias_tile(bias, q_pos, k_pos)
+        s = np.where(b_t == -np.inf, -np.inf, s + b_t)  # -inf masks even a NaN logit
     seg = (None, None) if q_seg is None else (q_seg[:, :, None], k_seg[:, None, :])
     mask = allowed(q_pos[:, :, None], k_pos[:, None, :], *seg, causal=causal, window=window)  # (b|1, tq, tk)
     return np.where(mask[:, None], s, -np.inf)
@@ -106,8 +107,7 @@ def hop_attention(q, k, v, q_pos, k_pos, q_seg=None, k_seg=None, bias=None, *, s
     q_pos, k_pos = as_rows(q_pos, b), as_rows(k_pos, b)
     check_positions(q_pos, b, sq, "q_pos"), check_positions(k_pos, b, sk, "k_pos")
     state = init_state(b, h, sq, d)
-    attend_kv_block(state, np.asarray(q, np.float64), np.asarray(k, np.float64),
-                    np.asarray(v, np.float64), q_pos, k_pos, q_seg, k_seg,
+    attend_kv_block(state, np.asarray(q, np.float64), *mark_bad_keys(k, v), q_pos, k_pos, q_seg, k_seg,
                     None if bias is None else np.asarray(bias, np.float64),
                     scale=check_scale(scale, d), causal=check_bool(causal, "causal"),
                     window=check_window(window), block_q=check_block(block_q, sq, "block_q"),

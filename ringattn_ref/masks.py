@@ -88,6 +88,20 @@ def can_be_empty(causal, window, has_segments):
     return bool(causal or has_segments or (window is not None and max(window) >= 0))
 
 
+def mark_bad_keys(k, v):
+    """Non-finite keys, made harmless to every query that may not see them: ``(k, v)`` float64.
+
+    k, v: [b, s, kv_heads, d]. A key whose K or V holds a nan/inf is *bad*: its V is set to 0 (so
+    ``0 * nan`` never reaches a query that gives it weight 0) and its K to all-NaN (so exactly the
+    queries that may attend to it get a NaN logit, hence a NaN row, while the mask turns every other
+    pair's logit into -inf). A masked key therefore contributes nothing, whatever it holds, and how
+    many rows a visible NaN reaches never depends on the tiling (``docs/design.md``).
+    """
+    k, v = np.asarray(k, np.float64), np.asarray(v, np.float64)
+    bad = ~(np.isfinite(k).all(-1) & np.isfinite(v).all(-1))[..., None]  # (b, s, hk, 1)
+    return np.where(bad, np.nan, k), np.where(bad, 0.0, v)
+
+
 def as_rows(pos, batch):
     """Positions as per-example rows: int ``[seq]`` or ``[1|batch, seq]`` -> ``[batch, seq]``."""
     pos = np.asarray(pos)

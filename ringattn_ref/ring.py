@@ -21,7 +21,7 @@ import numpy as np
 
 from .blockwise import attend_kv_block, default_block
 from .layouts import layout_permutation
-from .masks import tile_is_empty
+from .masks import mark_bad_keys, tile_is_empty
 from .softmax import finalize, init_state
 from .validation import (check_bias, check_block, check_bool, check_layout, check_n_hosts, check_qkv,
                          check_scale, check_segment_ids, check_window)
@@ -155,6 +155,7 @@ def setup_ring(q, k, v, *, n_hosts, causal, segment_ids, bias, window, scale, la
         block_q=block_q, block_kv=block_kv, itemsize=np.dtype(q.dtype).itemsize)
     segment_ids = check_segment_ids(segment_ids, b, s)
     perm = problem.perm
+    k, v = mark_bad_keys(k, v)  # a key holding a nan/inf: NaN for whoever sees it, nothing for the rest
     q_l, k_l, v_l = (np.asarray(x, np.float64)[:, perm] for x in (q, k, v))  # layout order
     seg_l = None if segment_ids is None else np.asarray(segment_ids)[:, perm]
     hosts = []

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .attention import attend_values
-
 
 def _rows_to_o(x):
     """Stats ``[b, h, q]`` -> ``[b, q, h, 1]`` so they scale ``o`` rows."""
@@ -46,16 +44,15 @@ def online_update(m, l, o, s, v):
     m_new = np.maximum(m, s.max(axis=-1))  # (b, h, q); -inf if the row saw nothing so far
     m_safe = _finite_or_zero(m_new)
     alpha = np.exp(m - m_safe)  # (b, h, q): rescales the old state; exp(-inf) = 0 when m was -inf
-    live = s != -np.inf  # masked pairs count for nothing, whatever V holds there
-    p = np.where(live, np.exp(s - m_safe[..., None]), 0.0)  # (b, h, q, k)
+    p = np.exp(s - m_safe[..., None])  # (b, h, q, k); 0 where masked
     l_new = alpha * l + p.sum(axis=-1)
-    o_new = _rows_to_o(alpha) * o + attend_values(p, v, live)
+    o_new = _rows_to_o(alpha) * o + np.einsum("bhqk,bkhd->bqhd", p, v)
     return m_new, l_new, o_new
 
 
 def finalize(m, l, o):
     """Normalise: ``(o / l, m + log l)``; rows with ``l = 0`` give ``o = 0`` and ``lse = -inf``."""
-    seen = l > 0  # (b, h, q)
+    seen = l != 0  # (b, h, q); NaN (a row that saw a bad key) stays NaN
     with np.errstate(divide="ignore"):
         lse = np.where(seen, _finite_or_zero(m) + np.log(np.where(seen, l, 1.0)), -np.inf)
     o = o / _rows_to_o(np.where(seen, l, 1.0))
