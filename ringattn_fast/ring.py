@@ -108,7 +108,12 @@ def default_block(shard, target=128):
 
 
 def _bias_mode(bias, batch, heads, sq, n):
-    """Classify a host-local bias (see :class:`~ringattn_fast.schedule.RingConfig`); raise if it fits no mode."""
+    """Classify a bias (see :class:`~ringattn_fast.schedule.RingConfig`); raise if it fits no mode.
+
+    One rule for the global array (``sq = seq, n = 1``: how ``ring_attention`` shards it) and for a
+    host's shard (``sq = s_local, n = axis_size``: how the ring uses it): ``[.., sq|1, 1]`` "static",
+    key-only ``[.., 1, sq]`` "travel", ``[.., sq|1, n * sq]`` "columns".
+    """
     if bias is None:
         return None
     shape = tuple(bias.shape)
@@ -210,14 +215,13 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
     if segment_ids is not None:
         args["segment_ids"] = perm(jnp.asarray(segment_ids).astype(jnp.int32))
         specs["segment_ids"] = jax.P(dax, axis_name)
-    if bias is not None:
-        bdax = dax if bias.shape[0] > 1 else None
-        if bias.shape[2] > 1:  # full (or per-query) bias: this host's query rows, every key column
-            args["bias"], specs["bias"] = perm(bias, axis=2), jax.P(bdax, None, axis_name, None)
-        else:  # key-only: sharded like the keys, travels with them
-            args["bias"], specs["bias"] = bias, jax.P(bdax, None, None, axis_name if bias.shape[3] > 1 else None)
-        if bias.shape[3] > 1:
-            args["bias"] = perm(args["bias"], axis=3)
+    if bias is not None:  # where the bias lives follows its mode (the same rule the host applies)
+        mode = _bias_mode(bias, b, h, s, 1)
+        rows = axis_name if bias.shape[2] > 1 else None  # query rows: this host's
+        cols = axis_name if mode == "travel" else None  # key-only: sharded like the keys
+        args["bias"] = perm(bias, axis=2) if rows else bias
+        args["bias"] = perm(args["bias"], axis=3) if bias.shape[3] > 1 else args["bias"]
+        specs["bias"] = jax.P(dax if bias.shape[0] > 1 else None, None, rows, cols)
     names = tuple(args)
 
     def per_host(*xs):
