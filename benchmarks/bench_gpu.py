@@ -123,19 +123,22 @@ def make_functions(opts, blocks, ref_blocks, ref_impl):
 
     from ringattn_fast import hop
     from ringattn_fast.kernels import pallas_gpu
+    from ringattn_fast.schedule import HopConfig, KVShard, QShard
 
     def fwd_bwd(module, block_q, block_kv):
-        kw = dict(opts, block_q=block_q, block_kv=block_kv)
+        cfg = HopConfig(**opts, block_q=block_q, block_kv=block_kv)
 
         def run(q, k, v, pos, do):
-            o, lse = module.hop_fwd(q, k, v, pos, pos, None, None, None, **kw)  # (b, s, h, d), (b, h, s)
+            qs, kv = QShard(q, pos), KVShard(k, v, pos)
+            o, lse = module.hop_fwd(qs, kv, cfg)  # (b, s, h, d), (b, h, s)
             delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), o.astype(jnp.float32))  # D = rowsum(dO*O)
-            dq, dk, dv, _ = module.hop_bwd(q, k, v, do, lse, delta, pos, pos, None, None, None, **kw)
+            dq, dk, dv, _ = module.hop_bwd(qs, kv, cfg, do=do, lse=lse, delta=delta)
             return o, dq, dk, dv
         return run
 
     def ours_fwd(q, k, v, pos, do):
-        return pallas_gpu.hop_fwd(q, k, v, pos, pos, None, None, None, **opts, block_q=blocks[0], block_kv=blocks[1])
+        cfg = HopConfig(**opts, block_q=blocks[0], block_kv=blocks[1])
+        return pallas_gpu.hop_fwd(QShard(q, pos), KVShard(k, v, pos), cfg)
 
     def ref_attention(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=opts["causal"], implementation=ref_impl)

@@ -22,6 +22,7 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpret_
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 from ringattn_fast.kernels.tpu_ring_fused import fused_ring_attention_shard  # noqa: E402
+from ringattn_fast.schedule import HopConfig, KVShard, QShard  # noqa: E402
 
 
 def run(handshake, on_race):
@@ -33,9 +34,8 @@ def run(handshake, on_race):
     params = pltpu.InterpretParams(detect_races=True, on_race=on_race)
 
     def shard_fn(q, k, v, pos):
-        return fused_ring_attention_shard(q, k, v, pos, pos, None, None, axis_name="x", scale=None,
-                                          causal=False, window=None, block_q=8, block_kv=8,
-                                          interpret=params, _handshake=handshake)
+        return fused_ring_attention_shard(QShard(q, pos), KVShard(k, v, pos), HopConfig(scale=d ** -0.5, block_q=8,
+                                          block_kv=8), axis_name="x", interpret=params, _handshake=handshake)
 
     seq = jax.P(None, "x")
     ring = jax.jit(jax.shard_map(shard_fn, mesh=mesh, in_specs=(seq,) * 4, out_specs=seq, check_vma=False))

@@ -2,7 +2,8 @@
 
 Every kernel here runs under ``pltpu.InterpretParams(detect_races=True)`` (on_race="raise": a race
 raises inside the call), and each test also asserts the interpreter's ``races.races_found`` flag.
-The reference is a plain masked attention in numpy float64 (FA-2's backward written out by hand).
+The oracle is the float64 per-hop oracle of ``ringattn_ref`` applied to the whole sequence as one hop
+(``hop_attention`` and ``hop_attention_vjp``): the fused ring must equal attention over all K/V shards.
 """
 import json
 import os
@@ -19,58 +20,42 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpret_
 from jax.experimental.pallas import tpu as pltpu
 
 from ringattn_fast.kernels import tpu_ring_fused as fused
+from ringattn_fast.masks import mark_bad_keys
+from ringattn_fast.schedule import HopConfig, KVShard, QShard
+from ringattn_ref import hop_attention, hop_attention_vjp
 from ringattn_ref.layouts import layout_permutation
 from ringattn_ref.testing import attention_problems
+from ringattn_ref.validation import check_window
 
 P = jax.P
 RACES = pltpu.InterpretParams(detect_races=True)
 
 
-def reference(q, k, v, do, dlse, q_pos, k_pos, q_seg, k_seg, *, scale, causal, window):
-    """Plain masked attention and its gradients, float64: (o, lse, dq, dk, dv).
+def oracle(q, k, v, do, dlse, q_pos, k_pos, q_seg, k_seg, *, scale, causal, window, **_):
+    """The whole ring as one float64 hop: (o, lse, dq, dk, dv); ``dlse`` is the cotangent of lse.
 
-    q, do [b, sq, h, d]; k, v [b, sk, hk, d]; dlse [b, h, sq] (cotangent of lse). A row that sees no
-    key gives o = 0, lse = -inf and zero gradients.
+    q, do [b, sq, h, d]; k, v [b, sk, hk, d]; positions int [b, s] in layout order (any layout).
     """
-    q, k, v, do, dlse = (np.asarray(x, np.float64) for x in (q, k, v, do, dlse))
-    group = q.shape[2] // k.shape[2]
-    kk, vv = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)  # (b, sk, h, d)
-    i, j = q_pos[:, None, :, None], k_pos[:, None, None, :]              # (b, 1, sq, 1), (b, 1, 1, sk)
-    mask = np.ones(np.broadcast_shapes(i.shape, j.shape), bool)
-    if causal:
-        mask &= j <= i
-    if window is not None:
-        left, right = window
-        mask &= (j >= i - left) if left >= 0 else True
-        mask &= (j <= i + right) if right >= 0 else True
-    if q_seg is not None:
-        mask &= q_seg[:, None, :, None] == k_seg[:, None, None, :]
-    s = np.where(mask, np.einsum("bqhd,bkhd->bhqk", q, kk) * scale, -np.inf)  # (b, h, sq, sk)
-    m = s.max(-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    e = np.where(mask, np.exp(s - m), 0.0)
-    l = e.sum(-1, keepdims=True)
-    p = e / np.where(l > 0, l, 1.0)                                           # softmax, 0 on empty rows
-    lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(np.where(l[..., 0] > 0, l[..., 0], 1.0)), -np.inf)
-    o = np.einsum("bhqk,bkhd->bqhd", p, vv)
-    delta = np.einsum("bqhd,bqhd->bhq", do, o)[..., None]                     # FA-2 D
-    ds = p * (np.einsum("bqhd,bkhd->bhqk", do, vv) - delta + dlse[..., None])
-    dq = np.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
-    dk = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
-    dv = np.einsum("bhqk,bqhd->bkhd", p, do)
-    b, sk, hk, d = k.shape
-    return o, lse, dq, dk.reshape(b, sk, hk, group, d).sum(3), dv.reshape(b, sk, hk, group, d).sum(3)
+    opts = dict(scale=scale, causal=causal, window=window)
+    o, lse = hop_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, **opts)
+    with np.errstate(invalid="ignore"):
+        delta = np.einsum("bqhd,bqhd->bhq", np.asarray(do, np.float64), o) - dlse  # FA-2 D, minus d lse
+    return (o, lse) + tuple(hop_attention_vjp(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, **opts))
 
 
-def run_fused(n, q, k, v, do, dlse, q_pos, k_pos, q_seg, k_seg, *, check_vma=False, **kw):
-    """Shard over n devices, run the fused ring forward and its VJP: (o, lse, dq, dk, dv) as numpy."""
+def run_fused(n, q, k, v, do, dlse, q_pos, k_pos, q_seg, k_seg, *, check_vma=False, **cfg):
+    """Shard over n devices, run the fused ring forward and its VJP: (o, lse, dq, dk, dv) as numpy.
+
+    K/V are marked (``masks.mark_bad_keys``) first, as ``ring_attention`` does, and the gradients are
+    those of the marked K/V (as in the oracle). ``cfg``: HopConfig keywords (scale, causal, window,
+    block_q, block_kv)."""
     mesh = jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-    has_seg = q_seg is not None
+    has_seg, hop = q_seg is not None, HopConfig(**cfg)
 
     def shard_fn(q, k, v, q_pos, k_pos, *seg):
         q_seg, k_seg = seg if has_seg else (None, None)
-        return fused.fused_ring_attention_shard(q, k, v, q_pos, k_pos, q_seg, k_seg, axis_name="x",
-                                                return_lse=True, interpret=RACES, **kw)
+        return fused.fused_ring_attention_shard(QShard(q, q_pos, q_seg), KVShard(k, v, k_pos, k_seg), hop,
+                                                axis_name="x", return_lse=True, interpret=RACES)
 
     seq = P(None, "x")
     ring = jax.shard_map(shard_fn, mesh=mesh, in_specs=(seq,) * (7 if has_seg else 5),
@@ -82,16 +67,19 @@ def run_fused(n, q, k, v, do, dlse, q_pos, k_pos, q_seg, k_seg, *, check_vma=Fal
         (o, lse), vjp = jax.vjp(lambda q, k, v: ring(q, k, v, *ints), q, k, v)
         return (o, lse) + vjp((do, dlse))
 
+    k, v = mark_bad_keys(jnp.asarray(k), jnp.asarray(v))  # as ring_attention hands K/V over
     out = [np.asarray(x) for x in fwd_bwd(q, k, v, do, dlse)]
     assert interpret_state.races.races_found is False
     return out
 
 
 def assert_matches(got, want, tol=2e-5):
-    """Same -inf pattern, and max |got - want| <= tol * max(1, max |want|) for o, lse, dq, dk, dv."""
+    """Same NaN and -inf patterns, and max |got - want| <= tol * max(1, max |want|) for o, lse, dq, dk, dv."""
     for name, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        g = np.asarray(g, np.float64)
+        assert np.array_equal(np.isnan(g), np.isnan(w)), f"{name}: NaN pattern differs"
+        assert np.array_equal(np.isneginf(g), np.isneginf(w)), f"{name}: -inf pattern differs"
         finite = np.isfinite(w)
-        assert np.array_equal(np.isfinite(g), finite), f"{name}: -inf pattern differs"
         if finite.any():
             err, size = np.abs(g[finite] - w[finite]).max(), max(1.0, np.abs(w[finite]).max())
             assert err <= tol * size, f"{name}: max error {err:.3g} > {tol} * {size:.3g}"
@@ -100,7 +88,7 @@ def assert_matches(got, want, tol=2e-5):
 @pytest.mark.parametrize("n", [2, 4, 8])
 @settings(max_examples=5)
 @given(data=st.data())
-def test_matches_reference(n, data):
+def test_matches_oracle(n, data):
     """Outputs, lse and gradients agree with float64 attention on drawn problems (causal, window,
     segment ids, GQA, contiguous / striped / zigzag / permuted layouts); no race is reported."""
     # The interpreter costs ~10 ms per tile and device thread: few heads, at most 2 x 2 tiles a hop.
@@ -116,9 +104,9 @@ def test_matches_reference(n, data):
     seg = None if p.segment_ids is None else p.segment_ids[:, perm].astype(np.int32)
     dlse = np.random.default_rng(s).standard_normal((b, h, s)).astype(np.float32)
     kw = dict(scale=p.scale if p.scale is not None else q.shape[-1] ** -0.5, causal=p.causal,
-              window=p.window)
+              window=check_window(p.window))
     got = run_fused(n, q, k, v, do, dlse, pos, pos, seg, seg, block_q=block_q, block_kv=block_kv, **kw)
-    assert_matches(got, reference(q, k, v, do, dlse, pos, pos, seg, seg, **kw))
+    assert_matches(got, oracle(q, k, v, do, dlse, pos, pos, seg, seg, **kw))
 
 
 def test_eight_devices_everything_at_once():
@@ -132,7 +120,7 @@ def test_eight_devices_everything_at_once():
     dlse = rng.standard_normal((b, h, s)).astype(np.float32)
     kw = dict(scale=0.4, causal=True, window=(20, -1))
     got = run_fused(n, q, k, v, do, dlse, pos, pos, seg, seg, block_q=4, block_kv=4, **kw)
-    assert_matches(got, reference(q, k, v, do, dlse, pos, pos, seg, seg, **kw))
+    assert_matches(got, oracle(q, k, v, do, dlse, pos, pos, seg, seg, **kw))
 
 
 def test_check_vma_and_rows_that_see_nothing():
@@ -147,7 +135,7 @@ def test_check_vma_and_rows_that_see_nothing():
     k_pos = q_pos + 6  # queries 0..5 see no key at all
     kw = dict(scale=0.3, causal=True, window=(9, -1))
     got = run_fused(n, q, k, v, do, dlse, q_pos, k_pos, None, None, check_vma=True, block_q=4, block_kv=8, **kw)
-    want = reference(q, k, v, do, dlse, q_pos, k_pos, None, None, **kw)
+    want = oracle(q, k, v, do, dlse, q_pos, k_pos, None, None, **kw)
     assert_matches(got, want)
     assert np.all(got[0][:, :6] == 0) and np.all(got[1][:, :, :6] == -np.inf)
     assert np.all(got[2][:, :6] == 0) and all(np.isfinite(g).all() for g in got[2:])
@@ -164,7 +152,7 @@ def test_single_device_ring():
     dlse = rng.standard_normal((b, h, s)).astype(np.float32)
     kw = dict(scale=0.5, causal=True, window=None)
     got = run_fused(1, q, k, v, do, dlse, pos, pos, seg, seg, block_q=8, block_kv=4, **kw)
-    assert_matches(got, reference(q, k, v, do, dlse, pos, pos, seg, seg, **kw))
+    assert_matches(got, oracle(q, k, v, do, dlse, pos, pos, seg, seg, **kw))
 
 
 def test_bfloat16_output_dtype_and_accuracy():
@@ -178,7 +166,7 @@ def test_bfloat16_output_dtype_and_accuracy():
     bf = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, do)]
     got = run_fused(n, *bf, dlse, pos, pos, None, None, block_q=8, block_kv=8, **kw)
     assert got[0].dtype == jnp.bfloat16 and got[2].dtype == jnp.bfloat16
-    want = reference(*(np.asarray(x, np.float32) for x in bf), dlse, pos, pos, None, None, **kw)
+    want = oracle(*(np.asarray(x, np.float32) for x in bf), dlse, pos, pos, None, None, **kw)
     assert_matches([g.astype(np.float32) for g in got], want, tol=5e-2)
 
 
@@ -190,13 +178,14 @@ def test_skips_empty_tiles():
     q, k, v, do = (rng.standard_normal((b, s, h, d)).astype(np.float32) for _ in range(4))
     pos = layout_permutation("zigzag", s, n).astype(np.int32)[None]
     seg = (pos >= 40).astype(np.int32)
-    kw = dict(scale=0.25, causal=True, window=(12, -1), block_q=bq, block_kv=bk)
+    hop = HopConfig(scale=0.25, causal=True, window=(12, -1), block_q=bq, block_kv=bk)
     mesh = jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
 
     def shard_fn(q, k, v, do, pos, seg):
-        cfg = fused.make_config(q, k, v, pos, pos, seg, seg, axis_name="x", interpret=RACES, **kw)
-        o, lse, fwd_count = fused._forward(cfg, q, k, v, pos, pos, seg, seg)
-        *_, bwd_count = fused._backward(cfg, q, k, v, pos, pos, seg, seg, o, lse, do, jnp.zeros_like(lse))
+        qs, kv = QShard(q, pos, seg), KVShard(k, v, pos, seg)
+        cfg = fused.make_config(qs, kv, hop, axis_name="x", interpret=RACES, count=True)
+        o, lse, fwd_count = fused._forward(cfg, qs, kv)
+        *_, bwd_count = fused._backward(cfg, qs, kv, o, lse, do, jnp.zeros_like(lse))
         return fwd_count, bwd_count
 
     counts = jax.jit(jax.shard_map(shard_fn, mesh=mesh, in_specs=(P(None, "x"),) * 6,
@@ -229,21 +218,84 @@ def test_removing_the_handshake_is_caught_by_the_race_detector():
     assert result["no_handshake_raise"]["raised"] == "RACE DETECTED"
 
 
-def test_interpret_resolution_and_errors(monkeypatch):
-    assert fused._resolve_interpret(None) == pltpu.InterpretParams(detect_races=True)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    with pytest.raises(ValueError, match="needs a TPU"):
-        fused._resolve_interpret(None)
-    assert fused._resolve_interpret(False) is False
-    monkeypatch.undo()
+def test_interpret_default_and_errors():
+    """interpret=None is `tiles.interpret_mode`: the race-detecting interpreter on CPU; bad blocks, a
+    bias, and a call outside shard_map are ValueErrors naming the impl."""
     x = jnp.zeros((1, 8, 2, 4))
     pos = jnp.zeros((1, 8), jnp.int32)
     mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-    bad = jax.shard_map(lambda x, pos: fused.fused_ring_attention_shard(
-        x, x, x, pos, pos, None, None, axis_name="x", scale=None, causal=True, window=None,
-        block_q=3, block_kv=4), mesh=mesh, in_specs=(P(None, "x"), P(None, "x")), out_specs=P(None, "x"))
-    with pytest.raises(ValueError, match="block_q"):
-        bad(x, pos)
+    seen = {}
+
+    def config(x, pos):
+        seen["cfg"] = fused.make_config(QShard(x, pos), KVShard(x, x, pos), HopConfig(scale=0.5),
+                                        axis_name="x")
+        return x
+
+    jax.shard_map(config, mesh=mesh, in_specs=(P(None, "x"),) * 2, out_specs=P(None, "x"))(x, pos)
+    assert seen["cfg"].interpret == RACES and seen["cfg"].axis_size == 2 and seen["cfg"].count is False
+
+    def call(hop, bias=None):
+        return jax.shard_map(lambda x, pos: fused.fused_ring_attention_shard(
+            QShard(x, pos), KVShard(x, x, pos, None, bias), hop, axis_name="x"),
+            mesh=mesh, in_specs=(P(None, "x"), P(None, "x")), out_specs=P(None, "x"))(x, pos)
+
+    with pytest.raises(ValueError, match="impl='pallas_tpu_fused': block_q must divide"):
+        call(HopConfig(scale=0.5, causal=True, block_q=3, block_kv=4))
+    with pytest.raises(ValueError, match="take no bias"):
+        call(HopConfig(scale=0.5), bias=jnp.zeros((1, 1, 1, 4)))
     with pytest.raises(ValueError, match="axis_name 'x'"):
-        fused.fused_ring_attention_shard(x, x, x, pos, pos, None, None, axis_name="x", scale=None,
-                                         causal=True, window=None, block_q=4, block_kv=4)
+        fused.fused_ring_attention_shard(QShard(x, pos), KVShard(x, x, pos), HopConfig(scale=0.5), axis_name="x")
+
+
+def small_problem(seed, b=1, s=32, h=2, hk=1, d=8):
+    """float32 q, k, v, do, dlse and contiguous int32 positions [b, s]."""
+    rng = np.random.default_rng(seed)
+    q, do = (rng.standard_normal((b, s, h, d)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((b, s, hk, d)).astype(np.float32) for _ in range(2))
+    dlse = rng.standard_normal((b, h, s)).astype(np.float32)
+    return q, k, v, do, dlse, np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
+
+
+def test_runs_with_x64_enabled():
+    """float32 inputs with jax_enable_x64 on: the kernels' index arithmetic stays int32 (the old one
+    crashed in ``lax.rem``, int32 vs int64) and the result matches the oracle."""
+    q, k, v, do, dlse, pos = small_problem(5)
+    kw = dict(scale=0.35, causal=True, window=(11, -1), block_q=8, block_kv=8)
+    with jax.enable_x64(True):
+        got = run_fused(2, q, k, v, do, dlse, pos, pos, pos // 20, pos // 20, **kw)
+    assert got[0].dtype == np.float32 and got[1].dtype == np.float32
+    assert_matches(got, oracle(q, k, v, do, dlse, pos, pos, pos // 20, pos // 20, **kw))
+
+
+def test_dtype_rules():
+    """float64 (under x64) and q float32 with k, v bfloat16 are ValueErrors naming the impl."""
+    q, k, v, _, _, pos = small_problem(6)
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def call(q, k, v):
+        fn = lambda q, k, v, pos: fused.fused_ring_attention_shard(
+            QShard(q, pos), KVShard(k, v, pos), HopConfig(scale=0.5, block_q=8, block_kv=8), axis_name="x")
+        return jax.shard_map(fn, mesh=mesh, in_specs=(P(None, "x"),) * 4, out_specs=P(None, "x"))(q, k, v, pos)
+
+    with jax.enable_x64(True):
+        with pytest.raises(ValueError, match="impl='pallas_tpu_fused' computes in float32 .*got float64"):
+            call(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
+    with pytest.raises(ValueError, match="one dtype; got q float32, k bfloat16, v bfloat16"):
+        call(q, jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16))
+
+
+def test_masked_nan_keys_contribute_nothing():
+    """2 devices, causal, batch 2. Example 0: K and V NaN at key 29, invisible to queries 24..28 of its
+    computed tile; example 1: V NaN at key 13. Outputs and gradients equal the oracle's, NaN exactly
+    where it is NaN, and rows that see no bad key equal the oracle on zeroed keys (the old kernel's
+    ``0 * nan`` in ``dS K`` made dQ NaN, and its ``l > 0`` test hid NaN rows as o = 0, lse = -inf)."""
+    q, k, v, do, dlse, pos = small_problem(7, b=2, d=16)
+    k[0, 29], v[0, 29], v[1, 13] = np.nan, np.nan, np.nan
+    kw = dict(scale=0.25, causal=True, window=None, block_q=8, block_kv=8)
+    got = run_fused(2, q, k, v, do, dlse, pos, pos, None, None, **kw)
+    assert_matches(got, oracle(q, k, v, do, dlse, pos, pos, None, None, **kw))
+    clean = oracle(q, np.nan_to_num(k), np.nan_to_num(v), do, dlse, pos, pos, None, None, **kw)
+    assert np.isnan(got[0][0, 29:]).all() and np.isnan(got[0][1, 13:]).all()
+    for ex, rows in ((0, slice(0, 29)), (1, slice(0, 13))):
+        assert np.isfinite(got[0][ex, rows]).all()
+        np.testing.assert_allclose(got[0][ex, rows], clean[0][ex, rows], atol=2e-5)

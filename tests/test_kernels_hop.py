@@ -1,55 +1,41 @@
-"""Pallas per-hop kernels (issue 4, kernels 1 and 2) against a plain masked-attention reference.
+"""Pallas per-hop kernels (``pallas_gpu``, ``pallas_tpu``) against the float64 per-hop oracle.
 
-Both modules run interpreted on CPU (Triton: ``interpret=True``; TPU: ``InterpretParams`` with race
-detection). The interpreters are slow, so problems are small and examples few.
+The oracle is ``ringattn_ref.hop_attention`` / ``hop_attention_vjp`` (one hop, given the final lse
+and delta). Both modules run interpreted on CPU (Triton: ``interpret=True``; TPU: ``InterpretParams``
+with race detection). The interpreters are slow, so problems are small and examples few.
 """
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from jax.experimental.pallas import tpu as pltpu
 
-from ringattn_fast.kernels import pallas_gpu, pallas_tpu
+from ringattn_fast.kernels import pallas_gpu, pallas_tpu, tiles, tpu_ring_fused
 from ringattn_fast.kernels.tiles import tile_schedule
+from ringattn_fast.masks import mark_bad_keys
+from ringattn_fast.schedule import HopConfig, KVShard, QShard
+from ringattn_ref import hop_attention, hop_attention_vjp
+from ringattn_ref.masks import allowed
 
 MODULES = {"pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
-TOL = 2e-5  # float32, relative to the largest reference magnitude (at least 1)
+TOL = 2e-5  # float32, relative to the largest oracle magnitude (at least 1)
 BF16_TOL = 1e-2  # bf16 inputs, fp32 accumulation (measured ~2e-3: P is rounded to bf16 before P @ V)
-
-
-def reference_mask(q_pos, k_pos, q_seg, k_seg, *, causal, window):
-    """bool [b, 1, sq, sk] from true positions (docs/design.md "Mask")."""
-    i, j = q_pos[:, None, :, None], k_pos[:, None, None, :]
-    mask = jnp.ones(i.shape[:3] + j.shape[3:], dtype=bool)
-    if causal:
-        mask &= j <= i
-    if window is not None:
-        left, right = window
-        mask = mask & (j >= i - left) if left >= 0 else mask
-        mask = mask & (j <= i + right) if right >= 0 else mask
-    if q_seg is not None:
-        mask &= q_seg[:, None, :, None] == k_seg[:, None, None, :]
-    return mask
-
-
-def reference(q, k, v, q_pos, k_pos, q_seg, k_seg, *, scale, causal, window):
-    """Plain masked softmax attention in float32: o [b, sq, h, d] (0 for empty rows), lse [b, h, sq]."""
-    group = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)  # GQA, in the reference only
-    mask = reference_mask(q_pos, k_pos, q_seg, k_seg, causal=causal, window=window)
-    s = jnp.where(mask, scale * jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest"), -jnp.inf)
-    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(mask, jnp.exp(s - m), 0.0)
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(l > 0, l, 1.0), v, precision="highest")
-    lse = jnp.where(l[..., 0] > 0, m[..., 0] + jnp.log(jnp.where(l[..., 0] > 0, l[..., 0], 1.0)), -jnp.inf)
-    return o, lse
 
 
 def max_rel_err(x, ref):
     x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return np.max(np.abs(x - ref)) / max(1.0, np.max(np.abs(ref)))
+    return np.max(np.abs(x - ref), initial=0.0) / max(1.0, np.max(np.abs(ref), initial=0.0))
+
+
+def hop_problem(q, k, v, do, q_pos, k_pos, q_seg=None, k_seg=None, **cfg):
+    """A problem dict: float32 arrays, int32 positions [b, s] (segments or None), HopConfig kwargs."""
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    as_int = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
+    return dict(q=f32(q), k=f32(k), v=f32(v), do=f32(do), q_pos=as_int(q_pos), k_pos=as_int(k_pos),
+                q_seg=as_int(q_seg), k_seg=as_int(k_seg), cfg=HopConfig(**cfg))
 
 
 @st.composite
@@ -76,71 +62,80 @@ def problems(draw, batches=(1, 2), blocks=(8, 16), max_tiles=4):
     window = draw(st.none() | st.tuples(st.sampled_from([-1, 0, 3, 16]), st.sampled_from([-1, 0, 5])))
     seg_len = draw(st.sampled_from([None, 6, 24]))  # documents packed along the true positions
     q_seg, k_seg = (None, None) if seg_len is None else (q_pos // seg_len, k_pos // seg_len)
-    shapes = dict(q=(b, sq, hk * group, d), k=(b, sk, hk, d), v=(b, sk, hk, d))
-    data = {name: jnp.asarray(rng.standard_normal(shape), jnp.float32) for name, shape in shapes.items()}
-    data["do"] = jnp.asarray(rng.standard_normal(shapes["q"]), jnp.float32)
-    as_int = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
-    return dict(**data, q_pos=as_int(q_pos), k_pos=as_int(k_pos), q_seg=as_int(q_seg), k_seg=as_int(k_seg),
-                opts=dict(scale=float(d) ** -0.5, causal=causal, window=window, block_q=block_q, block_kv=block_kv))
+    normal = lambda *shape: rng.standard_normal(shape)
+    return hop_problem(normal(b, sq, hk * group, d), normal(b, sk, hk, d), normal(b, sk, hk, d),
+                       normal(b, sq, hk * group, d), q_pos, k_pos, q_seg, k_seg, scale=float(d) ** -0.5,
+                       causal=causal, window=window, block_q=block_q, block_kv=block_kv)
+
+
+def shards(pb, dtype=jnp.float32):
+    """(QShard, KVShard) of a problem as the ring hands them to a kernel: q, k, v cast to ``dtype``,
+    K/V marked by ``masks.mark_bad_keys`` (a key holding a nan/inf: V = 0, K all-NaN)."""
+    k, v = mark_bad_keys(pb["k"].astype(dtype), pb["v"].astype(dtype))
+    return QShard(pb["q"].astype(dtype), pb["q_pos"], pb["q_seg"]), KVShard(k, v, pb["k_pos"], pb["k_seg"])
 
 
 def run_hop(mod, pb, dtype=jnp.float32):
     """Forward and backward of one hop (its own lse is the final lse): o, lse, dq, dk, dv."""
-    q, k, v, do = (pb[n].astype(dtype) for n in ("q", "k", "v", "do"))
-    pos = (pb["q_pos"], pb["k_pos"], pb["q_seg"], pb["k_seg"])
-    o, lse = mod.hop_fwd(q, k, v, *pos, None, **pb["opts"])
+    qs, kv = shards(pb, dtype)
+    do = pb["do"].astype(dtype)
+    o, lse = mod.hop_fwd(qs, kv, pb["cfg"])
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o)  # FA-2 D = rowsum(dO * O)
-    dq, dk, dv, dbias = mod.hop_bwd(q, k, v, do, lse, delta, *pos, None, **pb["opts"])
-    assert dbias is None
-    return o, lse, dq, dk, dv
+    grads = mod.hop_bwd(qs, kv, pb["cfg"], do=do, lse=lse, delta=delta)
+    assert grads.dbias is None
+    return o, lse, grads.dq, grads.dk, grads.dv
 
 
-def run_reference(pb):
-    """Reference o, lse and (dq, dk, dv) = jax.vjp of the reference's o at do."""
-    opts = {n: pb["opts"][n] for n in ("scale", "causal", "window")}
-    pos = (pb["q_pos"], pb["k_pos"], pb["q_seg"], pb["k_seg"])
-    (o, lse), vjp = jax.vjp(lambda q, k, v: reference(q, k, v, *pos, **opts), pb["q"], pb["k"], pb["v"])
-    return o, lse, *vjp((pb["do"], jnp.zeros_like(lse)))
+def run_oracle(pb):
+    """The float64 oracle on the raw K/V (it marks bad keys itself): o, lse of the hop and (dq, dk, dv)
+    from its own lse and delta."""
+    cfg = pb["cfg"]
+    opts = dict(scale=cfg.scale, causal=cfg.causal, window=cfg.window)
+    args = [np.asarray(pb[n]) for n in ("q", "k", "v")]
+    ints = [None if pb[n] is None else np.asarray(pb[n]) for n in ("q_pos", "k_pos", "q_seg", "k_seg")]
+    o, lse = hop_attention(*args, *ints, **opts)
+    do = np.asarray(pb["do"], np.float64)
+    with np.errstate(invalid="ignore"):
+        delta = np.einsum("bqhd,bqhd->bhq", do, o)
+    return (o, lse) + tuple(hop_attention_vjp(*args, do, lse, delta, *ints, **opts))
 
 
-def assert_matches_reference(got, want, tol):
-    o, lse, dq, dk, dv = got
-    o_r, lse_r, dq_r, dk_r, dv_r = want
-    assert o.dtype == lse.dtype == dq.dtype == dk.dtype == dv.dtype == jnp.float32
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_r))  # rows that see nothing
-    finite = np.isfinite(lse_r)
-    assert max_rel_err(np.where(finite, lse, 0), np.where(finite, lse_r, 0)) <= tol
-    for name, x, ref in [("o", o, o_r), ("dq", dq, dq_r), ("dk", dk, dk_r), ("dv", dv, dv_r)]:
-        assert np.all(np.isfinite(x)), name
-        assert max_rel_err(x, ref) <= tol, (name, max_rel_err(x, ref))
+def assert_matches_oracle(got, want, tol):
+    """float32 outputs; the same -inf (rows that see nothing) and NaN patterns; close elsewhere."""
+    names = ("o", "lse", "dq", "dk", "dv")
+    assert all(x.dtype == jnp.float32 for x in got), [x.dtype for x in got]
+    got = [np.asarray(x, np.float64) for x in got]
+    for name, x, ref in zip(names, got, want):
+        np.testing.assert_array_equal(np.isnan(x), np.isnan(ref), err_msg=f"{name}: NaN pattern")
+        np.testing.assert_array_equal(np.isneginf(x), np.isneginf(ref), err_msg=f"{name}: -inf pattern")
+        finite = np.isfinite(ref)
+        assert max_rel_err(x[finite], ref[finite]) <= tol, (name, max_rel_err(x[finite], ref[finite]))
 
 
 @pytest.mark.slow
 @settings(max_examples=6)
 @given(problems())
-def test_gpu_kernel_matches_reference_and_counts_tiles(pb):
-    assert_matches_reference(run_hop(pallas_gpu, pb), run_reference(pb), TOL)
-    pos, opts = (pb["q_pos"], pb["k_pos"], pb["q_seg"], pb["k_seg"]), pb["opts"]
-    counts = pallas_gpu.fwd_tile_counts(pb["q"], pb["k"], pb["v"], *pos, **opts)
-    schedule = tile_schedule(*pos, **{n: opts[n] for n in ("causal", "window", "block_q", "block_kv")})
+def test_gpu_kernel_matches_oracle_and_counts_tiles(pb):
+    assert_matches_oracle(run_hop(pallas_gpu, pb), run_oracle(pb), TOL)
+    counts = pallas_gpu.fwd_tile_counts(*shards(pb), pb["cfg"])
+    schedule = tile_schedule(pb["q_pos"], pb["k_pos"], pb["q_seg"], pb["k_seg"], causal=pb["cfg"].causal,
+                             window=pb["cfg"].window, block_q=pb["cfg"].block_q, block_kv=pb["cfg"].block_kv)
     np.testing.assert_array_equal(counts, np.broadcast_to(schedule.sum(-1)[:, None], counts.shape))
 
 
 @pytest.mark.slow
 @settings(max_examples=3)
 @given(problems(batches=(1,), max_tiles=3))
-def test_tpu_kernel_matches_reference(pb):
-    assert_matches_reference(run_hop(pallas_tpu, pb), run_reference(pb), TOL)
+def test_tpu_kernel_matches_oracle(pb):
+    assert_matches_oracle(run_hop(pallas_tpu, pb), run_oracle(pb), TOL)
 
 
-@settings(max_examples=30)
-@given(problems(blocks=(4, 8)))
-def test_tile_schedule_skips_only_empty_tiles(pb):
-    """Any layout (contiguous, striped, permuted), masks and segments: a skipped tile has an empty mask."""
-    pos, opts = (pb["q_pos"], pb["k_pos"], pb["q_seg"], pb["k_seg"]), pb["opts"]
-    schedule = np.asarray(tile_schedule(*pos, **{n: opts[n] for n in ("causal", "window", "block_q", "block_kv")}))
-    mask = reference_mask(*pos, causal=opts["causal"], window=opts["window"])[:, 0]  # (b, sq, sk)
-    assert not np.any(tile_any(mask, opts["block_q"], opts["block_kv"]) & ~schedule)
+def exact_mask(q_pos, k_pos, q_seg, k_seg, *, causal, window):
+    """bool [b, sq, sk] from the shared vocabulary, in int64 (no overflow whatever the positions)."""
+    i, j = np.asarray(q_pos, np.int64)[:, :, None], np.asarray(k_pos, np.int64)[:, None, :]
+    seg = (None, None) if q_seg is None else (np.asarray(q_seg)[:, :, None], np.asarray(k_seg)[:, None, :])
+    mask = allowed(i, j, *seg, causal=causal, window=window)
+    return np.ones(np.broadcast_shapes(i.shape, j.shape), bool) if mask is None else mask
 
 
 def tile_any(mask, block_q, block_kv):
@@ -149,17 +144,58 @@ def tile_any(mask, block_q, block_kv):
     return np.asarray(mask).reshape(b, sq // block_q, block_q, sk // block_kv, block_kv).any(axis=(2, 4))
 
 
+@settings(max_examples=30)
+@given(problems(blocks=(4, 8)))
+def test_tile_schedule_skips_only_empty_tiles(pb):
+    """Any layout (contiguous, striped, permuted), masks and segments: a skipped tile has an empty mask."""
+    cfg, pos = pb["cfg"], (pb["q_pos"], pb["k_pos"], pb["q_seg"], pb["k_seg"])
+    schedule = np.asarray(tile_schedule(*pos, causal=cfg.causal, window=cfg.window, block_q=cfg.block_q,
+                                        block_kv=cfg.block_kv))
+    mask = exact_mask(*pos, causal=cfg.causal, window=cfg.window)
+    assert not np.any(tile_any(mask, cfg.block_q, cfg.block_kv) & ~schedule)
+
+
 def test_tile_schedule_is_exact_for_contiguous_positions():
     """Each tile's positions form a full integer range, so causal/window skipping loses nothing:
     every offset between a Q shard and a K/V shard, every window edge, blocks of 4."""
-    k_pos = jnp.arange(16)[None]
-    for q_off in range(-20, 21):
-        q_pos = k_pos + q_off
+    k_pos = jnp.arange(16)[None] + 20
+    for q_off in range(41):  # queries 20 before .. 20 after the keys
+        q_pos = jnp.arange(16)[None] + q_off
         for causal in (False, True):
             for window in (None, (0, 0), (3, -1), (-1, 2), (5, 7), (9, 0)):
                 schedule = tile_schedule(q_pos, k_pos, causal=causal, window=window, block_q=4, block_kv=4)
-                mask = reference_mask(q_pos, k_pos, None, None, causal=causal, window=window)[:, 0]
+                mask = exact_mask(q_pos, k_pos, None, None, causal=causal, window=window)
                 np.testing.assert_array_equal(schedule, tile_any(mask, 4, 4), err_msg=f"{q_off} {causal} {window}")
+
+
+def test_tile_schedule_near_int32_max():
+    """Positions up to 2**31 - 1 with a window: exact, no overflow (the old predicate computed
+    ``q_hi + right``, which wraps to a negative int32 and skipped visible tiles)."""
+    top = 2**31 - 1
+    q_pos, k_pos = (jnp.arange(top - 31, top + 1, dtype=jnp.int32)[None],) * 2
+    for window in ((3, 5), (0, 9), (-1, 7)):
+        schedule = tile_schedule(q_pos, k_pos, causal=False, window=window, block_q=8, block_kv=8)
+        mask = exact_mask(q_pos, k_pos, None, None, causal=False, window=window)
+        np.testing.assert_array_equal(schedule, tile_any(mask, 8, 8), err_msg=str(window))
+
+
+def test_resident_blocks_hold_the_last_computed_tile():
+    """The TPU index maps' table: a skipped step keeps the previous computed block (no new DMA)."""
+    vis = jnp.asarray([[0, 1, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 0, 0]], bool)
+    np.testing.assert_array_equal(tiles.resident_blocks(vis),
+                                  [[1, 1, 1, 1, 4, 4], [0] * 6, [0, 1, 2, 3, 4, 5], [3, 3, 3, 3, 3, 3]])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODULES)
+def test_positions_near_int32_max(name):
+    """The kernels' in-tile mask at positions up to 2**31 - 1 with a window matches the oracle (the
+    old ``k_pos <= q_pos + right`` overflowed)."""
+    rng = np.random.default_rng(5)
+    pos = np.arange(2**31 - 16, 2**31, dtype=np.int64)[None]
+    pb = hop_problem(*(rng.standard_normal(s) for s in [(1, 16, 1, 8)] * 4), pos, pos, scale=0.5,
+                     window=(3, 5), block_q=8, block_kv=8)
+    assert_matches_oracle(run_hop(MODULES[name], pb), run_oracle(pb), TOL)
 
 
 def poisoned_problem(layout):
@@ -174,12 +210,11 @@ def poisoned_problem(layout):
         q_pos, k_pos, causal, window = np.arange(sq), np.arange(sk), True, None
     else:  # striped queries (odd positions 65..127), keys 0..63 shuffled: a 16-token window back
         q_pos, k_pos, causal, window = 2 * np.arange(sq) + 65, rng.permutation(sk), False, (16, 0)
-    pb = dict(q=rng.standard_normal((1, sq, h, d)), k=rng.standard_normal((1, sk, 1, d)),
-              v=rng.standard_normal((1, sk, 1, d)), do=rng.standard_normal((1, sq, h, d)))
-    pb = {n: jnp.asarray(x, jnp.float32) for n, x in pb.items()}
-    pb.update(q_pos=jnp.asarray(q_pos[None], jnp.int32), k_pos=jnp.asarray(k_pos[None], jnp.int32),
-              q_seg=None, k_seg=None, opts=dict(scale=d ** -0.5, causal=causal, window=window, block_q=8, block_kv=8))
-    schedule = np.asarray(tile_schedule(pb["q_pos"], pb["k_pos"], causal=causal, window=window, block_q=8, block_kv=8))
+    pb = hop_problem(rng.standard_normal((1, sq, h, d)), rng.standard_normal((1, sk, 1, d)),
+                     rng.standard_normal((1, sk, 1, d)), rng.standard_normal((1, sq, h, d)), q_pos[None],
+                     k_pos[None], scale=d ** -0.5, causal=causal, window=window, block_q=8, block_kv=8)
+    schedule = np.asarray(tile_schedule(pb["q_pos"], pb["k_pos"], causal=causal, window=window,
+                                        block_q=8, block_kv=8))
     dead_rows = np.repeat(~schedule[0].any(axis=0), 8)  # K/V rows in tiles no Q tile computes
     assert 0 < dead_rows.sum() < sk
     return pb, dead_rows
@@ -190,11 +225,45 @@ def poisoned_problem(layout):
                                           ("pallas_tpu", "striped_window")])
 def test_kernels_skip_tiles_nan_poison(name, layout):
     pb, dead = poisoned_problem(layout)
-    want = run_reference(pb)
+    want = run_oracle(pb)
     nan = jnp.where(jnp.asarray(dead)[None, :, None, None], jnp.nan, 1.0)
     got = run_hop(MODULES[name], dict(pb, k=pb["k"] * nan, v=pb["v"] * nan))
-    assert_matches_reference(got, want, TOL)
+    assert_matches_oracle(got, want, TOL)
     assert np.all(np.asarray(got[3])[:, dead] == 0) and np.all(np.asarray(got[4])[:, dead] == 0)
+
+
+def nan_problem():
+    """Causal, 32 tokens, tiles of 8, batch 2. Example 0: K and V NaN at key 29, which queries 24..28
+    cannot see although their (diagonal) tile is computed. Example 1: V NaN at key 13, seen by
+    queries 13..31, not by 8..12 in the same tile."""
+    rng = np.random.default_rng(7)
+    q, do = rng.standard_normal((2, 2, 32, 2, 16))
+    k, v = rng.standard_normal((2, 2, 32, 1, 16))
+    k[0, 29], v[0, 29], v[1, 13] = np.nan, np.nan, np.nan
+    pos = np.broadcast_to(np.arange(32), (2, 32))
+    return hop_problem(q, k, v, do, pos, pos, scale=0.25, causal=True, block_q=8, block_kv=8)
+
+
+def check_nan_semantics(got, pb):
+    """The oracle's NaN pattern exactly; and rows that see no bad key equal the oracle on zeroed keys."""
+    assert_matches_oracle(got, run_oracle(pb), TOL)
+    clean = run_oracle(dict(pb, k=jnp.nan_to_num(pb["k"]), v=jnp.nan_to_num(pb["v"])))
+    o = np.asarray(got[0])
+    assert np.isnan(o[0, 29:]).all() and np.isnan(o[1, 13:]).all()
+    for ex, rows in ((0, slice(0, 29)), (1, slice(0, 13))):  # the keys they cannot see contribute nothing
+        assert np.isfinite(o[ex, rows]).all()
+        assert max_rel_err(o[ex, rows], clean[0][ex, rows]) <= TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODULES)
+def test_masked_nan_keys_contribute_nothing(name):
+    """NaN K/V at keys masked for some queries of a computed tile: those queries' outputs are finite
+    and exactly the oracle's, and so are all gradients where the oracle's are (the old kernels made
+    dQ NaN through ``0 * nan`` in ``dS K``, and hid a NaN row as o = 0, lse = -inf); a NaN V at a
+    visible key makes NaN exactly the rows that see it, as in the oracle."""
+    pb = nan_problem()
+    check_nan_semantics(run_hop(MODULES[name], pb), pb)
 
 
 @pytest.mark.slow
@@ -203,11 +272,49 @@ def test_tpu_kernel_counts_computed_tiles():
     q_pos, k_pos = jnp.arange(32)[None] * 4 + 3, jnp.arange(32)[None] * 4 + 1  # striped, hosts 3 and 1
     seg = lambda pos: pos // 48
     x = jnp.ones((1, 32, 2, 32), jnp.float32)
-    opts = dict(causal=True, window=(40, -1), block_q=8, block_kv=8)
-    counts = pallas_tpu.fwd_tile_counts(x, x[:, :, :1], x[:, :, :1], q_pos, k_pos, seg(q_pos), seg(k_pos), **opts)
-    schedule = tile_schedule(q_pos, k_pos, seg(q_pos), seg(k_pos), **opts)
+    cfg = HopConfig(scale=0.2, causal=True, window=(40, -1), block_q=8, block_kv=8)
+    qs, kv = QShard(x, q_pos, seg(q_pos)), KVShard(x[:, :, :1], x[:, :, :1], k_pos, seg(k_pos))
+    counts = pallas_tpu.fwd_tile_counts(qs, kv, cfg)
+    schedule = tile_schedule(q_pos, k_pos, seg(q_pos), seg(k_pos), causal=True, window=(40, -1),
+                             block_q=8, block_kv=8)
     assert 0 < schedule.sum() < schedule.size  # some tiles skipped, some computed
     np.testing.assert_array_equal(counts, np.broadcast_to(schedule.sum(-1)[:, None], counts.shape))
+
+
+def pallas_outputs(fn, *args):
+    """The number of outputs of every pallas_call in ``fn(*args)``'s jaxpr (nested jaxprs included)."""
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield len(eqn.outvars)
+                continue
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                    if hasattr(sub, "eqns"):
+                        yield from walk(sub)
+    return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_forward_counts_tiles_only_when_asked(name):
+    """``hop_fwd`` has two outputs (o, lse); only ``fwd_tile_counts`` adds the counter (the old
+    pallas_gpu forward always wrote one)."""
+    pb, _ = poisoned_problem("causal")
+    qs, kv = shards(pb)
+    mod = MODULES[name]
+    assert pallas_outputs(lambda qs, kv: mod.hop_fwd(qs, kv, pb["cfg"]), qs, kv) == [2]
+    assert pallas_outputs(lambda qs, kv: mod.fwd_tile_counts(qs, kv, pb["cfg"]), qs, kv) == [3]
+
+
+def test_kernels_take_named_refs():
+    """Every kernel names its refs (no ``*refs`` unpacked by position): absent inputs are None refs."""
+    kernels = [f for mod in (pallas_gpu, pallas_tpu, tpu_ring_fused) for n, f in vars(mod).items()
+               if n.endswith("_kernel") and callable(f)]
+    assert len(kernels) == 8  # fwd, dq, dkv (x2); the fused fwd, bwd
+    for f in kernels:
+        kinds = {p.kind for p in inspect.signature(f).parameters.values()}
+        assert inspect.Parameter.VAR_POSITIONAL not in kinds, f.__qualname__
 
 
 @pytest.mark.slow
@@ -216,67 +323,108 @@ def test_two_hops_merge_with_final_lse(name):
     """Ring use: per-hop (o, lse) merged with FA-2's combine; backward per hop from the final lse."""
     rng = np.random.default_rng(1)
     b, s, h, hk, d = 1, 32, 2, 1, 48  # d = 48: not a power of two (the Triton wrapper pads it)
-    pos = jnp.asarray((np.arange(2 * s).reshape(s, 2).T.reshape(-1))[None], jnp.int32)  # striped over 2 hosts
-    q, do = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.float32) for _ in range(2))
-    k, v = (jnp.asarray(rng.standard_normal((b, 2 * s, hk, d)), jnp.float32) for _ in range(2))
-    q_pos, opts = pos[:, s:], dict(scale=0.2, causal=True, window=None, block_q=8, block_kv=16)
-    mod, hops = MODULES[name], [slice(0, s), slice(s, 2 * s)]
-    outs = [mod.hop_fwd(q, k[:, sl], v[:, sl], q_pos, pos[:, sl], None, None, None, **opts) for sl in hops]
+    pos = np.arange(2 * s).reshape(s, 2).T.reshape(1, -1)  # striped over 2 hosts
+    pb = hop_problem(rng.standard_normal((b, s, h, d)), rng.standard_normal((b, 2 * s, hk, d)),
+                     rng.standard_normal((b, 2 * s, hk, d)), rng.standard_normal((b, s, h, d)), pos[:, s:], pos,
+                     scale=0.2, causal=True, block_q=8, block_kv=16)
+    mod, cfg = MODULES[name], pb["cfg"]
+    qs = QShard(pb["q"], pb["q_pos"])
+    hops = [KVShard(pb["k"][:, sl], pb["v"][:, sl], pb["k_pos"][:, sl]) for sl in (slice(0, s), slice(s, 2 * s))]
+    outs = [mod.hop_fwd(qs, kv, cfg) for kv in hops]
     lse = jnp.logaddexp(outs[0][1], outs[1][1])
     o = sum(jnp.exp(l - lse).transpose(0, 2, 1)[..., None] * o_hop for o_hop, l in outs)
-    delta = jnp.einsum("bqhd,bqhd->bhq", do, o)
-    grads = [mod.hop_bwd(q, k[:, sl], v[:, sl], do, lse, delta, q_pos, pos[:, sl], None, None, None, **opts)
-             for sl in hops]
-    dq = grads[0][0] + grads[1][0]
+    delta = jnp.einsum("bqhd,bqhd->bhq", pb["do"], o)
+    grads = [mod.hop_bwd(qs, kv, cfg, do=pb["do"], lse=lse, delta=delta) for kv in hops]
+    dq = grads[0].dq + grads[1].dq
     dk, dv = (jnp.concatenate([g[i] for g in grads], axis=1) for i in (1, 2))
-    ref = dict(q=q, k=k, v=v, do=do, q_pos=q_pos, k_pos=pos, q_seg=None, k_seg=None, opts=opts)
-    assert_matches_reference((o, lse, dq, dk, dv), run_reference(ref), TOL)
+    assert_matches_oracle((o, lse, dq, dk, dv), run_oracle(pb), TOL)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MODULES)
 def test_kernels_inside_shard_map(name):
     """As in the ring: under shard_map(check_vma=True), Q sharded over 2 devices with positions from
-    axis_index (varying), K/V and their positions replicated (not varying)."""
-    pb, _ = poisoned_problem("causal")  # q_pos 0..31, k_pos 0..63, causal; no poison here
-    mod, opts = MODULES[name], pb["opts"]
+    axis_index (varying), K/V and their positions replicated (not varying). Keys start at 16, so
+    device 0's whole hop is empty (every tile skipped) while device 1 computes: the kernel runs on
+    both (no ``lax.cond`` around it: the TPU interpreter's barrier needs every device)."""
+    pb, _ = poisoned_problem("causal")  # q_pos 0..31, causal; no poison here
+    pb = dict(pb, k_pos=pb["k_pos"] + 16)
+    mod, cfg = MODULES[name], pb["cfg"]
     mesh = jax.make_mesh((2,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
 
     def per_device(q, do, k, v):
         sq = q.shape[1]
-        q_pos, k_pos = (jax.lax.axis_index("sp") * sq + jnp.arange(sq))[None], jnp.arange(k.shape[1])[None]
-        o, lse = mod.hop_fwd(q, k, v, q_pos, k_pos, None, None, None, **opts)
-        delta = jnp.einsum("bqhd,bqhd->bhq", do, o)
-        dq, dk, dv, _ = mod.hop_bwd(q, k, v, do, lse, delta, q_pos, k_pos, None, None, None, **opts)
-        return o, lse, dq, jax.lax.psum(dk, "sp"), jax.lax.psum(dv, "sp")
+        q_pos, k_pos = (jax.lax.axis_index("sp") * sq + jnp.arange(sq))[None], 16 + jnp.arange(k.shape[1])[None]
+        qs, kv = QShard(q, q_pos), KVShard(k, v, k_pos)
+        o, lse = mod.hop_fwd(qs, kv, cfg)
+        grads = mod.hop_bwd(qs, kv, cfg, do=do, lse=lse, delta=jnp.einsum("bqhd,bqhd->bhq", do, o))
+        return o, lse, grads.dq, jax.lax.psum(grads.dk, "sp"), jax.lax.psum(grads.dv, "sp")
 
     rows, P = jax.P(None, "sp"), jax.P()
     ring_like = jax.shard_map(per_device, mesh=mesh, in_specs=(rows, rows, P, P),
                               out_specs=(rows, jax.P(None, None, "sp"), rows, P, P))
     got = jax.jit(ring_like)(pb["q"], pb["do"], pb["k"], pb["v"])
-    assert_matches_reference(got, run_reference(pb), TOL)
+    assert np.all(np.isneginf(np.asarray(got[1])[:, :, :16]))  # device 0: nothing seen
+    assert_matches_oracle(got, run_oracle(pb), TOL)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MODULES)
 def test_bf16_inputs(name):
-    """bf16 in, fp32 accumulation, fp32 out: within BF16_TOL of the fp32 reference on the same values."""
+    """bf16 in, fp32 accumulation, fp32 out: within BF16_TOL of the float64 oracle on the same values."""
     pb, _ = poisoned_problem("striped_window")
     pb = dict(pb, **{n: pb[n].astype(jnp.bfloat16).astype(jnp.float32) for n in ("q", "k", "v", "do")})
     got = run_hop(MODULES[name], pb, dtype=jnp.bfloat16)
-    assert_matches_reference(got, run_reference(pb), BF16_TOL)
+    assert_matches_oracle(got, run_oracle(pb), BF16_TOL)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_dtype_rules(name):
+    """float16/bfloat16/float32 in, one dtype for q, k, v; float64 is rejected (it used to crash in
+    pallas_gpu, ``cond branches must have equal output types``, and come back from pallas_tpu as
+    float64 at float32 accuracy), and so is f32 q with bf16 k/v (pallas_gpu lost 1e-3 on it)."""
+    pb, _ = poisoned_problem("causal")
+    mod, cfg = MODULES[name], pb["cfg"]
+    with jax.enable_x64(True):
+        qs, kv = shards(pb, jnp.float64)
+        with pytest.raises(ValueError, match=f"impl='{name}' computes in float32 .*got float64: use impl='xla'"):
+            mod.hop_fwd(qs, kv, cfg)
+        with pytest.raises(ValueError, match="got float64"):
+            mod.hop_bwd(qs, kv, cfg, do=qs.q, lse=jnp.zeros((1, 2, 32)), delta=jnp.zeros((1, 2, 32)))
+    qs, kv = shards(pb)
+    mixed = kv._replace(k=kv.k.astype(jnp.bfloat16), v=kv.v.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match=f"impl='{name}' needs q, k, v of one dtype; got q float32, k bfloat16"):
+        mod.hop_fwd(qs, mixed, cfg)
+    for dtype in (jnp.float16, jnp.bfloat16, jnp.float32):
+        tiles.check_kernel_dtypes(name, *(jnp.zeros(2, dtype),) * 3)
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_bias_is_rejected(name):
     pb, _ = poisoned_problem("causal")
-    pos = (pb["q_pos"], pb["k_pos"], None, None)
-    bias = jnp.zeros((1, 2, 32, 64))
-    with pytest.raises(ValueError, match="bias"):
-        MODULES[name].hop_fwd(pb["q"], pb["k"], pb["v"], *pos, bias, **pb["opts"])
+    qs, kv = shards(pb)
+    kv = kv._replace(bias=jnp.zeros((1, 2, 32, 64)))
+    with pytest.raises(ValueError, match=f"impl='{name}': the Pallas kernels take no bias; use impl='xla'"):
+        MODULES[name].hop_fwd(qs, kv, pb["cfg"])
     lse = jnp.zeros((1, 2, 32))
-    with pytest.raises(ValueError, match="bias"):
-        MODULES[name].hop_bwd(pb["q"], pb["k"], pb["v"], pb["do"], lse, lse, *pos, bias, **pb["opts"])
+    with pytest.raises(ValueError, match="take no bias"):
+        MODULES[name].hop_bwd(qs, kv, pb["cfg"], do=pb["do"], lse=lse, delta=lse)
+
+
+def test_interpret_mode_per_impl_and_backend(monkeypatch):
+    """One resolver: True / InterpretParams(detect_races=True) on CPU, compiled on the impl's own
+    backend, and a ValueError naming the impl and the backend elsewhere."""
+    races = pltpu.InterpretParams(detect_races=True)
+    want = {"cpu": (True, races, races), "gpu": (False, "tpu", "tpu"), "tpu": ("gpu", False, False)}
+    for backend, modes in want.items():
+        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+        for impl, mode in zip(("pallas_gpu", "pallas_tpu", "pallas_tpu_fused"), modes):
+            if mode in ("gpu", "tpu"):
+                with pytest.raises(ValueError, match=f"impl='{impl}' needs a {mode.upper()} .*default backend "
+                                                     f"is '{backend}'"):
+                    tiles.interpret_mode(impl)
+            else:
+                assert tiles.interpret_mode(impl) == mode, (backend, impl)
 
 
 @pytest.mark.parametrize("name, other", [("pallas_gpu", "tpu"), ("pallas_tpu", "gpu")])
@@ -284,23 +432,22 @@ def test_wrong_backend_is_rejected(name, other, monkeypatch):
     pb, _ = poisoned_problem("causal")
     monkeypatch.setattr(jax, "default_backend", lambda: other)
     with pytest.raises(ValueError, match=f"default backend is '{other}'"):
-        MODULES[name].hop_fwd(pb["q"], pb["k"], pb["v"], pb["q_pos"], pb["k_pos"], None, None, None, **pb["opts"])
+        MODULES[name].hop_fwd(*shards(pb), pb["cfg"])
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_block_must_divide_the_shard(name):
     pb, _ = poisoned_problem("causal")
-    opts = dict(pb["opts"], block_kv=24)
+    cfg = HopConfig(scale=0.1, causal=True, block_q=8, block_kv=24)
     with pytest.raises(ValueError, match="block_kv must divide sk"):
-        MODULES[name].hop_fwd(pb["q"], pb["k"], pb["v"], pb["q_pos"], pb["k_pos"], None, None, None, **opts)
+        MODULES[name].hop_fwd(*shards(pb), cfg)
 
 
 def test_tpu_tiling_rule(monkeypatch):
     """On a TPU block_kv must be a multiple of 128 (or the whole shard); interpreted, a multiple of 8."""
     pb, _ = poisoned_problem("causal")
-    args = (pb["q"], pb["k"], pb["v"], pb["q_pos"], pb["k_pos"], None, None, None)
     with pytest.raises(ValueError, match="block_q % 8"):
-        pallas_tpu.hop_fwd(*args, **dict(pb["opts"], block_q=4))
+        pallas_tpu.hop_fwd(*shards(pb), HopConfig(scale=0.1, block_q=4, block_kv=8))
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     with pytest.raises(ValueError, match="block_kv % 128"):
-        pallas_tpu.hop_fwd(*args, **dict(pb["opts"], block_kv=32))
+        pallas_tpu.hop_fwd(*shards(pb), HopConfig(scale=0.1, block_q=8, block_kv=32))

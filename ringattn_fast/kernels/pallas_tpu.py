@@ -1,21 +1,31 @@
 """One ring hop as FlashAttention-2 kernels on Pallas Mosaic TPU (TPU; interpreted on CPU).
 
-Same contract as `pallas_gpu` and `ringattn_fast.hop` (docs/design.md, "Per-hop contract").
+Same contract as `pallas_gpu` and ``ringattn_fast.hop`` (docs/design.md, "Per-hop contract"):
+``hop_fwd(QShard, KVShard, HopConfig) -> (o, lse)``, ``hop_bwd(...) -> HopGrads``.
 
 Notation: FlashAttention-2 (Dao 2023, arXiv:2307.08691) -> code
-  Br, Bc          block_q, block_kv.
+  Br, Bc          cfg.block_q, cfg.block_kv.
   loops           both are grid axes: ``(batch, heads, sq // block_q, sk // block_kv)``; the K/V axis
                   is last and "arbitrary", so Mosaic runs it in order and the running statistics
                   live in VMEM scratch across it (``m_sc``, ``l_sc``, ``acc_sc``).
   skipping        the tiles' position/segment min/max are computed outside (`tiles.tile_bounds`) and
-                  scalar-prefetched into SMEM (``PrefetchScalarGridSpec``); ``pl.when(visible)``
-                  skips the compute of a tile whose mask is provably empty.
-  S_ij, m, l, O   as in FA-2 Alg. 1: ``s = scale * q @ k.T`` (-inf where masked), ``m`` row max,
-                  ``l`` row sum of exp(s - m), ``acc`` = unnormalised O (divided by l at the end).
+                  scalar-prefetched into SMEM (``PrefetchScalarGridSpec``); ``masks.bounds_empty`` on
+                  them decides ``pl.when`` around a tile's compute. A third SMEM table
+                  (`tiles.resident_blocks`) feeds the index maps: a skipped tile keeps the block of
+                  the last computed one, so it costs no DMA either (JAX's flash / splash kernels'
+                  trick). Every hop runs on every host: an empty hop is a grid of skipped tiles.
+  S_ij, m, l, O   as in FA-2 Alg. 1: ``s = scale * q @ k.T`` (-inf where ``masks.allowed`` is False),
+                  ``m`` row max, ``l`` row sum of exp(s - m), ``acc`` = unnormalised O (divided by l
+                  at the end). K/V arrive marked by ``masks.mark_bad_keys``, as in `pallas_gpu`.
   L_i, D_i        ``lse = m + log l`` (-inf for a row that saw nothing); ``delta = rowsum(dO * O)``.
   backward        Alg. 2 as two kernels: dQ (grid over Q tiles, K/V tiles last) and dK/dV (grid
                   over K/V tiles, then the GQA group's heads and the Q tiles last, so dK/dV are
                   summed over the group in VMEM scratch without atomics).
+  count           ``fwd_tile_counts``: the forward with ``count=True`` adds an SMEM counter per
+                  (batch, head, Q tile), incremented inside ``pl.when``; otherwise that ref is None.
+
+Refs are named and fixed: absent segment ids (and the counter) are ``None`` refs with a ``None``
+BlockSpec, as in ``jax/experimental/pallas/ops/tpu/flash_attention.py``.
 
 TPU tiling. Mosaic tiles the last two dims of every block in (8 sublanes x 128 lanes), so:
   * q, k, v, do are given to the kernels heads-major, ``[b, h, s, d]`` (one transpose outside):
@@ -26,6 +36,7 @@ TPU tiling. Mosaic tiles the last two dims of every block in (8 sublanes x 128 l
     the whole shard (a block equal to the full dim is always legal).
   Rule for small test shapes: in interpret mode (CPU) block_kv may also be a multiple of 8, so a
   64-token test shard still has several K/V tiles to skip; the kernels are otherwise unchanged.
+Inputs: float16, bfloat16 or float32, one dtype for q, k, v; compute and outputs in float32.
 """
 import functools
 
@@ -35,206 +46,245 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ringattn_fast.kernels.tiles import (NEG_INF, check_bwd_args, check_hop_args, out_struct, same_vma,
-                                         tile_bounds, tile_mask, tile_schedule, tile_visible)
+from ringattn_fast.kernels.tiles import (NEG_INF, bounds_skip, check_bwd_args, check_hop_args, finite_part,
+                                         interpret_mode, masked_grad, out_struct, resident_blocks, same_vma,
+                                         tile_bounds, tile_schedule)
+from ringattn_fast.masks import allowed
+from ringattn_fast.schedule import HopGrads
 
-__all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts", "tile_schedule", "INTERPRET_PARAMS"]
+__all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts", "tile_schedule"]
 
+IMPL = "pallas_tpu"
 LANES, SUBLANES = 128, 8
-_STATIC = ("scale", "causal", "window", "block_q", "block_kv", "interpret")
+_STATIC = ("cfg", "interpret")
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
+_NN = (((1,), (0,)), ((), ()))  # a @ b
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
-# Used on CPU. The race detector checks the kernels' VMEM/SMEM accesses (docs: issue 4 tests).
-INTERPRET_PARAMS = pltpu.InterpretParams(detect_races=True)
 
 
-def _interpret():
-    """None on a TPU (compile with Mosaic), `INTERPRET_PARAMS` on CPU; other backends cannot run it."""
-    backend = jax.default_backend()
-    if backend in ("cpu", "tpu"):
-        return INTERPRET_PARAMS if backend == "cpu" else False
-    raise ValueError(f"impl='pallas_tpu' needs a TPU (or CPU, interpreted); the default backend is "
-                     f"{backend!r}: use impl='pallas_gpu' or 'xla' there")
+def _dot(a, b, dims):
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _prepare(name, q, k, v, q_pos, k_pos, q_seg, k_seg, bias, scale, causal, window, block_q, block_kv):
-    """Checks the call (incl. the tiling rule above; outside jit, so every call is checked) and
-    returns the kernels' static args."""
-    block_q, block_kv, _ = check_hop_args(name, q, k, v, q_pos, k_pos, q_seg, k_seg, bias,
-                                          window, block_q, block_kv)
-    interpret = _interpret()
-    sq, sk, lane = q.shape[1], k.shape[1], SUBLANES if interpret else LANES
-    if (block_q != sq and block_q % SUBLANES) or (block_kv != sk and block_kv % lane):
-        raise ValueError(f"{name}: TPU tiles need block_q % {SUBLANES} == 0 (or block_q == sq) and "
-                         f"block_kv % {lane} == 0 (or block_kv == sk); got block_q={block_q}, sq={sq}, "
-                         f"block_kv={block_kv}, sk={sk}")
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    window = None if window is None else tuple(int(w) for w in window)
-    return dict(scale=scale, causal=bool(causal), window=window, block_q=block_q, block_kv=block_kv,
-                interpret=interpret)
+def _prepare(qs, kv, cfg):
+    """Checks the call (incl. the tiling rule above; outside jit, so every call is checked):
+    (cfg with clamped blocks, interpret)."""
+    cfg, interpret = check_hop_args(IMPL, qs, kv, cfg), interpret_mode(IMPL)
+    sq, sk, lane = qs.q.shape[1], kv.k.shape[1], SUBLANES if interpret else LANES
+    if (cfg.block_q != sq and cfg.block_q % SUBLANES) or (cfg.block_kv != sk and cfg.block_kv % lane):
+        raise ValueError(f"impl={IMPL!r}: TPU tiles need block_q % {SUBLANES} == 0 (or block_q == sq) and "
+                         f"block_kv % {lane} == 0 (or block_kv == sk); got block_q={cfg.block_q}, sq={sq}, "
+                         f"block_kv={cfg.block_kv}, sk={sk}")
+    return cfg, interpret
 
 
-def _layout(q_pos, k_pos, q_seg, k_seg, block_q, block_kv):
-    """Scalar-prefetch tile bounds (flat int32) and the lane/sublane-replicated position inputs."""
-    b, sq = q_pos.shape
-    sk = k_pos.shape[1]
-    prefetch = [tile_bounds(q_pos, q_seg, block_q).reshape(-1), tile_bounds(k_pos, k_seg, block_kv).reshape(-1)]
-    cols = lambda x: jnp.broadcast_to(x.astype(jnp.int32)[:, :, None], (b, sq, LANES))  # (b, sq, 128)
-    rows = lambda x: jnp.broadcast_to(x.astype(jnp.int32)[:, None, :], (b, SUBLANES, sk))  # (b, 8, sk)
-    pos = [cols(q_pos), rows(k_pos)] + ([cols(q_seg), rows(k_seg)] if q_seg is not None else [])
-    return prefetch, pos
+def _layout(qs, kv, cfg, *, transposed=False):
+    """Scalar-prefetch tables (flat int32) and the lane/sublane-replicated position inputs.
+
+    Tables: Q and K/V tile bounds ``[b * n * 4]`` (`tiles.tile_bounds`) and the resident block of
+    the inner grid axis per step (`tiles.resident_blocks`; K/V tiles per Q tile, or with
+    ``transposed`` Q tiles per K/V tile, for the dK/dV kernel). Positions: q_pos, q_seg as
+    ``(b, sq, 128)`` columns, k_pos, k_seg as ``(b, 8, sk)`` rows; segments None when absent.
+    """
+    (b, sq), sk = qs.pos.shape, kv.pos.shape[1]
+    schedule = tile_schedule(qs.pos, kv.pos, qs.seg, kv.seg, causal=cfg.causal, window=cfg.window,
+                             block_q=cfg.block_q, block_kv=cfg.block_kv)  # (b, nq, nk)
+    resident = resident_blocks(schedule.swapaxes(1, 2) if transposed else schedule)
+    prefetch = [tile_bounds(qs.pos, qs.seg, cfg.block_q).reshape(-1),
+                tile_bounds(kv.pos, kv.seg, cfg.block_kv).reshape(-1), resident.reshape(-1)]
+    cols = lambda x: None if x is None else jnp.broadcast_to(x.astype(jnp.int32)[:, :, None], (b, sq, LANES))
+    rows = lambda x: None if x is None else jnp.broadcast_to(x.astype(jnp.int32)[:, None, :], (b, SUBLANES, sk))
+    return prefetch, [cols(qs.pos), rows(kv.pos), cols(qs.seg), rows(kv.seg)]
 
 
-def _visible(qb_ref, kb_ref, bi, i, j, n_q, n_kv, causal, window):
-    """The skip predicate from the scalar-prefetched bounds of Q tile i and K/V tile j."""
+def _tile_empty(qb_ref, kb_ref, bi, i, j, n_q, n_kv, cfg, segments):
+    """`bounds_empty` on the scalar-prefetched bounds of Q tile i and K/V tile j (None: never empty)."""
     qb = [qb_ref[(bi * n_q + i) * 4 + c] for c in range(4)]
     kb = [kb_ref[(bi * n_kv + j) * 4 + c] for c in range(4)]
-    return tile_visible(qb[0], qb[1], kb[0], kb[1], qb[2], qb[3], kb[2], kb[3], causal=causal, window=window)
+    return bounds_skip(qb, kb, causal=cfg.causal, window=cfg.window, segments=segments)
 
 
-def _mask(qp_ref, kp_ref, qs_ref, ks_ref, causal, window):
-    """[block_q, block_kv] mask from a (block_q, 128) query column and an (8, block_kv) key row."""
-    seg = qs_ref is not None
-    return tile_mask(qp_ref[:, :1], kp_ref[:1, :], qs_ref[:, :1] if seg else None,
-                     ks_ref[:1, :] if seg else None, causal=causal, window=window)
+def _unless(empty, body):
+    """Run ``body`` in the kernel unless ``empty`` (a traced bool; None = never empty)."""
+    if empty is None:
+        body()
+    else:
+        pl.when(jnp.logical_not(empty))(body)
 
 
-def _fwd_kernel(qb_ref, kb_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, scale, causal, window,
-                segments, count, n_q, n_kv):
-    refs = list(refs) if segments else [None, None, *refs]
-    if not count:
-        refs.insert(4, None)
-    qs_ref, ks_ref, o_ref, lse_ref, count_ref, m_sc, l_sc, acc_sc = refs
+def _logits(q, k, qp_ref, kp_ref, qs_ref, ks_ref, cfg):
+    """fp32 [block_q, block_kv] ``scale * q k^T``, -inf where masked; positions from a (block_q, 128)
+    query column and an (8, block_kv) key row."""
+    s = cfg.scale * _dot(q, k, _NT)
+    seg = (None, None) if qs_ref is None else (qs_ref[:, :1], ks_ref[:1, :])
+    allow = allowed(qp_ref[:, :1], kp_ref[:1, :], *seg, causal=cfg.causal, window=cfg.window)
+    return s if allow is None else jnp.where(allow, s, NEG_INF)
+
+
+def _fwd_kernel(qb_ref, kb_ref, res_ref,                                    # SMEM tables
+                q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref,        # inputs (segments: None)
+                o_ref, lse_ref, count_ref,                                  # outputs (count: None)
+                m_sc, l_sc, acc_sc, *, cfg, n_q, n_kv):
+    """Grid (batch, head, Q tile i, K/V tile j): fold tile (i, j) into (m, l, acc) (FA-2 Alg. 1)."""
+    del res_ref  # read by the index maps only
     bi, hi, i, j = (pl.program_id(a) for a in range(4))
+    counter = (bi * pl.num_programs(1) + hi) * n_q + i
 
     @pl.when(j == 0)
     def _init():
         m_sc[...] = jnp.full(m_sc.shape, NEG_INF, jnp.float32)
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-        if count:
-            count_ref[(bi * pl.num_programs(1) + hi) * n_q + i] = 0
+        if count_ref is not None:
+            count_ref[counter] = 0
 
-    @pl.when(_visible(qb_ref, kb_ref, bi, i, j, n_q, n_kv, causal, window))
     def _compute():
         v = v_ref[...]
-        s = scale * lax.dot_general(q_ref[...], k_ref[...], _NT, preferred_element_type=jnp.float32)
-        s = jnp.where(_mask(qp_ref, kp_ref, qs_ref, ks_ref, causal, window), s, NEG_INF)  # (block_q, block_kv)
+        s = _logits(q_ref[...], k_ref[...], qp_ref, kp_ref, qs_ref, ks_ref, cfg)  # (block_q, block_kv)
         m_prev = m_sc[...]  # (block_q, 128), lane-replicated
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row with nothing seen yet: exp(-inf) = 0
-        p = jnp.exp(s - m_safe[:, :1])
+        p = jnp.exp(s - m_safe[:, :1])  # masked: exp(-inf) = 0
         alpha = jnp.exp(m_prev - m_safe)  # rescales the old l and acc to the new max
         l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
         m_sc[...] = m_new
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        acc_sc[...] = alpha[:, :1] * acc_sc[...] + pv
-        if count:
-            idx = (bi * pl.num_programs(1) + hi) * n_q + i
-            count_ref[idx] = count_ref[idx] + 1
+        acc_sc[...] = alpha[:, :1] * acc_sc[...] + _dot(p.astype(v.dtype), v, _NN)
+        if count_ref is not None:
+            count_ref[counter] = count_ref[counter] + 1
+
+    _unless(_tile_empty(qb_ref, kb_ref, bi, i, j, n_q, n_kv, cfg, qs_ref is not None), _compute)
 
     @pl.when(j == n_kv - 1)
     def _finish():
         l, m = l_sc[...], m_sc[...]
-        seen = l > 0.0
-        l_safe = jnp.where(seen, l, 1.0)
-        o_ref[...] = jnp.where(seen[:, :1], acc_sc[...] / l_safe[:, :1], 0.0)
-        lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), NEG_INF)
+        empty = l == 0.0  # saw nothing (a NaN l stays NaN)
+        l_safe = jnp.where(empty, 1.0, l)
+        o_ref[...] = jnp.where(empty[:, :1], 0.0, acc_sc[...] / l_safe[:, :1])
+        lse_ref[...] = jnp.where(empty, NEG_INF, m + jnp.log(l_safe))
+
+
+def _qmajor_specs(cfg, d, group, n_q, n_kv):
+    """BlockSpecs of grid (b, h, i, j) (forward, dQ). Index maps get the grid indices, then the three
+    scalar-prefetch refs ``(qb, kb, res)``; K/V-side blocks read the resident K/V tile from ``res``."""
+    bq, bk = cfg.block_q, cfg.block_kv
+    kv_tile = lambda bi, i, j, res: res[(bi * n_q + i) * n_kv + j]  # j, or the last computed tile
+    q_side = lambda bi, hi, i, j, *_: (bi, hi, i, 0)
+    return dict(
+        q=pl.BlockSpec((None, None, bq, d), q_side),
+        kv=pl.BlockSpec((None, None, bk, d),
+                        lambda bi, hi, i, j, qb, kb, res: (bi, hi // group, kv_tile(bi, i, j, res), 0)),
+        stat=pl.BlockSpec((None, None, bq, LANES), q_side),
+        q_col=pl.BlockSpec((None, bq, LANES), lambda bi, hi, i, j, *_: (bi, i, 0)),
+        k_row=pl.BlockSpec((None, SUBLANES, bk), lambda bi, hi, i, j, qb, kb, res: (bi, 0, kv_tile(bi, i, j, res))))
+
+
+def _kvmajor_specs(cfg, d, group, n_q, n_kv):
+    """BlockSpecs of grid (b, kv head gi, j, group head g, i) (dK/dV): the Q-side blocks read the
+    resident Q tile from ``res``; query head = ``gi * group + g``."""
+    bq, bk = cfg.block_q, cfg.block_kv
+    q_tile = lambda bi, j, i, res: res[(bi * n_kv + j) * n_q + i]  # i, or the last computed tile
+    q_side = lambda bi, gi, j, g, i, qb, kb, res: (bi, gi * group + g, q_tile(bi, j, i, res), 0)
+    return dict(
+        q=pl.BlockSpec((None, None, bq, d), q_side),
+        kv=pl.BlockSpec((None, None, bk, d), lambda bi, gi, j, g, i, *_: (bi, gi, j, 0)),
+        stat=pl.BlockSpec((None, None, bq, LANES), q_side),
+        q_col=pl.BlockSpec((None, bq, LANES), lambda bi, gi, j, g, i, qb, kb, res: (bi, q_tile(bi, j, i, res), 0)),
+        k_row=pl.BlockSpec((None, SUBLANES, bk), lambda bi, gi, j, g, i, *_: (bi, 0, j)))
+
+
+def _pos_specs(sp, segments):
+    """Specs of (q_pos, k_pos, q_seg, k_seg): None for the absent segment ids."""
+    return [sp["q_col"], sp["k_row"]] + ([sp["q_col"], sp["k_row"]] if segments else [None, None])
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("count",))
-def _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, scale, causal, window, block_q, block_kv, interpret, count):
+def _forward(qs, kv, *, cfg, interpret, count):
     """pallas_call for the forward; returns (o, lse, computed K/V tiles per Q tile [b, h, nq] or None)."""
-    q, k, v, q_pos, k_pos, q_seg, k_seg = same_vma(q, k, v, q_pos, k_pos, q_seg, k_seg)
-    (b, sq, h, d), (sk, hk) = q.shape, k.shape[1:3]
-    group = h // hk
-    n_q, n_kv, segments = sq // block_q, sk // block_kv, q_seg is not None
-    prefetch, pos = _layout(q_pos, k_pos, q_seg, k_seg, block_q, block_kv)
-    q_tile = pl.BlockSpec((None, None, block_q, d), lambda bi, hi, i, j, *_: (bi, hi, i, 0))
-    kv_tile = pl.BlockSpec((None, None, block_kv, d), lambda bi, hi, i, j, *_: (bi, hi // group, j, 0))
-    q_col = pl.BlockSpec((None, block_q, LANES), lambda bi, hi, i, j, *_: (bi, i, 0))
-    k_row = pl.BlockSpec((None, SUBLANES, block_kv), lambda bi, hi, i, j, *_: (bi, 0, j))
-    stat = pl.BlockSpec((None, None, block_q, LANES), lambda bi, hi, i, j, *_: (bi, hi, i, 0))
-    out_specs = [q_tile, stat]
-    out_shape = [out_struct((b, h, sq, d), jnp.float32, q), out_struct((b, h, sq, LANES), jnp.float32, q)]
-    if count:  # debug output: a counter per (batch, head, Q tile) in SMEM
-        out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
-        out_shape.append(out_struct((b * h * n_q,), jnp.int32, q))
-    kernel = functools.partial(_fwd_kernel, scale=scale, causal=causal, window=window, segments=segments,
-                               count=count, n_q=n_q, n_kv=n_kv)
+    (b, sq, h, d), (sk, hk) = qs.q.shape, kv.k.shape[1:3]
+    n_q, n_kv, segments = sq // cfg.block_q, sk // cfg.block_kv, qs.seg is not None
+    prefetch, pos = _layout(qs, kv, cfg)
+    ops = same_vma(*prefetch, *(x.swapaxes(1, 2) for x in (qs.q, kv.k, kv.v)), *pos)  # heads-major q, k, v
+    q = ops[3]
+    sp = _qmajor_specs(cfg, d, h // hk, n_q, n_kv)
+    counter = pl.BlockSpec(memory_space=pltpu.SMEM)  # debug output: one counter per (batch, head, Q tile)
     out = pl.pallas_call(
-        kernel,
+        functools.partial(_fwd_kernel, cfg=cfg, n_q=n_q, n_kv=n_kv),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(b, h, n_q, n_kv),
-            in_specs=[q_tile, kv_tile, kv_tile, q_col, k_row] + ([q_col, k_row] if segments else []),
-            out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM((block_q, LANES), jnp.float32), pltpu.VMEM((block_q, LANES), jnp.float32),
-                            pltpu.VMEM((block_q, d), jnp.float32)]),
-        out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary",) * 4 if count else ("parallel", "parallel", "parallel", "arbitrary")),
+            num_scalar_prefetch=3, grid=(b, h, n_q, n_kv),
+            in_specs=[sp["q"], sp["kv"], sp["kv"]] + _pos_specs(sp, segments),
+            out_specs=[sp["q"], sp["stat"], counter if count else None],
+            scratch_shapes=[pltpu.VMEM((cfg.block_q, LANES), jnp.float32),
+                            pltpu.VMEM((cfg.block_q, LANES), jnp.float32),
+                            pltpu.VMEM((cfg.block_q, d), jnp.float32)]),
+        out_shape=[out_struct((b, h, sq, d), jnp.float32, q), out_struct((b, h, sq, LANES), jnp.float32, q),
+                   out_struct((b * h * n_q,), jnp.int32, q) if count else None],
+        compiler_params=pltpu.CompilerParams(  # the shared SMEM counter needs every axis in order
+            dimension_semantics=("arbitrary",) * 4 if count else ("parallel",) * 3 + ("arbitrary",)),
         interpret=interpret, name="ring_hop_fwd_tpu",
-    )(*prefetch, q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), *pos)
+    )(*ops)
     counts = out[2].reshape(b, h, n_q) if count else None
     return out[0].swapaxes(1, 2), out[1][..., 0], counts
 
 
-def hop_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window, block_q, block_kv):
-    """One hop's attention: o float32 [b, sq, h, d] (normalised within the hop), lse float32 [b, h, sq].
+def hop_fwd(qs, kv, cfg):
+    """One hop's attention: o float32 [b, sq, h, d] (normalised within the hop; 0 where the row saw
+    nothing), lse float32 [b, h, sq] (-inf there).
 
-    q [b, sq, h, d]; k, v [b, sk, hk, d]; q_pos [b, sq], k_pos [b, sk] int32 true positions;
-    q_seg, k_seg int32 or None; bias must be None (ValueError otherwise); window (left, right) or None.
+    qs: QShard(q [b, sq, h, d], pos int32 [b, sq], seg or None); kv: KVShard(k, v [b, sk, hk, d],
+    pos int32 [b, sk], seg or None, bias None: ValueError otherwise); cfg: HopConfig.
     """
-    o, lse, _ = _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, count=False, **_prepare(
-        "pallas_tpu.hop_fwd", q, k, v, q_pos, k_pos, q_seg, k_seg, bias, scale, causal, window, block_q, block_kv))
+    cfg, interpret = _prepare(qs, kv, cfg)
+    o, lse, _ = _forward(qs, kv, cfg=cfg, interpret=interpret, count=False)
     return o, lse
 
 
-def fwd_tile_counts(q, k, v, q_pos, k_pos, q_seg=None, k_seg=None, *, scale=None, causal, window,
-                    block_q, block_kv):
+def fwd_tile_counts(qs, kv, cfg):
     """int32 [b, h, sq // block_q]: K/V tiles the forward kernel computed per Q tile (debug build).
 
-    Incremented in SMEM inside the kernel's ``pl.when(visible)`` body; equals
-    ``tile_schedule(...).sum(-1)`` broadcast over heads.
+    Incremented in SMEM inside the kernel's ``pl.when`` body; equals ``tile_schedule(...).sum(-1)``
+    broadcast over heads.
     """
-    return _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, count=True, **_prepare(
-        "pallas_tpu.fwd_tile_counts", q, k, v, q_pos, k_pos, q_seg, k_seg, None, scale, causal, window,
-        block_q, block_kv))[2]
+    cfg, interpret = _prepare(qs, kv, cfg)
+    return _forward(qs, kv, cfg=cfg, interpret=interpret, count=True)[2]
 
 
-def _tile_grads(q, k, v, do, lse, delta, mask, scale):
-    """FA-2 Alg. 2 lines 11-20 for one tile: (p, ds), fp32 [block_q, block_kv]; lse, delta (block_q, 128)."""
-    s = scale * lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
-    p = jnp.where(mask, jnp.exp(s - lse[:, :1]), 0.0)  # P_ij = exp(S_ij - L_i), 0 where masked
-    dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)  # dP_ij = dO_i V_j^T
-    return p, p * (dp - delta[:, :1])  # dS_ij = P_ij * (dP_ij - D_i)
+def _tile_grads(s, do, v, lse, delta):
+    """FA-2 Alg. 2 lines 11-20 for one tile of masked logits: (p, ds), fp32 [block_q, block_kv];
+    lse, delta lane-replicated (block_q, 128)."""
+    p = jnp.exp(s - lse[:, :1])  # P_ij = exp(S_ij - L_i), 0 where masked (lse is finite here)
+    dp = _dot(do, v, _NT)  # dP_ij = dO_i V_j^T
+    return p, masked_grad(p, dp, delta[:, :1])  # dS_ij = P_ij * (dP_ij - D_i)
 
 
-def _dq_kernel(qb_ref, kb_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *refs,
-               scale, causal, window, segments, n_q, n_kv):
-    qs_ref, ks_ref, dq_ref, acc_sc = refs if segments else (None, None, *refs)
+def _dq_kernel(qb_ref, kb_ref, res_ref,
+               q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, qs_ref, ks_ref,
+               dq_ref, acc_sc, *, cfg, n_q, n_kv):
+    """Grid (b, h, i, j): dQ_i += scale * dS_ij K_j over the K/V tiles j (in order)."""
+    del res_ref
     bi, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
     def _init():
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-    @pl.when(_visible(qb_ref, kb_ref, bi, i, j, n_q, n_kv, causal, window))
     def _compute():
         k = k_ref[...]
-        mask = _mask(qp_ref, kp_ref, qs_ref, ks_ref, causal, window)
-        _, ds = _tile_grads(q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...], mask, scale)
-        acc_sc[...] += scale * lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
-                                               preferred_element_type=jnp.float32)  # dQ_i += dS_ij K_j
+        s = _logits(q_ref[...], k, qp_ref, kp_ref, qs_ref, ks_ref, cfg)
+        _, ds = _tile_grads(s, do_ref[...], v_ref[...], lse_ref[...], delta_ref[...])
+        acc_sc[...] += cfg.scale * _dot(ds.astype(k.dtype), finite_part(k), _NN)  # a masked NaN key stays out
+
+    _unless(_tile_empty(qb_ref, kb_ref, bi, i, j, n_q, n_kv, cfg, qs_ref is not None), _compute)
 
     @pl.when(j == n_kv - 1)
     def _finish():
         dq_ref[...] = acc_sc[...]
 
 
-def _dkv_kernel(qb_ref, kb_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *refs,
-                scale, causal, window, segments, n_q, n_kv, group):
-    qs_ref, ks_ref, dk_ref, dv_ref, dk_sc, dv_sc = refs if segments else (None, None, *refs)
+def _dkv_kernel(qb_ref, kb_ref, res_ref,
+                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, qs_ref, ks_ref,
+                dk_ref, dv_ref, dk_sc, dv_sc, *, cfg, n_q, n_kv, group):
+    """Grid (b, kv head, j, g, i): dK_j, dV_j summed over the group's heads g and the Q tiles i."""
+    del res_ref
     bi, j, g, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
 
     @pl.when((g == 0) & (i == 0))
@@ -242,13 +292,14 @@ def _dkv_kernel(qb_ref, kb_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
         dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
         dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
-    @pl.when(_visible(qb_ref, kb_ref, bi, i, j, n_q, n_kv, causal, window))
     def _compute():
         q, do = q_ref[...], do_ref[...]
-        mask = _mask(qp_ref, kp_ref, qs_ref, ks_ref, causal, window)
-        p, ds = _tile_grads(q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...], mask, scale)
-        dv_sc[...] += lax.dot_general(p.astype(do.dtype), do, _TN, preferred_element_type=jnp.float32)
-        dk_sc[...] += scale * lax.dot_general(ds.astype(q.dtype), q, _TN, preferred_element_type=jnp.float32)
+        s = _logits(q, k_ref[...], qp_ref, kp_ref, qs_ref, ks_ref, cfg)
+        p, ds = _tile_grads(s, do, v_ref[...], lse_ref[...], delta_ref[...])
+        dv_sc[...] += _dot(p.astype(do.dtype), do, _TN)  # dV_j += P_ij^T dO_i
+        dk_sc[...] += cfg.scale * _dot(ds.astype(q.dtype), q, _TN)  # dK_j += dS_ij^T Q_i
+
+    _unless(_tile_empty(qb_ref, kb_ref, bi, i, j, n_q, n_kv, cfg, qs_ref is not None), _compute)
 
     @pl.when((g == group - 1) & (i == n_q - 1))
     def _finish():
@@ -256,65 +307,55 @@ def _dkv_kernel(qb_ref, kb_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
         dv_ref[...] = dv_sc[...]
 
 
-def hop_bwd(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window,
-            block_q, block_kv):
-    """One hop's gradients (FA-2 Alg. 2) from the final lse and delta = rowsum(do * o_final).
+def hop_bwd(qs, kv, cfg, *, do, lse, delta):
+    """One hop's gradients (FA-2 Alg. 2) from the final lse and delta = rowsum(do * o_final) (minus
+    the lse cotangent, if any).
 
-    lse, delta float32 [b, h, sq]. Returns dq float32 [b, sq, h, d], dk, dv float32 [b, sk, hk, d]
-    (summed over the GQA group), and None for dbias.
+    do like q; lse, delta float32 [b, h, sq]. Returns HopGrads(dq float32 [b, sq, h, d], dk, dv
+    float32 [b, sk, hk, d] summed over the GQA group, None).
     """
-    check_bwd_args("pallas_tpu.hop_bwd", q, do, lse, delta)
-    return _backward(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, **_prepare(
-        "pallas_tpu.hop_bwd", q, k, v, q_pos, k_pos, q_seg, k_seg, bias, scale, causal, window, block_q, block_kv))
+    cfg, interpret = _prepare(qs, kv, cfg)
+    check_bwd_args(IMPL, qs.q, do, lse, delta)
+    return HopGrads(*_backward(qs, kv, do, lse, delta, cfg=cfg, interpret=interpret), None)
+
+
+def _bwd_call(kernel, name, grid, specs, prefetch, args, out_specs, out_shape, scratch, interpret):
+    """One backward pallas_call: batch, heads and the outer tile axis in parallel, the rest in order."""
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid, in_specs=specs,
+                                               out_specs=out_specs, scratch_shapes=scratch),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",) * 3 + ("arbitrary",) * (len(grid) - 3)),
+        interpret=interpret, name=name,
+    )(*prefetch, *args)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _backward(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, *, scale, causal, window, block_q,
-              block_kv, interpret):
-    """The two backward pallas_calls (dQ; dK and dV)."""
-    q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg = same_vma(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg)
-    (b, sq, h, d), (sk, hk) = q.shape, k.shape[1:3]
-    group = h // hk
-    n_q, n_kv, segments = sq // block_q, sk // block_kv, q_seg is not None
-    prefetch, pos = _layout(q_pos, k_pos, q_seg, k_seg, block_q, block_kv)
+def _backward(qs, kv, do, lse, delta, *, cfg, interpret):
+    """The two backward pallas_calls (dQ; dK and dV): (dq, dk, dv) float32."""
+    (b, sq, h, d), (sk, hk) = qs.q.shape, kv.k.shape[1:3]
+    group, n_q, n_kv, segments = h // hk, sq // cfg.block_q, sk // cfg.block_kv, qs.seg is not None
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # a row that saw nothing: every p is masked to 0 anyway
     stats = [jnp.broadcast_to(x.astype(jnp.float32)[..., None], (b, h, sq, LANES)) for x in (lse, delta)]
-    args = (*prefetch, q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), do.swapaxes(1, 2), *stats, *pos)
-    static = dict(scale=scale, causal=causal, window=window, segments=segments, n_q=n_q, n_kv=n_kv)
-    params = lambda n_grid: pltpu.CompilerParams(  # batch, heads, Q or K/V tiles in parallel; the rest in order
-        dimension_semantics=("parallel",) * 3 + ("arbitrary",) * (n_grid - 3))
+    (prefetch_q, pos), (prefetch_kv, _) = _layout(qs, kv, cfg), _layout(qs, kv, cfg, transposed=True)
+    ops = same_vma(*prefetch_q, *prefetch_kv, *(x.swapaxes(1, 2) for x in (qs.q, kv.k, kv.v, do)), *stats, *pos)
+    prefetch_q, prefetch_kv, args = ops[:3], ops[3:6], ops[6:]  # args: q, k, v, do, lse, delta, positions
+    q, static = args[0], dict(cfg=cfg, n_q=n_q, n_kv=n_kv)
 
     # dQ: grid (b, h, Q tiles, K/V tiles), K/V tiles last.
-    q_tile = pl.BlockSpec((None, None, block_q, d), lambda bi, hi, i, j, *_: (bi, hi, i, 0))
-    kv_tile = pl.BlockSpec((None, None, block_kv, d), lambda bi, hi, i, j, *_: (bi, hi // group, j, 0))
-    stat = pl.BlockSpec((None, None, block_q, LANES), lambda bi, hi, i, j, *_: (bi, hi, i, 0))
-    q_col = pl.BlockSpec((None, block_q, LANES), lambda bi, hi, i, j, *_: (bi, i, 0))
-    k_row = pl.BlockSpec((None, SUBLANES, block_kv), lambda bi, hi, i, j, *_: (bi, 0, j))
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, **static),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(b, h, n_q, n_kv),
-            in_specs=[q_tile, kv_tile, kv_tile, q_tile, stat, stat, q_col, k_row]
-            + ([q_col, k_row] if segments else []),
-            out_specs=q_tile, scratch_shapes=[pltpu.VMEM((block_q, d), jnp.float32)]),
-        out_shape=out_struct((b, h, sq, d), jnp.float32, q),
-        compiler_params=params(4), interpret=interpret, name="ring_hop_bwd_dq_tpu",
-    )(*args)
+    sp = _qmajor_specs(cfg, d, group, n_q, n_kv)
+    in_specs = [sp["q"], sp["kv"], sp["kv"], sp["q"], sp["stat"], sp["stat"]] + _pos_specs(sp, segments)
+    dq = _bwd_call(functools.partial(_dq_kernel, **static), "ring_hop_bwd_dq_tpu", (b, h, n_q, n_kv),
+                   in_specs, prefetch_q, args, sp["q"], out_struct((b, h, sq, d), jnp.float32, q),
+                   [pltpu.VMEM((cfg.block_q, d), jnp.float32)], interpret)
 
     # dK, dV: grid (b, kv heads, K/V tiles, group heads, Q tiles); the last two accumulate in scratch.
-    q_tile = pl.BlockSpec((None, None, block_q, d), lambda bi, gi, j, g, i, *_: (bi, gi * group + g, i, 0))
-    kv_tile = pl.BlockSpec((None, None, block_kv, d), lambda bi, gi, j, g, i, *_: (bi, gi, j, 0))
-    stat = pl.BlockSpec((None, None, block_q, LANES), lambda bi, gi, j, g, i, *_: (bi, gi * group + g, i, 0))
-    q_col = pl.BlockSpec((None, block_q, LANES), lambda bi, gi, j, g, i, *_: (bi, i, 0))
-    k_row = pl.BlockSpec((None, SUBLANES, block_kv), lambda bi, gi, j, g, i, *_: (bi, 0, j))
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, group=group, **static),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(b, hk, n_kv, group, n_q),
-            in_specs=[q_tile, kv_tile, kv_tile, q_tile, stat, stat, q_col, k_row]
-            + ([q_col, k_row] if segments else []),
-            out_specs=[kv_tile, kv_tile],
-            scratch_shapes=[pltpu.VMEM((block_kv, d), jnp.float32)] * 2),
-        out_shape=[out_struct((b, hk, sk, d), jnp.float32, q)] * 2,
-        compiler_params=params(5), interpret=interpret, name="ring_hop_bwd_dkv_tpu",
-    )(*args)
-    return dq.swapaxes(1, 2), dk.swapaxes(1, 2), dv.swapaxes(1, 2), None
+    sp = _kvmajor_specs(cfg, d, group, n_q, n_kv)
+    in_specs = [sp["q"], sp["kv"], sp["kv"], sp["q"], sp["stat"], sp["stat"]] + _pos_specs(sp, segments)
+    dk, dv = _bwd_call(functools.partial(_dkv_kernel, group=group, **static), "ring_hop_bwd_dkv_tpu",
+                       (b, hk, n_kv, group, n_q), in_specs, prefetch_kv, args, [sp["kv"], sp["kv"]],
+                       [out_struct((b, hk, sk, d), jnp.float32, q)] * 2,
+                       [pltpu.VMEM((cfg.block_kv, d), jnp.float32)] * 2, interpret)
+    return dq.swapaxes(1, 2), dk.swapaxes(1, 2), dv.swapaxes(1, 2)
