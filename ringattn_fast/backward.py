@@ -48,11 +48,12 @@ def _add_hop(cfg, grads, dq, dbias, g, kv_idx, sk):
     return KVGrads(grads.dk + g.dk, grads.dv + g.dv, dbias_t), dq + g.dq, dbias
 
 
-def ring_backward(cfg, qs, kv, bias, o, lse, do):
+def ring_backward(cfg, qs, kv, bias, o, lse, do, dlse=None):
     """The backward ring on this host: ``(dq, KVGrads, dbias)`` in float32/64, dK/dV home.
 
     qs, kv, bias: as given to ``ring.ring_forward``; o [b, sq, h, d] and lse [b, h, sq]: its results;
-    do: the output cotangent. dbias: the gradient of the non-travelling bias (or None). The gradients
+    do: the output cotangent; dlse: the cotangent of lse or None (``d lse / d S = P``, so it only
+    shifts FA-2's D: ``dS = P (dP - (D - dlse))``). dbias: the gradient of the non-travelling bias (or None). The gradients
     of a key that held a nan/inf are those of its marked K and V (unspecified: NaN where it was seen).
     """
     hop_bwd = kernels_for(cfg.impl).hop_bwd
@@ -63,6 +64,8 @@ def ring_backward(cfg, qs, kv, bias, o, lse, do):
     skip = cfg.skip_empty_hops and masks.can_be_empty(cfg.hop.causal, cfg.hop.window, qs.seg is not None)
     axes = varying_axes(*qs, *kv, bias, o, lse, do)
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(acc), o.astype(acc))  # FA-2's D, (b, h, sq)
+    if dlse is not None:
+        delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(acc), 0.0)  # a row that saw nothing: no key
     zeros = lambda x: None if x is None else jnp.zeros(x.shape, acc)  # noqa: E731
     grads = KVGrads(zeros(kv.k), zeros(kv.v), zeros(kv.bias))
     dq, dbias = zeros(qs.q), zeros(bias)  # both stay here

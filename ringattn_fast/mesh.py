@@ -10,6 +10,8 @@ the axes of the values they will be combined with; :func:`vary_like` does that.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import numpy as np
 from jax import lax
@@ -63,24 +65,53 @@ def mesh_platform(mesh):
     return platform if platform is not None else jax.default_backend()
 
 
-def check_mesh_axis(mesh, axis_name, batch, seq, parts):
-    """Mesh/axis errors: the axis exists, the sequence splits into ``parts`` per host, batch over data.
+class MeshAxes(NamedTuple):
+    """Where a ring call's arrays live on the mesh: the ring ``axis`` (size ``n``), the mesh axes the
+    batch is split over (``batch``: None, one name or a tuple) and the one the heads are split over
+    (``heads``: None or a name; tensor parallelism). q/k/v are ``P(batch, axis, heads, None)``."""
+    axis: str
+    n: int
+    batch: object
+    heads: str | None
 
-    Returns ``(axis_size, data_axis)`` where ``data_axis`` is ``"data"`` or ``None``.
+    def spec(self, *dims):
+        """A ``jax.P`` from dim names: "batch", "seq", "heads" or None."""
+        return jax.P(*({"batch": self.batch, "seq": self.axis, "heads": self.heads}.get(d) for d in dims))
+
+
+def _axes_size(mesh, axes):
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+
+def check_mesh_axes(mesh, axis_name, *, batch, heads, kv_heads, batch_axes=None, head_axis=None):
+    """Mesh/axis errors for a ring call; returns its :class:`MeshAxes`.
+
+    ``axis_name`` must be an axis of the mesh; ``batch_axes`` (default: ``"data"`` when the mesh has
+    it) must divide the batch, ``head_axis`` (default: none) both the query and the kv heads; no axis
+    may serve twice. With a ``("data", "fsdp", "sp", "tp")`` mesh, ``batch_axes=("data", "fsdp"),
+    head_axis="tp"`` splits every array over all four axes and the ring runs along ``"sp"``, with no
+    gather of q, k or v.
     """
     names = tuple(mesh.axis_names)
     if axis_name not in names:
         raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh; the mesh has axes {names}")
-    axis_size = int(mesh.shape[axis_name])
-    if seq % (parts * axis_size):
-        what = f"{parts} * " if parts > 1 else ""
-        raise ValueError(f"seq ({seq}) must be divisible by {what}the size of mesh axis {axis_name!r} "
-                         f"({axis_size})" + (" for the zigzag layout" if parts > 1 else ""))
-    data_axis = DATA_AXIS if DATA_AXIS in names and axis_name != DATA_AXIS else None
-    if data_axis is not None and batch % mesh.shape[data_axis]:
-        raise ValueError(f"batch ({batch}) must be divisible by the size of mesh axis {data_axis!r} "
-                         f"({mesh.shape[data_axis]})")
-    return axis_size, data_axis
+    if batch_axes is None:
+        batch_axes = DATA_AXIS if DATA_AXIS in names and axis_name != DATA_AXIS else None
+    used = ([batch_axes] if isinstance(batch_axes, str) else list(batch_axes or ())) + [axis_name]
+    used += [head_axis] if head_axis is not None else []
+    for a in used:
+        if not isinstance(a, str) or a not in names:
+            raise ValueError(f"batch_axes / head_axis must name axes of the mesh {names}; got {a!r}")
+    if len(set(used)) != len(used):
+        raise ValueError(f"axis_name, batch_axes and head_axis must be different mesh axes; got {used}")
+    if batch % _axes_size(mesh, batch_axes or ()):
+        raise ValueError(f"batch ({batch}) must be divisible by the size of mesh axis {batch_axes!r} "
+                         f"({_axes_size(mesh, batch_axes)})")
+    if head_axis is not None and (heads % mesh.shape[head_axis] or kv_heads % mesh.shape[head_axis]):
+        raise ValueError(f"heads ({heads}) and kv_heads ({kv_heads}) must be divisible by the size of mesh "
+                         f"axis {head_axis!r} ({mesh.shape[head_axis]})")
+    return MeshAxes(axis_name, int(mesh.shape[axis_name]), batch_axes, head_axis)
 
 
 def _vma(x):

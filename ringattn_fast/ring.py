@@ -25,12 +25,12 @@ from jax import lax
 
 from ringattn_ref import validation as val
 
-from . import masks
+from . import masks, padding
 from .backward import ring_backward
 from .dispatch import check_impl, kernels_for
 from .hop import acc_dtype
 from .layouts import permute_axis
-from .mesh import check_mesh_axis, mesh_platform, resolve_mesh, varying_axes, vary_like
+from .mesh import check_mesh_axes, mesh_platform, resolve_mesh, varying_axes, vary_like
 from .schedule import HopConfig, KVShard, QShard, RingConfig, hop_kv, kv_index, local_positions, ring_loop, send_to_next
 from .softmax import merge
 
@@ -74,20 +74,23 @@ def ring_forward(cfg, qs, kv, bias):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring(cfg, qs, kv, bias):
-    """Ring attention on this host: o ``[b, sq, h, d]`` in q's dtype (differentiable in q, k, v, bias)."""
-    return ring_forward(cfg, qs, kv, bias)[0].astype(qs.q.dtype)
+    """Ring attention on this host: ``(o, lse)``, o ``[b, sq, h, d]`` in q's dtype, lse ``[b, h, sq]``
+    float32 (float64 for float64); differentiable in q, k, v, bias (and through lse)."""
+    o, lse = ring_forward(cfg, qs, kv, bias)
+    return o.astype(qs.q.dtype), lse
 
 
 def _ring_fwd(cfg, qs, kv, bias):
     """The forward saves only its inputs, ``o`` and ``lse``: ``O(S/N)`` per host."""
     o, lse = ring_forward(cfg, qs, kv, bias)
     o = o.astype(qs.q.dtype)
-    return o, (qs, kv, bias, o, lse)
+    return (o, lse), (qs, kv, bias, o, lse)
 
 
-def _ring_bwd(cfg, res, do):
+def _ring_bwd(cfg, res, cotangents):
     qs, kv, bias, o, lse = res
-    dq, dkv, dbias = ring_backward(cfg, qs, kv, bias, o, lse, do)
+    do, dlse = cotangents
+    dq, dkv, dbias = ring_backward(cfg, qs, kv, bias, o, lse, do, dlse)
     cast = lambda g, x: None if x is None else g.astype(x.dtype)  # noqa: E731
     return (QShard(cast(dq, qs.q), None, None),
             KVShard(cast(dkv.dk, kv.k), cast(dkv.dv, kv.v), None, None, cast(dkv.dbias, kv.bias)),
@@ -141,20 +144,25 @@ def _axis_size(axis_name):
 
 def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=None, bias=None, window=None,
                          scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
-                         positions=None):
+                         positions=None, padding_segment=None, return_lse=False):
     """Ring attention for code already inside ``jax.shard_map``: this host's output shard.
 
     q: [batch, s_local, heads, dim] and k, v: [batch, s_local, kv_heads, dim], this host's shard of the
-    layout-ordered sequence (``to_layout``); segment_ids: int32 [batch, s_local]; bias: see
-    :func:`_bias_mode`; positions: int [batch, s_local] true positions in ``[0, 2**31)``, overriding
-    ``layout`` (for a custom per-example permutation, ``to_layout(..., positions=...)``).
-    Differentiable in q, k, v, bias. Returns [batch, s_local, heads, dim] in q's dtype.
+    layout-ordered sequence (``to_layout``; ``padding.pad_for_ring`` first if the length does not
+    split); segment_ids: int32 [batch, s_local]; bias: see :func:`_bias_mode`; positions: int
+    [batch, s_local] true positions in ``[0, 2**31)``, overriding ``layout`` (for a custom per-example
+    permutation, ``to_layout(..., positions=...)``); padding_segment: keys of that segment are masked
+    for every query and its queries return 0. Differentiable in q, k, v, bias. Returns
+    [batch, s_local, heads, dim] in q's dtype, and with ``return_lse`` also lse [batch, heads, s_local]
+    (float32, float64 for float64; -inf on rows that see nothing).
     """
     b, sq, h, _, d = val.check_qkv(q, k, v)
     n = _axis_size(axis_name)
     scale, causal = val.check_scale(scale, d), val.check_bool(causal, "causal")
     window = val.check_window(window, sq * n if positions is None else None)
     seg = val.check_segment_ids(segment_ids, b, sq)
+    padding_segment = padding.check_padding_segment(padding_segment, seg)
+    return_lse = val.check_bool(return_lse, "return_lse")
     layout = val.check_layout(layout, sq * n)
     val.check_n_hosts(n, sq * n, layout, name=f"the size of mesh axis {axis_name!r}")
     bias_mode = _bias_mode(bias, b, h, sq, n)
@@ -169,13 +177,15 @@ def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=N
     axes = tuple(sorted(set(varying_axes(q, k, v, seg, bias, pos) + (axis_name,))))
     q, k, v, pos, seg, bias = vary_like((q, k, v, pos, seg, bias), axes)
     hop = HopConfig(scale=scale, causal=causal, window=window, block_q=block_q, block_kv=block_kv)
-    qs = QShard(q, pos, seg)
+    qs = QShard(q, pos, None if seg is None else padding.padding_queries(seg, padding_segment))
     kv = KVShard(k, v, pos, seg, bias if bias_mode == "travel" else None)
     if impl == "pallas_tpu_fused":  # the whole ring in one kernel (its own custom_vjp)
         kv = kv._replace(**dict(zip("kv", masks.mark_bad_keys(k, v))))
-        return kernels_for(impl).ring(qs, kv, hop, axis_name=axis_name)
-    cfg = RingConfig(axis_name, hop, impl, bias_mode, skip_empty_hops=kernels_for(impl).ring_may_skip)
-    return _ring(cfg, qs, kv, None if bias_mode == "travel" else bias)
+        o, lse = kernels_for(impl).ring(qs, kv, hop, axis_name=axis_name, return_lse=True)
+    else:
+        cfg = RingConfig(axis_name, hop, impl, bias_mode, skip_empty_hops=kernels_for(impl).ring_may_skip)
+        o, lse = _ring(cfg, qs, kv, None if bias_mode == "travel" else bias)
+    return (o, lse) if return_lse else o
 
 
 def _int32_segment_ids(segment_ids):
@@ -186,48 +196,65 @@ def _int32_segment_ids(segment_ids):
 
 
 def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_ids=None, bias=None,
-                   window=None, scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto"):
+                   window=None, scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
+                   padding_segment=None, return_lse=False, batch_axes=None, head_axis=None):
     """Ring attention on global arrays: shards them over ``mesh``, runs the ring, returns the output.
 
     q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim] (heads % kv_heads == 0); dtypes:
-    see ``impl``; segment_ids: int [batch, seq] (values beyond int32 are rejected, or ranked when
-    traced); bias: broadcastable to [batch, heads, seq, seq] (a full bias is sharded by query rows, a
-    key-only ``[b|1, h|1, 1, seq]`` one travels with K/V); window: ``(left, right)`` ints, -1 or at
-    least ``seq - 1`` = unbounded; layout: ``"contiguous" | "striped" | "zigzag"`` or a permutation;
-    impl: ``"auto" | "xla" | "pallas_gpu" | "pallas_tpu" | "pallas_tpu_fused"`` (``dispatch``). The
-    sequence is sharded on ``axis_name``, the batch on ``"data"`` if the mesh has it. ``mesh=None``:
-    the mesh of ``jax.set_mesh`` or all devices. Returns [batch, seq, heads, dim] in q's dtype, in
-    true order. A masked key contributes nothing, whatever its values.
+    see ``impl``; any ``seq`` (padded inside to a length the ring splits: ``padding.py``);
+    segment_ids: int [batch, seq] (values beyond int32 are rejected, or ranked when traced);
+    padding_segment: a segment id whose keys no query sees and whose queries return 0 (MaxText's 0);
+    bias: broadcastable to [batch, heads, seq, seq] (a full bias is sharded by query rows, a key-only
+    ``[b|1, h|1, 1, seq]`` one travels with K/V); window: ``(left, right)`` ints, -1 or at least
+    ``seq - 1`` = unbounded; layout: ``"contiguous" | "striped" | "zigzag"`` or a permutation; impl:
+    ``"auto" | "xla" | "pallas_gpu" | "pallas_tpu" | "pallas_tpu_fused"`` (``dispatch``). The
+    sequence is sharded on ``axis_name``, the batch on ``batch_axes`` (default ``"data"`` if the mesh
+    has it; one name or a tuple), the heads on ``head_axis`` (default: not split); q, k, v are never
+    gathered. ``mesh=None``: the mesh of ``jax.set_mesh`` or all devices. Returns
+    [batch, seq, heads, dim] in q's dtype, in true order, and with ``return_lse`` also lse
+    [batch, heads, seq] (float32; float64 for float64; -inf on rows that see nothing). A masked key
+    contributes nothing, whatever its values.
     """
-    b, s, h, _, d = val.check_qkv(q, k, v)
+    b, s, h, hk, d = val.check_qkv(q, k, v)
     val.check_scale(scale, d)
-    causal = val.check_bool(causal, "causal")
+    causal, return_lse = val.check_bool(causal, "causal"), val.check_bool(return_lse, "return_lse")
     window = val.check_window(window, s)
     segment_ids = val.check_segment_ids(_int32_segment_ids(segment_ids), b, s)
+    padding_segment = padding.check_padding_segment(padding_segment, segment_ids)
     val.check_bias(bias, b, h, s)
     layout = val.check_layout(layout, s)
     mesh = resolve_mesh(mesh)
-    n, dax = check_mesh_axis(mesh, axis_name, b, s, 2 if isinstance(layout, str) and layout == "zigzag" else 1)
+    axes = check_mesh_axes(mesh, axis_name, batch=b, heads=h, kv_heads=hk, batch_axes=batch_axes,
+                           head_axis=head_axis)
     check_impl(impl, mesh_platform(mesh), q, k, v, has_bias=bias is not None)  # errors before tracing
-    perm = partial(permute_axis, layout=layout, n_hosts=n)
-    args = {"q": perm(q), "k": perm(k), "v": perm(v)}
-    specs = {name: jax.P(dax, axis_name) for name in args}
-    if segment_ids is not None:
-        args["segment_ids"] = perm(jnp.asarray(segment_ids).astype(jnp.int32))
-        specs["segment_ids"] = jax.P(dax, axis_name)
-    if bias is not None:  # where the bias lives follows its mode (the same rule the host applies)
-        mode = _bias_mode(bias, b, h, s, 1)
-        rows = axis_name if bias.shape[2] > 1 else None  # query rows: this host's
-        cols = axis_name if mode == "travel" else None  # key-only: sharded like the keys
+    padded = padding.pad_for_ring(q, k, v, n_hosts=axes.n, layout=layout, segment_ids=segment_ids, bias=bias,
+                                  padding_segment=padding_segment)
+    layout, s_ring = padded.layout, padded.q.shape[1]
+    perm = partial(permute_axis, layout=layout, n_hosts=axes.n)
+    args = {"q": perm(padded.q), "k": perm(padded.k), "v": perm(padded.v)}
+    specs = {name: axes.spec("batch", "seq", "heads", None) for name in args}
+    if padded.segment_ids is not None:
+        args["segment_ids"] = perm(jnp.asarray(padded.segment_ids).astype(jnp.int32))
+        specs["segment_ids"] = axes.spec("batch", "seq")
+    if padded.bias is not None:  # where the bias lives follows its mode (the same rule the host applies)
+        bias = padded.bias
+        mode = _bias_mode(bias, b, h, s_ring, 1)
+        rows = "seq" if bias.shape[2] > 1 else None  # query rows: this host's
+        cols = "seq" if mode == "travel" else None  # key-only: sharded like the keys
         args["bias"] = perm(bias, axis=2) if rows else bias
         args["bias"] = perm(args["bias"], axis=3) if bias.shape[3] > 1 else args["bias"]
-        specs["bias"] = jax.P(dax if bias.shape[0] > 1 else None, None, rows, cols)
+        specs["bias"] = axes.spec("batch" if bias.shape[0] > 1 else None, "heads" if bias.shape[1] > 1 else None,
+                                  rows, cols)
     names = tuple(args)
 
     def per_host(*xs):
         return ring_attention_shard(**dict(zip(names, xs)), axis_name=axis_name, causal=causal, window=window,
-                                    scale=scale, layout=layout, block_q=block_q, block_kv=block_kv, impl=impl)
+                                    scale=scale, layout=layout, block_q=block_q, block_kv=block_kv, impl=impl,
+                                    padding_segment=padded.padding_segment, return_lse=True)
 
-    out = jax.shard_map(per_host, mesh=mesh, in_specs=tuple(specs[k_] for k_ in names),
-                        out_specs=jax.P(dax, axis_name))(*(args[k_] for k_ in names))
-    return permute_axis(out, layout, n, inverse=True)
+    o, lse = jax.shard_map(per_host, mesh=mesh, in_specs=tuple(specs[k_] for k_ in names),
+                           out_specs=(specs["q"], axes.spec("batch", "heads", "seq")))(*(args[k_] for k_ in names))
+    o = padded.unpad(permute_axis(o, layout, axes.n, inverse=True))
+    if not return_lse:
+        return o
+    return o, padded.unpad(permute_axis(lse, layout, axes.n, axis=2, inverse=True), axis=2)

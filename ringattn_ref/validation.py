@@ -11,6 +11,7 @@ import numpy as np
 
 LAYOUTS = ("contiguous", "striped", "zigzag")
 INT32_MAX = 2**31 - 1  # positions and segment ids travel (and are compared) as int32
+SEGMENT_MIN = -INT32_MAX + 1  # the two smallest int32 ids are reserved (ringattn_fast.padding)
 
 
 def is_float_dtype(dtype):
@@ -127,7 +128,7 @@ def check_segment_ids(segment_ids, batch, seq):
     shape = tuple(segment_ids.shape)
     if shape != (batch, seq):
         raise ValueError(f"segment_ids must have shape [batch, seq] = {(batch, seq)}; got {shape}")
-    return check_int32_values(segment_ids, "segment_ids")
+    return check_int32_values(segment_ids, "segment_ids", low=SEGMENT_MIN)
 
 
 def check_positions(positions, batch, seq, name="positions"):

@@ -64,11 +64,14 @@ def test_mesh_axis_errors():
     missing = r"axis_name 'seq' is not an axis of the mesh; the mesh has axes \('sp',\)"
     with pytest.raises(ValueError, match=missing):
         rf.ring_attention(q, k, v, mesh=rf.make_mesh(4), axis_name="seq")
-    q3, k3, v3 = arrays(q_shape=(B, 12, H, D), kv_shape=(B, 12, 2, D))
-    with pytest.raises(ValueError, match=r"seq \(12\) must be divisible by the size of mesh axis 'sp' \(8\)"):
-        rf.ring_attention(q3, k3, v3, mesh=rf.make_mesh(8))
-    with pytest.raises(ValueError, match=r"seq \(12\) must be divisible by 2 \* the size of mesh axis 'sp' \(4\)"):
-        rf.ring_attention(q3, k3, v3, mesh=rf.make_mesh(4), layout="zigzag")
+    mesh3 = jax.make_mesh((2, 2, 2), ("data", "sp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    q1, k1, v1 = arrays(kv_shape=(B, S, 1, D))
+    with pytest.raises(ValueError, match=r"heads \(4\) and kv_heads \(1\) must be divisible by the size of mesh axis 'tp'"):
+        rf.ring_attention(q1, k1, v1, mesh=mesh3, head_axis="tp")
+    with pytest.raises(ValueError, match="axis_name, batch_axes and head_axis must be different mesh axes"):
+        rf.ring_attention(q, k, v, mesh=mesh3, head_axis="data")
+    with pytest.raises(ValueError, match="batch_axes / head_axis must name axes of the mesh"):
+        rf.ring_attention(q, k, v, mesh=rf.make_mesh(4), head_axis="tp")
     q1, k1, v1 = arrays(q_shape=(3, S, H, D), kv_shape=(3, S, 2, D))
     with pytest.raises(ValueError, match=r"batch \(3\) must be divisible by the size of mesh axis 'data' \(2\)"):
         rf.ring_attention(q1, k1, v1, mesh=rf.make_mesh(8, data=2))
@@ -143,7 +146,7 @@ def test_positions_and_ids_outside_int32_are_rejected():
         check_positions(np.full((B, S), 2**31), B, S)
     seg = np.zeros((B, S), np.int64)
     seg[:, S // 2:] = 2**32
-    with pytest.raises(ValueError, match=r"segment_ids must lie in \[-2147483648, 2147483647\]"):
+    with pytest.raises(ValueError, match=r"segment_ids must lie in \[-2147483646, 2147483647\]"):
         rf.ring_attention(*arrays(), mesh=rf.make_mesh(4), segment_ids=seg)
 
 
