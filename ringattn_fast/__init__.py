@@ -5,13 +5,19 @@ Reading order, following ``q`` from the public function to a kernel and back:
 -> ``schedule`` (what stays, what travels: ``QShard``, ``KVShard``; ``ring_loop``, positions)
 -> ``dispatch`` (``impl=``) -> ``hop`` (one hop in XLA) or ``kernels/`` (Pallas) -> ``masks`` and
 ``softmax.merge`` -> ``backward`` (the backward ring). Beside the ring: ``mesh``, ``layouts``,
-``feedforward``.
+``feedforward``, ``padding`` (any sequence length), ``packing`` (``cu_seqlens``). In a model: ``jax_nn.dot_product_attention`` (``jax.nn``'s twin) and
+``flax_adapter.flax_attention_fn`` (an ``attention_fn`` for Flax's attention modules).
 """
 from .feedforward import blockwise_feedforward
+from .flax_adapter import flax_attention_fn
+from .jax_nn import dot_product_attention
 from .layouts import from_layout, to_layout
 from .mesh import make_mesh
+from .packing import positions_from_segment_ids, segment_ids_from_cu_seqlens
+from .padding import pad_for_ring
 from .ring import ring_attention, ring_attention_shard
 from .softmax import merge
 
-__all__ = ["blockwise_feedforward", "from_layout", "make_mesh", "merge", "ring_attention",
-           "ring_attention_shard", "to_layout"]
+__all__ = ["blockwise_feedforward", "dot_product_attention", "flax_attention_fn", "from_layout", "make_mesh",
+           "merge", "pad_for_ring", "positions_from_segment_ids", "ring_attention", "ring_attention_shard",
+           "segment_ids_from_cu_seqlens", "to_layout"]

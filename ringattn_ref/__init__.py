@@ -2,52 +2,24 @@
 
 Reading order: ``attention`` (the oracle) -> ``softmax`` (online softmax, merge) -> ``masks`` ->
 ``blockwise`` (BPT on one device) -> ``layouts`` -> ``ring`` (N virtual hosts) -> ``backward`` ->
-``feedforward`` -> ``cost`` -> ``viz`` -> ``testing``.
+``feedforward`` -> ``cost`` -> ``viz`` -> ``testing``; ``packing`` for packed documents.
 
-Names are imported lazily so ``import ringattn_ref`` is instant and each module stands alone.
+Plain imports: every module needs only numpy (matplotlib and hypothesis are imported inside the
+functions that use them), so importing all of them costs a few milliseconds beyond numpy.
 """
-from importlib import import_module
+from .attention import attention
+from .backward import hop_attention_vjp, ring_attention_vjp
+from .blockwise import blockwise_attention, hop_attention
+from .cost import HARDWARE, hop_times, min_block_size, step_bytes, step_flops, table1, table2
+from .feedforward import blockwise_feedforward, relu_ffn
+from .layouts import from_layout, layout_permutation, to_layout
+from .packing import positions_from_segment_ids, segment_ids_from_cu_seqlens
+from .ring import RingTrace, ring_attention
+from .softmax import merge
+from .testing import AttentionProblem, attention_problems
 
-# The function ``attention`` shares its name with its module. Importing the submodule (which any
-# other module here does) sets the package attribute ``attention`` to the *module*, and a lazy
-# ``__getattr__`` is then never consulted. Import it eagerly so the name is always the function.
-from .attention import attention  # noqa: E402
-
-_EXPORTS = {
-    "attention": "attention",
-    "merge": "softmax",
-    "to_layout": "layouts",
-    "from_layout": "layouts",
-    "layout_permutation": "layouts",
-    "blockwise_attention": "blockwise",
-    "hop_attention": "blockwise",
-    "attention_problems": "testing",
-    "AttentionProblem": "testing",
-    "ring_attention": "ring",
-    "RingTrace": "ring",
-    "ring_attention_vjp": "backward",
-    "hop_attention_vjp": "backward",
-    "blockwise_feedforward": "feedforward",
-    "relu_ffn": "feedforward",
-    "HARDWARE": "cost",
-    "step_flops": "cost",
-    "step_bytes": "cost",
-    "min_block_size": "cost",
-    "hop_times": "cost",
-    "table1": "cost",
-    "table2": "cost",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__all__ = ["AttentionProblem", "HARDWARE", "RingTrace", "attention", "attention_problems", "blockwise_attention",
+           "blockwise_feedforward", "from_layout", "hop_attention", "hop_attention_vjp", "hop_times",
+           "layout_permutation", "merge", "min_block_size", "positions_from_segment_ids", "relu_ffn",
+           "ring_attention", "ring_attention_vjp", "segment_ids_from_cu_seqlens", "step_bytes", "step_flops",
+           "table1", "table2", "to_layout"]

@@ -25,13 +25,14 @@ def repeat_kv(x, heads):
 
 
 def attention(q, k, v, *, causal=False, segment_ids=None, bias=None, window=None, scale=None,
-              return_lse=False):
+              return_lse=False, padding_segment=None):
     """Softmax attention of ``q`` over ``k``, ``v`` (all in true token order).
 
     q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim] with heads % kv_heads == 0.
     causal / segment_ids (int [batch, seq]) / window ``(left, right)``: the mask of ``docs/design.md``.
     bias: broadcastable to [batch, heads, seq, seq], added to the scaled logits.
-    scale: defaults to ``dim ** -0.5``.
+    scale: defaults to ``dim ** -0.5``. padding_segment: a segment id whose keys no query sees and
+    whose queries see nothing (MaxText's padding 0; ``ringattn_ref.packing``).
     Returns o [batch, seq, heads, dim] float64, and lse [batch, heads, seq] if ``return_lse``.
     A row that sees no key gives ``o = 0`` and ``lse = -inf`` (never NaN).
     """
@@ -49,7 +50,12 @@ def attention(q, k, v, *, causal=False, segment_ids=None, bias=None, window=None
         bias = np.asarray(bias, dtype=np.float64)
         logits = np.where(bias == -np.inf, -np.inf, logits + bias)  # -inf masks even a NaN logit
     pos = np.arange(s)[None]  # (1, s) true positions
+    if padding_segment is not None and segment_ids is None:
+        raise ValueError("padding_segment names a segment of segment_ids; pass segment_ids too")
     seg = (None, None) if segment_ids is None else (segment_ids[:, :, None], segment_ids[:, None, :])
+    if padding_segment is not None:  # its queries get an id no key has: they see nothing
+        q_seg = np.asarray(seg[0], np.int64)
+        seg = (np.where(q_seg == padding_segment, np.iinfo(np.int64).min, q_seg), seg[1])
     mask = allowed(pos[:, :, None], pos[:, None, :], *seg, causal=causal, window=window)  # (b|1, s, s)
     logits = np.where(mask[:, None], logits, -np.inf)
 

@@ -112,8 +112,9 @@ def check_int32_values(x, name, *, low=-INT32_MAX - 1, traced_wide_ok=False):
     values = _concrete(x)
     if values is None:
         if np.dtype(x.dtype).itemsize > 4 and not traced_wide_ok:
-            raise ValueError(f"{name} has dtype {x.dtype} under jax.jit, where its values cannot be checked "
-                             f"against the int32 range it is compared in; pass int32 {name}")
+            raise ValueError(f"{name} has dtype {x.dtype} and values that cannot be read here (traced under "
+                             f"jax.jit, or spread over several processes), so they cannot be checked against "
+                             f"the int32 range they are compared in; pass int32 {name}")
         return x
     if values.size and (values.min() < low or values.max() > INT32_MAX):
         raise ValueError(f"{name} must lie in [{low}, {INT32_MAX}] (compared as int32); got values in "
