@@ -30,7 +30,8 @@ def test_docs_build_without_warnings(tmp_path):
         capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, f"sphinx-build failed:\n{proc.stdout[-5000:]}\n{proc.stderr[-8000:]}"
     pages = {p.relative_to(out).as_posix() for p in out.rglob("*.html")}
-    for page in ["index.html", "install.html", "course.html", "design.html", "api.html", "benchmarks.html"]:
+    for page in ["index.html", "install.html", "course.html", "design.html", "api.html", "benchmarks.html",
+                 "distributed.html"]:
         assert page in pages, f"{page} missing from the site"
     notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.md"))
     for name in notebooks:
