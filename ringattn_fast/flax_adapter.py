@@ -1,0 +1,101 @@
+"""An ``attention_fn`` for Flax's attention modules that runs the ring.
+
+``nnx.MultiHeadAttention(..., attention_fn=flax_attention_fn(causal=True))`` (or linen's
+``MultiHeadDotProductAttention``) computes what the stock ``flax.nnx.dot_product_attention`` does
+without dropout — that is, ``jax.nn.dot_product_attention``, whose ring twin is :mod:`.jax_nn` — with
+the sequence sharded over the mesh. This module never imports flax: it only speaks its calling
+convention, so ``import ringattn_fast`` works without it (``pip install ringattn[flax]`` for the
+modules themselves).
+
+What Flax may pass and what becomes of it:
+
+- ``mask`` (broadcastable to ``[batch..., heads, T, S]``) is honoured, as an additive ``-inf`` bias:
+  O(T * S) memory, like the mask the caller already built. The choice: refusing it would break every
+  model that passes a padding mask, for no memory saved. For a causal or banded mask, pass
+  ``causal=`` / ``window=`` here (O(S)) and no mask.
+- ``is_causal`` (nnx) is or-ed with ``causal``; ``bias`` is added to the logits; ``dtype`` casts q, k,
+  v (default: their promoted dtype); ``force_fp32_for_softmax`` holds always (the ring's softmax is
+  float32); extra batch dimensions are flattened into one.
+- Refused with a ValueError, because the ring never forms the attention weights: dropout
+  (``dropout_rate > 0`` and not ``deterministic``), weight sowing (``module``), custom einsums
+  (``qk_attn_weights_einsum``, ``attn_weights_value_einsum``), a ``precision`` (the ring's matmuls use
+  the default precision, accumulating in float32), and any other keyword (``input_positions``: RoPE).
+"""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from ringattn_ref import validation as val
+
+from .jax_nn import masked_ring_attention
+
+
+def _flatten_batch(x, batch):
+    """A bias or mask [batch..., heads, T, S] (each dim equal or 1) as [prod(batch) | 1, heads, T, S]."""
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    x = x.reshape((1,) * (len(batch) + 3 - x.ndim) + x.shape)
+    if all(n == 1 for n in x.shape[:len(batch)]):
+        return x.reshape((1,) + x.shape[len(batch):])
+    return jnp.broadcast_to(x, tuple(batch) + x.shape[len(batch):]).reshape((math.prod(batch),) + x.shape[len(batch):])
+
+
+def _refuse(dropout_rate, deterministic, module, precision, einsums, unsupported):
+    """A ValueError for anything Flax passed that the ring cannot honour."""
+    if dropout_rate > 0 and not deterministic:
+        raise ValueError(f"dropout (dropout_rate={dropout_rate}, deterministic=False) needs the attention weights, "
+                         f"which the ring never forms: use dropout_rate=0 or deterministic=True")
+    if module is not None:
+        raise ValueError("sowing the attention weights (sow_weights=True / module=...) needs the weights, which "
+                         "the ring never forms: call without sow_weights")
+    if precision not in (None, lax.Precision.DEFAULT):
+        raise ValueError(f"precision={precision!r} cannot be honoured: the ring's matmuls use the default "
+                         f"precision, accumulating in float32; use precision=None")
+    if any(e is not None for e in einsums):
+        raise ValueError("custom einsums (qk_attn_weights_einsum, attn_weights_value_einsum) cannot be honoured: "
+                         "the ring computes the logits inside its own hop")
+    if unsupported:
+        raise ValueError(f"flax_attention_fn cannot honour {sorted(unsupported)} (input_positions: apply RoPE to "
+                         f"the projections yourself)")
+
+
+def flax_attention_fn(*, mesh=None, axis_name="sp", causal=False, window=None, layout="contiguous", impl="auto"):
+    """An ``attention_fn`` for ``flax.nnx.MultiHeadAttention`` / ``flax.linen.MultiHeadDotProductAttention``.
+
+    causal, window ``(left, right)`` (-1 = unbounded), layout, impl, mesh, axis_name: as
+    :func:`~ringattn_fast.ring_attention`, fixed for every call. The returned function takes Flax's
+    ``query, key, value`` ``[batch..., T, heads, dim]`` (T == S; K/V may have fewer heads) and its
+    keywords (see the module docstring) and returns ``[batch..., T, heads, dim]``.
+    """
+    causal = val.check_bool(causal, "causal")
+    window = val.check_window(window)
+
+    def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
+                     dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
+                     is_causal=False, force_fp32_for_softmax=False, qk_attn_weights_einsum=None,
+                     attn_weights_value_einsum=None, **unsupported):
+        """Flax's ``dot_product_attention`` signature (linen keeps only the keywords named here)."""
+        _refuse(dropout_rate, deterministic, module, precision,
+                (qk_attn_weights_einsum, attn_weights_value_einsum), unsupported)
+        dtype = jnp.result_type(query, key, value) if dtype is None else dtype
+        q, k, v = (jnp.asarray(x, dtype) for x in (query, key, value))
+        if not q.ndim == k.ndim == v.ndim >= 3:
+            raise ValueError(f"query, key, value must be [batch..., length, heads, dim] alike; got shapes "
+                             f"{q.shape}, {k.shape}, {v.shape}")
+        if q.shape[-3] != k.shape[-3]:
+            raise ValueError(f"query length {q.shape[-3]} must equal key length {k.shape[-3]}: the ring shards "
+                             f"queries and keys along one sequence axis (self-attention)")
+        batch, out_shape = q.shape[:-3], q.shape
+        q, k, v = (x.reshape((math.prod(batch),) + x.shape[-3:]) for x in (q, k, v))
+        mask = None if mask is None else jnp.asarray(mask).astype(jnp.bool_)
+        bias, mask = (_flatten_batch(x, batch) for x in (bias, mask))
+        is_causal = val.check_bool(is_causal, "is_causal")  # nnx passes it per call
+        o, _ = masked_ring_attention(q, k, v, bias=bias, mask=mask, causal=causal or is_causal, window=window,
+                                     impl=impl, layout=layout, mesh=mesh, axis_name=axis_name)
+        return o.reshape(out_shape)
+
+    return attention_fn

@@ -1,0 +1,181 @@
+"""``jax.nn.dot_product_attention``'s twin: the same arguments and results, computed by the ring.
+
+A model written against ``jax.nn.dot_product_attention(query, key, value, bias, mask, *, scale,
+is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size, implementation,
+return_residual)`` switches to the ring by changing the import (and, optionally, passing ``mesh``).
+What maps onto what (``jax.nn`` -> ``ring_attention``):
+
+- ``[T, N, H]`` and ``[B, T, N, H]`` -> ``[batch, seq, heads, dim]`` (3-D is batch 1); K/V may have
+  fewer heads (GQA, ``N % K == 0``); ``T == S`` (the ring shards queries and keys alike);
+- ``is_causal`` -> ``causal``; ``local_window_size=w`` -> ``window=(w, w)``, ``(left, right)`` as is
+  (both ``>= 0``); ``scale`` -> ``scale``; ``implementation``: None -> ``impl="auto"``, ``"xla"``;
+- ``key_value_seq_lengths`` -> a key-only bias, ``-inf`` at positions ``>= lengths[b]``:
+  ``[B, 1, 1, S]``, O(S), it travels with K/V;
+- ``query_seq_lengths`` -> the rows at positions ``>= lengths[b]`` are zeroed, their q before the
+  ring and their output after it: O(S);
+- ``mask`` (bool) -> an additive bias, ``-inf`` where False: O(T * S) memory, like the mask;
+- ``bias`` -> ``bias`` (added to the scaled logits), summed with the two biases above;
+- ``return_residual`` -> ``return_lse``, transposed to JAX's ``[B, T, N]`` in key's dtype.
+
+JAX fills masked logits with a large negative number (``-0.7 * finfo(float32).max``), not ``-inf``,
+so a row whose mask leaves it no key gets uniform weights: its output is the mean of *all* values,
+and its residual is that number ``+ log(S)``. The ring gives such a row ``o = 0, lse = -inf``;
+:func:`masked_ring_attention` converts it, so both functions return the same on every row.
+"""
+from __future__ import annotations
+
+import math
+from functools import reduce
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .ring import ring_attention
+
+_JAX_IMPLS = {None: "auto", "xla": "xla"}
+
+
+def _jax_fill(dtype):
+    """JAX's value for a masked logit, ``-0.7 * finfo(dtype).max`` capped at float32's range."""
+    return -0.7 * min(float(jnp.finfo(dtype).max), float(jnp.finfo(np.float32).max))
+
+
+def _as_4d(x, name):
+    """Leading unit axes up to 4-D, as ``jax.nn`` does (a ``[T, N, H]`` query is batch 1)."""
+    x = jnp.asarray(x)
+    if x.ndim > 4:
+        raise ValueError(f"{name} must have at most 4 dims (jax.nn.dot_product_attention's shapes); "
+                         f"got shape {x.shape}")
+    return x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+
+def _check_broadcastable(x, name, shape):
+    """``x`` (bias or mask, 4-D by now) must broadcast to ``shape`` = [B, N, T, S], dim by dim."""
+    if x is not None and (x.ndim != 4 or any(m not in (1, n) for m, n in zip(x.shape, shape))):
+        raise ValueError(f"{name} must be broadcastable to [B, N, T, S] = {shape} (each dim equal or 1); "
+                         f"got shape {x.shape}")
+
+
+def _lengths(lengths, batch, name):
+    """Sequence lengths: an integer ``[B]`` array (traced is fine: only its shape is inspected)."""
+    if lengths is None:
+        return None
+    lengths = jnp.asarray(lengths)
+    if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array of shape (batch,) = ({batch},); "
+                         f"got {lengths.dtype} {lengths.shape}")
+    return lengths.astype(jnp.int32)
+
+
+def _window(local_window_size):
+    """``local_window_size`` (an int or ``(left, right)``, JAX's meaning) as the ring's ``window``.
+
+    JAX's bounds are distances from the diagonal: ``(3, 2)`` lets token ``i`` see ``i-3 .. i+2``, the
+    ring's meaning too. A negative bound in JAX cuts the diagonal out; the ring's ``-1`` means
+    unbounded instead, so negative bounds are refused.
+    """
+    if local_window_size is None:
+        return None
+    window = (local_window_size,) * 2 if isinstance(local_window_size, (int, np.integer)) else local_window_size
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError(f"local_window_size must be an int or a pair (left, right) of ints; "
+                         f"got {local_window_size!r}") from None
+    ok = all(isinstance(w, (int, np.integer)) and not isinstance(w, (bool, np.bool_)) and w >= 0 for w in window)
+    if not ok:
+        raise ValueError(f"local_window_size bounds must be ints >= 0 (a negative bound excludes the diagonal "
+                         f"in jax.nn, which the ring cannot express: its -1 means unbounded); "
+                         f"got {local_window_size!r}")
+    return int(left), int(right)
+
+
+def _impl(implementation):
+    """``implementation`` as the ring's ``impl``; ``"cudnn"`` (a single-device kernel) is refused."""
+    if implementation == "cudnn":
+        raise ValueError("implementation='cudnn' is cuDNN's single-device flash kernel; the ring runs its own "
+                         "per-hop kernels: use implementation=None ('auto': Pallas on GPU/TPU, XLA otherwise) "
+                         "or 'xla'")
+    if implementation not in _JAX_IMPLS:
+        raise ValueError(f"implementation must be None ('auto') or 'xla' (jax.nn's 'cudnn' is refused: the "
+                         f"ring runs its own kernels); got {implementation!r}")
+    return _JAX_IMPLS[implementation]
+
+
+def masked_ring_attention(q, k, v, *, bias=None, mask=None, q_lengths=None, kv_lengths=None, causal=False,
+                          window=None, scale=None, impl="auto", layout="contiguous", mesh=None, axis_name="sp"):
+    """Ring attention with ``jax.nn``'s dense masks and its rule for rows that see no key: ``(o, lse)``.
+
+    q: [B, S, N, H]; k, v: [B, S, K, H]; bias: float, mask: bool, both broadcastable to [B, N, S, S];
+    q_lengths, kv_lengths: int32 [B] (queries / keys at positions ``>= lengths[b]`` are padding);
+    causal, window, scale, impl, layout, mesh, axis_name: as :func:`~ringattn_fast.ring_attention`.
+    Returns o [B, S, N, H] in q's dtype and lse [B, N, S] float32 (float64 for float64 inputs).
+    A row that sees no key gets JAX's values (mean of V, ``fill + log S``); padded queries get o = 0.
+    """
+    b, s, h = q.shape[:3]
+    for name, x in (("bias", bias), ("mask", mask)):
+        _check_broadcastable(x, name, (b, h, s, s))
+    pos = jnp.arange(s, dtype=jnp.int32)
+    parts = [] if bias is None else [bias]  # the additive bias, in pieces of the smallest shapes
+    if mask is not None:
+        parts.append(jnp.where(mask, 0.0, -jnp.inf).astype(jnp.float32))
+    if kv_lengths is not None:  # key-only [B, 1, 1, S]: it travels with K/V
+        parts.append(jnp.where(pos < kv_lengths[:, None], 0.0, -jnp.inf).astype(jnp.float32)[:, None, None])
+    q_valid = None if q_lengths is None else pos < q_lengths[:, None]  # [B, S]
+    if q_valid is not None:  # a padded query's values (NaN, say) must not reach any gradient
+        q = jnp.where(q_valid[:, :, None, None], q, jnp.zeros((), q.dtype))
+    total = reduce(jnp.add, parts) if parts else None
+    o, lse = ring_attention(q, k, v, mesh=mesh, axis_name=axis_name, causal=causal, bias=total, window=window,
+                            scale=scale, layout=layout, impl=impl, return_lse=True)
+    dead = jnp.isneginf(lse)  # [B, N, S]: rows the masks left without a key
+    mean_v = jnp.repeat(jnp.mean(v.astype(lse.dtype), axis=1), h // k.shape[2], axis=1)  # [B, N, H]
+    o = jnp.where(jnp.swapaxes(dead, 1, 2)[..., None], mean_v[:, None].astype(o.dtype), o)
+    if q_valid is not None:
+        o = jnp.where(q_valid[:, :, None, None], o, jnp.zeros((), o.dtype))
+        dead = dead | ~q_valid[:, None, :]  # JAX masks padded queries' logits too
+    fill = jnp.asarray(_jax_fill(lse.dtype), lse.dtype) + jnp.asarray(math.log(s), lse.dtype)  # logsumexp of S fills
+    return o, jnp.where(dead, fill, lse)
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                          query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                          implementation=None, return_residual=False, mesh=None, axis_name="sp",
+                          layout="contiguous"):
+    """``jax.nn.dot_product_attention`` computed by the ring over ``mesh``'s axis ``axis_name``.
+
+    query: [B, T, N, H] or [T, N, H]; key, value: [B, S, K, H] or [S, K, H] (``N % K == 0``, ``T == S``:
+    self-attention; the ring shards queries and keys alike); bias (float) and mask (bool, True =
+    attend) broadcastable to [B, N, T, S] (a mask costs O(T * S) memory: prefer ``is_causal``,
+    ``local_window_size`` and the seq lengths, which cost O(S)); scale: a Python number (default
+    ``H ** -0.5``). ``mesh``, ``axis_name``, ``layout``: as :func:`~ringattn_fast.ring_attention`.
+    Returns the output like query, in its dtype; with ``return_residual`` also the log-sum-exp of each
+    row's masked, scaled logits, [B, T, N] (or [T, N]) in key's dtype, without gradient — as ``jax.nn``.
+    """
+    out_shape = jnp.shape(query)
+    if len(out_shape) not in (3, 4) or jnp.ndim(key) != len(out_shape) or jnp.ndim(value) != len(out_shape):
+        raise ValueError(f"query, key and value must all be 3-D [T, N, H] or all 4-D [B, T, N, H]; got "
+                         f"{out_shape}, {jnp.shape(key)}, {jnp.shape(value)}")
+    q, k, v = _as_4d(query, "query"), _as_4d(key, "key"), _as_4d(value, "value")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"query, key and value must share one dtype (as in jax.nn); got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"query length T = {q.shape[1]} must equal key length S = {k.shape[1]}: the ring shards "
+                         f"queries and keys along one sequence axis (self-attention); use "
+                         f"jax.nn.dot_product_attention for cross-attention")
+    bias = None if bias is None else _as_4d(bias, "bias")
+    mask = None if mask is None else _as_4d(mask, "mask")
+    if mask is not None and mask.dtype != jnp.bool_:
+        raise ValueError(f"mask must be a bool array (True = attend; an additive mask goes in bias); "
+                         f"got dtype {mask.dtype}")
+    o, lse = masked_ring_attention(
+        q, k, v, bias=bias, mask=mask, causal=is_causal, window=_window(local_window_size), scale=scale,
+        q_lengths=_lengths(query_seq_lengths, q.shape[0], "query_seq_lengths"),
+        kv_lengths=_lengths(key_value_seq_lengths, q.shape[0], "key_value_seq_lengths"),
+        impl=_impl(implementation), layout=layout, mesh=mesh, axis_name=axis_name)
+    o = o.reshape(out_shape)
+    if not return_residual:
+        return o
+    residual = lax.stop_gradient(jnp.swapaxes(lse, 1, 2).astype(k.dtype))  # [B, N, T] -> JAX's [B, T, N]
+    return o, residual.reshape(out_shape[:-1])

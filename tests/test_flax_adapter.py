@@ -1,0 +1,93 @@
+"""``flax_attention_fn`` in Flax's attention modules equals their stock attention, on 8 simulated devices.
+
+nnx.MultiHeadAttention (causal and not, GQA, a padding mask, two batch dimensions) and linen's
+MultiHeadDotProductAttention (once): outputs and parameter gradients; and the clear errors for what
+the ring cannot honour (dropout, sown weights, precision, RoPE positions, cross-attention).
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import ringattn_fast as rf
+
+TOL = 2e-5  # float32, relative to max(1, max |stock value|)
+MESH = rf.make_mesh(8)
+
+
+def close(got, want, what):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    err = np.abs(got - want).max() / max(1.0, np.abs(want).max())
+    assert got.shape == want.shape and err <= TOL, f"{what}: {got.shape} vs {want.shape}, rel. error {err:.2e}"
+
+
+def nnx_mha(attention_fn=nnx.dot_product_attention, **kw):
+    """The same parameters (seed 0) whatever the attention_fn."""
+    kw = dict(num_heads=4, in_features=16, qkv_features=32, decode=False, rngs=nnx.Rngs(0), **kw)
+    return nnx.MultiHeadAttention(attention_fn=attention_fn, **kw)
+
+
+def nnx_value_and_grads(model, x, **call):
+    @nnx.jit
+    def run(model, x):
+        return nnx.value_and_grad(lambda m: jnp.sum(jnp.sin(m(x, **call))))(model)
+
+    loss, grads = run(model, x)
+    return loss, jax.tree.leaves(nnx.state(grads, nnx.Param))
+
+
+@pytest.mark.parametrize("case", ["causal", "is_causal", "padding mask, GQA", "two batch dims"])
+def test_nnx_multi_head_attention_equals_stock(case):
+    x = jax.random.normal(jax.random.key(1), (2, 32, 16))
+    ours_fn, call, kw = rf.flax_attention_fn(mesh=MESH, causal=case == "causal"), {}, {}
+    stock_call = {"is_causal": True} if case in ("causal", "is_causal") else {}
+    if case == "is_causal":
+        call = {"is_causal": True}
+    if case == "padding mask, GQA":
+        lengths = jnp.array([32, 19])
+        keep = jnp.arange(32) < lengths[:, None]  # [batch, seq]
+        call = stock_call = {"mask": nnx.make_attention_mask(keep, keep)}  # [batch, 1, T, S]
+        kw = {"num_kv_heads": 2}
+    if case == "two batch dims":  # and a dropout rate, off while deterministic
+        x = x.reshape(2, 1, 32, 16).repeat(3, axis=1)  # [2, 3, seq, features]
+        call = stock_call = {"deterministic": True}
+        kw = {"dropout_rate": 0.1}
+    loss, grads = nnx_value_and_grads(nnx_mha(ours_fn, **kw), x, **call)
+    loss_want, grads_want = nnx_value_and_grads(nnx_mha(**kw), x, **stock_call)
+    close(loss, loss_want, "loss")
+    assert len(grads) == len(grads_want) == 8  # q, k, v, out: kernel and bias
+    for i, (g, w) in enumerate(zip(grads, grads_want)):
+        close(g, w, f"param grad {i}")
+
+
+def test_linen_multi_head_dot_product_attention_equals_stock():
+    x = jax.random.normal(jax.random.key(2), (2, 16, 16))
+    mask = nn.make_causal_mask(jnp.ones((2, 16)))  # a dense mask: honoured (as a bias)
+    ours = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=16, attention_fn=rf.flax_attention_fn(mesh=MESH))
+    stock = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=16)
+    params = stock.init(jax.random.key(0), x, mask=mask)
+
+    def value_and_grads(module):
+        loss = lambda p: jnp.sum(jnp.sin(module.apply(p, x, mask=mask)))  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+    (loss, grads), (loss_want, grads_want) = value_and_grads(ours), value_and_grads(stock)
+    close(loss, loss_want, "loss")
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_want), strict=True):
+        close(g, w, "param grad")
+
+
+@pytest.mark.parametrize("build, call, match", [
+    (dict(dropout_rate=0.1), dict(deterministic=False), "dropout"),
+    ({}, dict(sow_weights=True), "sow"),
+    (dict(precision=jax.lax.Precision.HIGHEST), {}, "precision"),
+    ({}, dict(input_positions=jnp.zeros((1, 8), jnp.int32)), "input_positions"),
+    ({}, dict(inputs_k=jnp.zeros((1, 16, 16))), "must equal key length"),
+])
+def test_what_the_ring_cannot_honour_raises(build, call, match):
+    model = nnx_mha(rf.flax_attention_fn(mesh=MESH), **build)
+    with pytest.raises(ValueError, match=match):
+        model(jnp.zeros((1, 8, 16)), **call)
+
