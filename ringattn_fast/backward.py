@@ -51,10 +51,13 @@ def _add_hop(cfg, grads, dq, dbias, g, kv_idx, sk):
 def ring_backward(cfg, qs, kv, bias, o, lse, do, dlse=None):
     """The backward ring on this host: ``(dq, KVGrads, dbias)`` in float32/64, dK/dV home.
 
-    qs, kv, bias: as given to ``ring.ring_forward``; o [b, sq, h, d] and lse [b, h, sq]: its results;
-    do: the output cotangent; dlse: the cotangent of lse or None (``d lse / d S = P``, so it only
-    shifts FA-2's D: ``dS = P (dP - (D - dlse))``). dbias: the gradient of the non-travelling bias (or None). The gradients
-    of a key that held a nan/inf are those of its marked K and V (unspecified: NaN where it was seen).
+    - qs, kv, bias: as given to ``ring.ring_forward``; o [b, sq, h, d] and lse [b, h, sq]: its
+      results;
+    - do: the output cotangent; dlse: the cotangent of lse or None (``d lse / d S = P``, so it only
+      shifts FA-2's D: ``dS = P (dP - (D - dlse))``).
+
+    dbias: the gradient of the non-travelling bias (or None). The gradients of a key that held a
+    nan/inf are those of its marked K and V (unspecified: NaN where it was seen).
     """
     hop_bwd = kernels_for(cfg.impl).hop_bwd
     n, my_idx = lax.axis_size(cfg.axis_name), lax.axis_index(cfg.axis_name)

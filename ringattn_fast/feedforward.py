@@ -17,10 +17,11 @@ from jax import lax
 def blockwise_feedforward(ffn, x, *, block, remat=True):
     """Apply the position-wise JAX callable ``ffn`` to ``x`` one chunk of ``block`` tokens at a time.
 
-    ffn: maps ``[batch, block, ...] -> [batch, block, ...]`` independently per position (e.g. a closure
-    over its weights; gradients flow to the weights it closes over).
-    x: ``[batch, seq, ...]``; block: positive int dividing ``seq``. Returns ``[batch, seq, ...]``, equal to
-    ``ffn(x)``; jit-able and differentiable.
+    - ffn: maps ``[batch, block, ...] -> [batch, block, ...]`` independently per position (e.g. a
+      closure over its weights; gradients flow to the weights it closes over);
+    - x: ``[batch, seq, ...]``; block: positive int dividing ``seq``.
+
+    Returns ``[batch, seq, ...]``, equal to ``ffn(x)``; jit-able and differentiable.
     """
     if not callable(ffn):
         raise ValueError(f"ffn must be a callable applied position-wise; got {type(ffn).__name__} {ffn!r}")

@@ -1,7 +1,7 @@
 """One ring hop in XLA: blockwise attention of the local queries against the K/V shard held now.
 
 Implements the per-hop contract of ``docs/design.md`` (the Pallas kernels implement the same one;
-``ringattn_ref.hop_attention`` and ``hop_attention_vjp`` are its float64 oracles):
+``ringattn_ref.hop_attention`` and ``hop_attention_vjp`` are its float64 oracles)::
 
     hop_fwd(qs: QShard, kv: KVShard, cfg: HopConfig)
         -> o float [b, sq, h, d] normalised within the hop, lse float [b, h, sq]

@@ -56,9 +56,12 @@ def check_padding_segment(padding_segment, segment_ids):
 class RingPadding(NamedTuple):
     """Arrays padded by :func:`pad_for_ring` (seq -> ``ring_length``), and how to undo it.
 
-    q, k, v: [b, seq', ...]; segment_ids: int32 [b, seq'] (the padding tokens in ``padding_segment``);
-    bias: padded on its sequence dims of length seq (or None); layout: extended to seq' when it was a
-    permutation. Pass them on with ``padding_segment=padding_segment``; :meth:`unpad` cuts outputs back.
+    - q, k, v: [b, seq', ...]; segment_ids: int32 [b, seq'] (the padding tokens in
+      ``padding_segment``);
+    - bias: padded on its sequence dims of length seq (or None);
+    - layout: extended to seq' when it was a permutation.
+
+    Pass them on with ``padding_segment=padding_segment``; :meth:`unpad` cuts outputs back.
     """
     q: object
     k: object

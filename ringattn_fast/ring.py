@@ -200,17 +200,20 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
                    padding_segment=None, return_lse=False, batch_axes=None, head_axis=None):
     """Ring attention on global arrays: shards them over ``mesh``, runs the ring, returns the output.
 
-    q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim] (heads % kv_heads == 0); dtypes:
-    see ``impl``; any ``seq`` (padded inside to a length the ring splits: ``padding.py``);
-    segment_ids: int [batch, seq] (values beyond int32 are rejected, or ranked when traced);
-    padding_segment: a segment id whose keys no query sees and whose queries return 0 (MaxText's 0);
-    bias: broadcastable to [batch, heads, seq, seq] (a full bias is sharded by query rows, a key-only
-    ``[b|1, h|1, 1, seq]`` one travels with K/V); window: ``(left, right)`` ints, -1 or at least
-    ``seq - 1`` = unbounded; layout: ``"contiguous" | "striped" | "zigzag"`` or a permutation; impl:
-    ``"auto" | "xla" | "pallas_gpu" | "pallas_tpu" | "pallas_tpu_fused"`` (``dispatch``). The
-    sequence is sharded on ``axis_name``, the batch on ``batch_axes`` (default ``"data"`` if the mesh
-    has it; one name or a tuple), the heads on ``head_axis`` (default: not split); q, k, v are never
-    gathered. ``mesh=None``: the mesh of ``jax.set_mesh`` or all devices. Returns
+    - q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim] (heads % kv_heads == 0);
+      dtypes: see ``impl``; any ``seq`` (padded inside to a length the ring splits: ``padding.py``);
+    - segment_ids: int [batch, seq] (values beyond int32 are rejected, or ranked when traced);
+    - padding_segment: a segment id whose keys no query sees and whose queries return 0 (MaxText's
+      0);
+    - bias: broadcastable to [batch, heads, seq, seq] (a full bias is sharded by query rows, a
+      key-only ``[b|1, h|1, 1, seq]`` one travels with K/V);
+    - window: ``(left, right)`` ints, -1 or at least ``seq - 1`` = unbounded;
+    - layout: ``"contiguous" | "striped" | "zigzag"`` or a permutation;
+    - impl: ``"auto" | "xla" | "pallas_gpu" | "pallas_tpu" | "pallas_tpu_fused"`` (``dispatch``).
+
+    The sequence is sharded on ``axis_name``, the batch on ``batch_axes`` (default ``"data"`` if the
+    mesh has it; one name or a tuple), the heads on ``head_axis`` (default: not split); q, k, v are
+    never gathered. ``mesh=None``: the mesh of ``jax.set_mesh`` or all devices. Returns
     [batch, seq, heads, dim] in q's dtype, in true order, and with ``return_lse`` also lse
     [batch, heads, seq] (float32; float64 for float64; -inf on rows that see nothing). A masked key
     contributes nothing, whatever its values.

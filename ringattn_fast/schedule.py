@@ -49,8 +49,9 @@ class HopGrads(NamedTuple):
 class HopConfig:
     """Static settings of one hop (hashable, so kernels can take it as a static argument).
 
-    scale: logit scale; causal / window: the mask (window normalised, -1 = unbounded, int32-safe);
-    block_q / block_kv: the tile sides Br / Bc, dividing the shard.
+    - scale: logit scale;
+    - causal / window: the mask (window normalised, -1 = unbounded, int32-safe);
+    - block_q / block_kv: the tile sides Br / Bc, dividing the shard.
     """
     scale: float
     causal: bool = False
@@ -63,10 +64,11 @@ class HopConfig:
 class RingConfig:
     """Static settings of one ring call (hashable: a ``custom_vjp`` non-differentiable argument).
 
-    bias_mode: ``None``; ``"columns"`` (local ``[b|1, h|1, sq|1, N*sk]``: all key columns, sliced per
-    hop); ``"travel"`` (key-only ``[b|1, h|1, 1, sk]``, moves with K/V); ``"static"`` (key dim 1).
-    skip_empty_hops: skip a hop whose mask is provably empty with ``lax.cond`` around it; off for a
-    kernel that must run on every host at every step (the TPU interpreter's barrier).
+    - bias_mode: ``None``; ``"columns"`` (local ``[b|1, h|1, sq|1, N*sk]``: all key columns, sliced
+      per hop); ``"travel"`` (key-only ``[b|1, h|1, 1, sk]``, moves with K/V); ``"static"`` (key
+      dim 1);
+    - skip_empty_hops: skip a hop whose mask is provably empty with ``lax.cond`` around it; off for
+      a kernel that must run on every host at every step (the TPU interpreter's barrier).
     """
     axis_name: str
     hop: HopConfig

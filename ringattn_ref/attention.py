@@ -1,6 +1,8 @@
 """Plain softmax attention in float64: the oracle every other path is tested against.
 
-    O = softmax(scale * Q K^T + bias, masked) V        (Vaswani et al. 2017, eq. 1)
+Vaswani et al. 2017, eq. 1::
+
+    O = softmax(scale * Q K^T + bias, masked) V
 
 It materialises the full ``[batch, heads, seq, seq]`` score matrix on purpose: no blocks, no
 online softmax, nothing clever, so that it can be trusted.
@@ -28,11 +30,14 @@ def attention(q, k, v, *, causal=False, segment_ids=None, bias=None, window=None
               return_lse=False, padding_segment=None):
     """Softmax attention of ``q`` over ``k``, ``v`` (all in true token order).
 
-    q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim] with heads % kv_heads == 0.
-    causal / segment_ids (int [batch, seq]) / window ``(left, right)``: the mask of ``docs/design.md``.
-    bias: broadcastable to [batch, heads, seq, seq], added to the scaled logits.
-    scale: defaults to ``dim ** -0.5``. padding_segment: a segment id whose keys no query sees and
-    whose queries see nothing (MaxText's padding 0; ``ringattn_ref.packing``).
+    - q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim] with heads % kv_heads == 0;
+    - causal / segment_ids (int [batch, seq]) / window ``(left, right)``: the mask of
+      ``docs/design.md``;
+    - bias: broadcastable to [batch, heads, seq, seq], added to the scaled logits;
+    - scale: defaults to ``dim ** -0.5``;
+    - padding_segment: a segment id whose keys no query sees and whose queries see nothing
+      (MaxText's padding 0; ``ringattn_ref.packing``).
+
     Returns o [batch, seq, heads, dim] float64, and lse [batch, heads, seq] if ``return_lse``.
     A row that sees no key gives ``o = 0`` and ``lse = -inf`` (never NaN).
     """

@@ -3,7 +3,7 @@
 Nothing but ``lse`` ([b, h, s]) is kept from the forward. Each host first computes
 ``D = rowsum(dO * O)`` for its queries, then the ring runs again: host ``my_idx`` holds K/V block
 ``kv_idx = (my_idx - step) % N`` at step ``step`` and, for every tile that the mask does not leave
-empty, recomputes the probabilities and accumulates the gradients (FA-2 Algorithm 2, lines 11-21):
+empty, recomputes the probabilities and accumulates the gradients (FA-2 Algorithm 2, lines 11-21)::
 
     P  = exp(S - lse)                 S = scale * Q K^T + bias, masked          [b, h, q, k]
     dV += P^T dO                      dP = dO V^T

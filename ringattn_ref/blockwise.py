@@ -66,10 +66,12 @@ def attend_kv_block(state, q, k, v, q_pos, k_pos, q_seg, k_seg, bias, *, scale, 
                     block_q, block_kv):
     """Fold the attention of ``q`` over one K/V block into ``state = (m, l, o)``, in place.
 
-    q: [b, sq, h, d]; k, v: [b, sk, hk, d]; q_pos [b|1, sq], k_pos [b|1, sk] true positions;
-    segments [b, sq] / [b, sk] or None; bias: full bias in true order or None; m, l: [b, h, sq];
-    o: [b, sq, h, d] unnormalised. Tiles whose mask is provably empty are skipped
-    (:func:`ringattn_ref.masks.tile_is_empty`). Returns ``(tiles_computed, tiles_skipped)``.
+    - q: [b, sq, h, d]; k, v: [b, sk, hk, d]; q_pos [b|1, sq], k_pos [b|1, sk] true positions;
+    - segments [b, sq] / [b, sk] or None; bias: full bias in true order or None;
+    - m, l: [b, h, sq]; o: [b, sq, h, d] unnormalised.
+
+    Tiles whose mask is provably empty are skipped (:func:`ringattn_ref.masks.tile_is_empty`).
+    Returns ``(tiles_computed, tiles_skipped)``.
     """
     m, l, o = state
     computed = skipped = 0
@@ -95,12 +97,16 @@ def hop_attention(q, k, v, q_pos, k_pos, q_seg=None, k_seg=None, bias=None, *, s
     """One hop's normalised partial result: ``(o, lse)`` of ``q`` over one K/V block, float64.
 
     The per-hop oracle (the contract of ``ringattn_fast.hop`` and the Pallas kernels; test your own
-    kernel against it). q: [b, sq, h, d]; k, v: [b, sk, hk, d]; q_pos [b, sq] / k_pos [b, sk] true
-    positions, one row per example (or ``[sq]`` / ``[sk]`` for all); q_seg [b, sq], k_seg [b, sk] or
-    None; bias: full bias ``[b|1, h|1, S|1, S|1]`` indexed by true positions, or None; block_q /
-    block_kv: tile sides (default: the whole block). Returns o [b, sq, h, d] and lse [b, h, sq]
-    (-inf where the row saw nothing in this block). Partials over disjoint blocks combine with
-    ``softmax.merge`` in any order.
+    kernel against it).
+
+    - q: [b, sq, h, d]; k, v: [b, sk, hk, d];
+    - q_pos [b, sq] / k_pos [b, sk] true positions, one row per example (or ``[sq]`` / ``[sk]`` for
+      all); q_seg [b, sq], k_seg [b, sk] or None;
+    - bias: full bias ``[b|1, h|1, S|1, S|1]`` indexed by true positions, or None;
+    - block_q / block_kv: tile sides (default: the whole block).
+
+    Returns o [b, sq, h, d] and lse [b, h, sq] (-inf where the row saw nothing in this block).
+    Partials over disjoint blocks combine with ``softmax.merge`` in any order.
     """
     b, sq, h, d = q.shape
     sk = k.shape[1]

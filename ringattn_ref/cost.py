@@ -3,7 +3,7 @@
 One ring step on one host: its query block of ``c`` tokens attends to the K/V block of ``c`` tokens it
 holds (``4 d c^2`` FLOPs: ``Q K^T`` and ``P V``, 2 FLOPs per multiply-add) while it sends that K/V
 block on (``4 c d`` bytes: K and V, ``c x d`` each, 2 bytes in bf16). The transfer hides behind the
-compute when ``4 d c^2 / F >= 4 c d / B``, i.e. when the block size is at least
+compute when ``4 d c^2 / F >= 4 c d / B``, i.e. when the block size is at least::
 
     c >= F / B        (F = FLOP/s per host, B = unidirectional host-to-host bandwidth in bytes/s)
 

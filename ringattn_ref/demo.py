@@ -1,5 +1,7 @@
 """Demo: the ring simulation on 8 virtual hosts against plain attention.
 
+Run it as::
+
     python -m ringattn_ref.demo [--out DIR] [--hosts 8] [--seq 64] [--heads 4] [--kv-heads 2] [--dim 16]
 
 Runs ``ring_attention(..., return_trace=True)`` for non-causal and causal attention with the

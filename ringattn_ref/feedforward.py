@@ -17,10 +17,11 @@ import numpy as np
 def blockwise_feedforward(ffn, x, block):
     """Apply the position-wise callable ``ffn`` to ``x`` one block of ``block`` tokens at a time.
 
-    ffn:   any callable mapping ``[batch, block, ...] -> [batch, block, ...]`` independently per
-           position (numpy, JAX, ... -- nothing here depends on a framework).
-    x:     ``[batch, seq, hidden]`` (any trailing dims are passed through).
-    block: positive int dividing ``seq``: the chunk length (BPT §3; ``c`` in Ring Attention).
+    - ffn: any callable mapping ``[batch, block, ...] -> [batch, block, ...]`` independently per
+      position (numpy, JAX, ... -- nothing here depends on a framework);
+    - x: ``[batch, seq, hidden]`` (any trailing dims are passed through);
+    - block: positive int dividing ``seq``: the chunk length (BPT §3; ``c`` in Ring Attention).
+
     Returns ``[batch, seq, ...]``, equal to ``ffn(x)`` for a position-wise ``ffn``.
     """
     if not callable(ffn):

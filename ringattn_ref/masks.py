@@ -25,12 +25,16 @@ def bounds_empty(q_lo, q_hi, k_lo, k_hi, qs_lo=None, qs_hi=None, ks_lo=None, ks_
                  causal=False, window=None):
     """True where no (query, key) pair can attend, from position (and segment id) bounds.
 
-    q_lo/q_hi: min/max query position; k_lo/k_hi: min/max key position; qs_*/ks_*: min/max segment
-    ids or None. Any broadcasting arrays (numpy, jax.numpy) or scalars; window: ``(left, right)``
-    normalised by ``validation.check_window`` (-1 = unbounded) or None. Every allowed pair has
+    - q_lo/q_hi: min/max query position; k_lo/k_hi: min/max key position;
+    - ``qs_*`` / ``ks_*``: min/max segment ids or None;
+    - any broadcasting arrays (numpy, jax.numpy) or scalars;
+    - window: ``(left, right)`` normalised by ``validation.check_window`` (-1 = unbounded) or None.
+
+    Every allowed pair has
     ``-left <= k - q <= right`` (``right = 0`` when causal) and equal segment ids, so the tile is
     empty when ``k_lo - q_hi > right``, ``q_lo - k_hi > left`` or the id ranges do not overlap.
     Returns None when nothing can be masked (no causal, window or segments).
+
     Example, causal: queries [0, 1] against keys [2, 3] give ``2 - 1 > 0``: empty.
     """
     left, right = window if window is not None else (-1, -1)

@@ -31,8 +31,9 @@ from .validation import (check_bias, check_block, check_bool, check_layout, chec
 class KVBlock:
     """What travels around the ring: one K/V shard with its true positions and segment ids.
 
-    k, v: [b, c, kv_heads, d]; k_pos: int [1, c] (the same for every example); k_seg: int [b, c] or None. In the backward pass the
-    block's gradients dk, dv ([b, c, kv_heads, d]) travel with it.
+    k, v: [b, c, kv_heads, d]; k_pos: int [1, c] (the same for every example);
+    k_seg: int [b, c] or None. In the backward pass the block's gradients dk, dv
+    ([b, c, kv_heads, d]) travel with it.
     """
     kv_idx: int
     k: np.ndarray
@@ -56,9 +57,9 @@ class Host:
     """One virtual device: its query shard (stays), the K/V block it holds, its receive buffer,
     and its online-softmax state.
 
-    q: [b, c, h, d]; q_pos: int [1, c] true positions; q_seg: int [b, c] or None;
-    m, l: [b, h, c]; o: [b, c, h, d] (unnormalised until the end).
-    Backward only (``backward.py``): do: [b, c, h, d]; lse, delta: [b, h, c]; dq: [b, c, h, d].
+    - q: [b, c, h, d]; q_pos: int [1, c] true positions; q_seg: int [b, c] or None;
+    - m, l: [b, h, c]; o: [b, c, h, d] (unnormalised until the end);
+    - backward only (``backward.py``): do: [b, c, h, d]; lse, delta: [b, h, c]; dq: [b, c, h, d].
     """
     my_idx: int
     q: np.ndarray
@@ -86,12 +87,15 @@ class RingTrace:
     """What happened on each host at each step of the forward ring; ``n_steps == n_hosts``.
 
     layout: the layout name, or ``"custom"`` for a permutation array. Arrays ``[n_hosts, n_steps]``:
-    kv_block (int): the K/V shard host i holds at step s, ``(i - s) % n_hosts``;
-    tiles_computed / tiles_skipped (int): ``block_q x block_kv`` tiles computed / left out because
-    the mask is provably empty; hop_skipped (bool): the whole hop was empty;
-    flops (float): ``4 * batch * heads * block_q * block_kv * dim`` per computed tile (QK^T and PV,
-    2 flops per multiply-add); bytes_sent (int): bytes of K and V sent after step s (0 at the last
-    step: no wasted final send); meta_bytes_sent (int): positions and segment ids sent alongside.
+
+    - kv_block (int): the K/V shard host i holds at step s, ``(i - s) % n_hosts``;
+    - tiles_computed / tiles_skipped (int): ``block_q x block_kv`` tiles computed / left out because
+      the mask is provably empty; hop_skipped (bool): the whole hop was empty;
+    - flops (float): ``4 * batch * heads * block_q * block_kv * dim`` per computed tile (QK^T and
+      PV, 2 flops per multiply-add);
+    - bytes_sent (int): bytes of K and V sent after step s (0 at the last step: no wasted final
+      send); meta_bytes_sent (int): positions and segment ids sent alongside.
+
     peak_bytes (int) ``[n_hosts]``: peak live bytes on the host: q shard, held K/V, K/V receive
     buffer, o, m, l and one score tile (the bias and the int metadata are not counted).
     Float bytes use the input dtype's itemsize.

@@ -1,7 +1,7 @@
 """The online softmax state ``(m, l, o)`` and ``merge`` — the arithmetic every ring step performs.
 
 FlashAttention-2 (arXiv:2307.08691, §3.1.1, Algorithm 1), also the blockwise update of BPT
-(arXiv:2305.19370) and Ring Attention (arXiv:2310.01889, Algorithm 1). For one block of logits ``S``:
+(arXiv:2305.19370) and Ring Attention (arXiv:2310.01889, Algorithm 1). For one block of logits ``S``::
 
     m_new = max(m, rowmax S)                    running max          [b, h, q]
     P     = exp(S - m_new)                                           [b, h, q, k]

@@ -47,9 +47,11 @@ def max_abs_error(a, b):
 class AttentionProblem:
     """One drawn problem. q, do: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim].
 
-    segment_ids: int [batch, seq] or None; bias: float [b|1, h|1, s|1, s|1] or None (may hold -inf,
-    e.g. whole rows, which gives rows that see nothing); window: (left, right) or None;
-    layout: a name or an int permutation array of length seq.
+    - segment_ids: int [batch, seq] or None;
+    - bias: float [b|1, h|1, s|1, s|1] or None (may hold -inf, e.g. whole rows, which gives rows
+      that see nothing);
+    - window: (left, right) or None;
+    - layout: a name or an int permutation array of length seq.
     """
     q: np.ndarray
     k: np.ndarray

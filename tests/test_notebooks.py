@@ -96,6 +96,12 @@ def _code_cells(nb):
     return [c.source for c in nb.cells if c.cell_type == "code"]
 
 
+def _is_listing(node: ast.stmt) -> bool:
+    """``show_source(...)`` (``ringattn_course.listing``): a cell that shows the library's code."""
+    return (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+            and re.search(r"(^|\.)show_source$", ast.unparse(node.value.func)) is not None)
+
+
 def _is_setup_only(tree: ast.Module) -> bool:
     """A cell that only imports, defines functions or shows source code computes nothing."""
     simple = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)
@@ -104,8 +110,8 @@ def _is_setup_only(tree: ast.Module) -> bool:
             continue
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
             continue  # a docstring
-        if isinstance(node, ast.Expr) and "inspect.getsource(" in ast.unparse(node):
-            continue  # the code is the lesson: print(inspect.getsource(...))
+        if _is_listing(node):
+            continue  # the code is the lesson: show_source(...)
         return False
     return True
 
@@ -143,6 +149,8 @@ def test_notebook_structure(path):
     assert re.search(r'jax\.config\.update\("jax_num_cpu_devices",\s*8\)', cells[0]), \
         "the first code cell must set 8 simulated devices"
     for i, src in enumerate(cells[1:], start=1):
+        assert "inspect.getsource(" not in src, \
+            f"code cell {i}: show the library's code with show_source(...) (from ringattn_course)"
         tree = ast.parse(re.sub(r"^\s*[%!].*$", "", src, flags=re.M))  # drop IPython magics
         if not tree.body or _is_setup_only(tree):
             continue
@@ -156,6 +164,24 @@ def test_notebook_structure(path):
         "each notebook has at least one figure made by the project's plotting code: viz.plot_... or " \
         "viz_blocks.plot_... (ringattn_ref), figures.plot_... (ringattn_course)"
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "outputs in git"
+
+
+def test_show_source_renders_highlighted_and_plain():
+    """``show_source``: a ```` ```python ```` block for Jupyter, Colab and the site; the bare source as text."""
+    import inspect
+    import textwrap
+
+    from IPython.core.formatters import format_display_data
+
+    from ringattn_course import show_source
+    from ringattn_ref import merge, ring
+
+    listing = show_source(ring.KVBlock.payload_elements, merge)  # a method: dedented to column 0
+    data, _ = format_display_data(listing)
+    expected = textwrap.dedent(inspect.getsource(ring.KVBlock.payload_elements)).rstrip() + "\n\n" + \
+        inspect.getsource(merge).rstrip()
+    assert data["text/markdown"] == f"```python\n{expected}\n```\n"
+    assert data["text/plain"] == str(listing) == repr(listing) == expected
 
 
 def test_ipynb_copies_for_colab(tmp_path):

@@ -4,9 +4,13 @@
 - :mod:`ringattn_course.figures` -- the figures of notebooks 07-09 (memory per device, tile
   schedules, the fused ring's double buffer). The figures of the simulated ring stay in the library
   (:mod:`ringattn_ref.viz`, :mod:`ringattn_ref.viz_blocks`: the demo draws them too).
+- :mod:`ringattn_course.listing` -- ``show_source(obj, ...)``, the library's code as a highlighted
+  listing (Jupyter, Colab and the site), exported here: ``from ringattn_course import show_source``.
 
 It lives next to the notebooks (``notebooks/ringattn_course/``), so a kernel started in
 ``notebooks/`` imports it as is; ``pip install -e .`` (or ``pip install ".[notebooks]"``, as the
 Colab copies do) installs it with the libraries (``[tool.setuptools] package-dir`` in
 ``pyproject.toml``).
 """
+
+from ringattn_course.listing import Listing, show_source  # noqa: F401  (the notebooks import it from here)

@@ -6,20 +6,21 @@ the hop), ``hop_bwd`` recomputes each tile from the *final* ``lse`` and returns
 ``HopGrads(dq, dk, dv, None)``. The ring (Liu et al. 2023, Alg. 1) merges hops with FA-2's combine.
 
 Notation: FlashAttention-2 (Dao 2023, arXiv:2307.08691) -> code
-  Br, Bc          cfg.block_q, cfg.block_kv: rows of a Q tile, rows of a K/V tile.
-  outer loop      over Q tiles = the Triton grid ``(batch, heads, sq // block_q)``; one program
-                  owns one Q tile (FA-2 §3.2: parallel over Q blocks, no atomics).
-  inner loop      over K/V tiles = ``lax.fori_loop``; a tile that ``masks.bounds_empty`` proves
-                  empty (from the min/max of the tile's positions and segment ids) is skipped with
-                  ``lax.cond``; ``count=True`` also counts the computed tiles (`fwd_tile_counts`).
-  S_ij            ``s = scale * q @ k.T`` (fp32), -inf where ``masks.allowed`` is False.
-  m_i, l_i        ``m`` running row max, ``l`` running row sum of exp(s - m) (Alg. 1 lines 8-10).
-  O_i             ``o`` kept unnormalised during the loop, divided by ``l`` once at the end (§3.1.1).
-  L_i             ``lse = m + log(l)``, the only statistic saved; -inf for a row that saw nothing.
-  D_i             ``delta = rowsum(dO * O)`` (Alg. 2 line 4), computed by the caller from the final O.
-  backward        Alg. 2 split in two kernels, so no atomics: ``_dq_kernel`` (grid over Q tiles,
-                  loop over K/V tiles) and ``_dkv_kernel`` (grid over K/V tiles, loop over the GQA
-                  group's heads and the Q tiles; dK/dV are summed over the group in registers).
+
+- Br, Bc: cfg.block_q, cfg.block_kv: rows of a Q tile, rows of a K/V tile.
+- outer loop: over Q tiles = the Triton grid ``(batch, heads, sq // block_q)``; one program owns
+  one Q tile (FA-2 §3.2: parallel over Q blocks, no atomics).
+- inner loop: over K/V tiles = ``lax.fori_loop``; a tile that ``masks.bounds_empty`` proves empty
+  (from the min/max of the tile's positions and segment ids) is skipped with ``lax.cond``;
+  ``count=True`` also counts the computed tiles (`fwd_tile_counts`).
+- S_ij: ``s = scale * q @ k.T`` (fp32), -inf where ``masks.allowed`` is False.
+- m_i, l_i: ``m`` running row max, ``l`` running row sum of exp(s - m) (Alg. 1 lines 8-10).
+- O_i: ``o`` kept unnormalised during the loop, divided by ``l`` once at the end (§3.1.1).
+- L_i: ``lse = m + log(l)``, the only statistic saved; -inf for a row that saw nothing.
+- D_i: ``delta = rowsum(dO * O)`` (Alg. 2 line 4), computed by the caller from the final O.
+- backward: Alg. 2 split in two kernels, so no atomics: ``_dq_kernel`` (grid over Q tiles, loop
+  over K/V tiles) and ``_dkv_kernel`` (grid over K/V tiles, loop over the GQA group's heads and the
+  Q tiles; dK/dV are summed over the group in registers).
 
 K/V arrive marked by ``masks.mark_bad_keys`` (the ring does it once): a key that held a nan/inf has
 V = 0 and an all-NaN K, so a masked one contributes nothing and exactly the rows that see it are NaN;

@@ -4,38 +4,42 @@ Same contract as `pallas_gpu` and ``ringattn_fast.hop`` (docs/design.md, "Per-ho
 ``hop_fwd(QShard, KVShard, HopConfig) -> (o, lse)``, ``hop_bwd(...) -> HopGrads``.
 
 Notation: FlashAttention-2 (Dao 2023, arXiv:2307.08691) -> code
-  Br, Bc          cfg.block_q, cfg.block_kv.
-  loops           both are grid axes: ``(batch, heads, sq // block_q, sk // block_kv)``; the K/V axis
-                  is last and "arbitrary", so Mosaic runs it in order and the running statistics
-                  live in VMEM scratch across it (``m_sc``, ``l_sc``, ``acc_sc``).
-  skipping        the tiles' position/segment min/max are computed outside (`tiles.tile_bounds`) and
-                  scalar-prefetched into SMEM (``PrefetchScalarGridSpec``); ``masks.bounds_empty`` on
-                  them decides ``pl.when`` around a tile's compute. A third SMEM table
-                  (`tiles.resident_blocks`) feeds the index maps: a skipped tile keeps the block of
-                  the last computed one, so it costs no DMA either (JAX's flash / splash kernels'
-                  trick). Every hop runs on every host: an empty hop is a grid of skipped tiles.
-  S_ij, m, l, O   as in FA-2 Alg. 1: ``s = scale * q @ k.T`` (-inf where ``masks.allowed`` is False),
-                  ``m`` row max, ``l`` row sum of exp(s - m), ``acc`` = unnormalised O (divided by l
-                  at the end). K/V arrive marked by ``masks.mark_bad_keys``, as in `pallas_gpu`.
-  L_i, D_i        ``lse = m + log l`` (-inf for a row that saw nothing); ``delta = rowsum(dO * O)``.
-  backward        Alg. 2 as two kernels: dQ (grid over Q tiles, K/V tiles last) and dK/dV (grid
-                  over K/V tiles, then the GQA group's heads and the Q tiles last, so dK/dV are
-                  summed over the group in VMEM scratch without atomics).
-  count           ``fwd_tile_counts``: the forward with ``count=True`` adds an SMEM counter per
-                  (batch, head, Q tile), incremented inside ``pl.when``; otherwise that ref is None.
+
+- Br, Bc: cfg.block_q, cfg.block_kv.
+- loops: both are grid axes: ``(batch, heads, sq // block_q, sk // block_kv)``; the K/V axis is
+  last and "arbitrary", so Mosaic runs it in order and the running statistics live in VMEM scratch
+  across it (``m_sc``, ``l_sc``, ``acc_sc``).
+- skipping: the tiles' position/segment min/max are computed outside (`tiles.tile_bounds`) and
+  scalar-prefetched into SMEM (``PrefetchScalarGridSpec``); ``masks.bounds_empty`` on them decides
+  ``pl.when`` around a tile's compute. A third SMEM table (`tiles.resident_blocks`) feeds the index
+  maps: a skipped tile keeps the block of the last computed one, so it costs no DMA either (JAX's
+  flash / splash kernels' trick). Every hop runs on every host: an empty hop is a grid of skipped
+  tiles.
+- S_ij, m, l, O: as in FA-2 Alg. 1: ``s = scale * q @ k.T`` (-inf where ``masks.allowed`` is
+  False), ``m`` row max, ``l`` row sum of exp(s - m), ``acc`` = unnormalised O (divided by l at the
+  end). K/V arrive marked by ``masks.mark_bad_keys``, as in `pallas_gpu`.
+- L_i, D_i: ``lse = m + log l`` (-inf for a row that saw nothing); ``delta = rowsum(dO * O)``.
+- backward: Alg. 2 as two kernels: dQ (grid over Q tiles, K/V tiles last) and dK/dV (grid over K/V
+  tiles, then the GQA group's heads and the Q tiles last, so dK/dV are summed over the group in
+  VMEM scratch without atomics).
+- count: ``fwd_tile_counts``: the forward with ``count=True`` adds an SMEM counter per (batch,
+  head, Q tile), incremented inside ``pl.when``; otherwise that ref is None.
 
 Refs are named and fixed: absent segment ids (and the counter) are ``None`` refs with a ``None``
 BlockSpec, as in ``jax/experimental/pallas/ops/tpu/flash_attention.py``.
 
 TPU tiling. Mosaic tiles the last two dims of every block in (8 sublanes x 128 lanes), so:
-  * q, k, v, do are given to the kernels heads-major, ``[b, h, s, d]`` (one transpose outside):
-    a block is (block_q, d) or (block_kv, d), with d the full last dim;
-  * per-row statistics (m, l, lse, delta) and query positions are lane-replicated
-    ``(block_q, 128)`` columns; key positions are sublane-replicated ``(8, block_kv)`` rows;
-  * on a TPU block_q must be a multiple of 8 and block_kv a multiple of 128, unless the block is
-    the whole shard (a block equal to the full dim is always legal).
-  Rule for small test shapes: in interpret mode (CPU) block_kv may also be a multiple of 8, so a
-  64-token test shard still has several K/V tiles to skip; the kernels are otherwise unchanged.
+
+* q, k, v, do are given to the kernels heads-major, ``[b, h, s, d]`` (one transpose outside):
+  a block is (block_q, d) or (block_kv, d), with d the full last dim;
+* per-row statistics (m, l, lse, delta) and query positions are lane-replicated
+  ``(block_q, 128)`` columns; key positions are sublane-replicated ``(8, block_kv)`` rows;
+* on a TPU block_q must be a multiple of 8 and block_kv a multiple of 128, unless the block is
+  the whole shard (a block equal to the full dim is always legal).
+
+Rule for small test shapes: in interpret mode (CPU) block_kv may also be a multiple of 8, so a
+64-token test shard still has several K/V tiles to skip; the kernels are otherwise unchanged.
+
 Inputs: float16, bfloat16 or float32, one dtype for q, k, v; compute and outputs in float32.
 """
 import functools

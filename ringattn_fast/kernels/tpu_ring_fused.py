@@ -12,27 +12,27 @@ kernel moves it). Inputs are float16, bfloat16 or float32 (one dtype, `tiles.che
 computed in float32; o and the gradients come back in the input dtype. All index arithmetic is int32
 (``jnp.int32`` constants), so the kernel also runs with ``jax_enable_x64`` on.
 
-Notation (FlashAttention-2, Dao 2023, Algorithms 1 and 2)
-  Br, Bc           ``cfg.hop.block_q``, ``cfg.hop.block_kv``: one tile is ``q[Br rows] x k[Bc rows]``.
-  m, l, o          running row max, running row sum of ``exp(s - m)`` and the unnormalised output,
-                   float32 VMEM scratch ``m_scr``, ``l_scr``, ``acc_scr`` (FA-2 Alg. 1 lines 8-10);
-                   they live across the ring steps (the grid axis), so the ring *is* the Bc loop.
-  S                ``s = scale * q @ k.T``, -inf where ``masks.allowed`` is False. ``kv`` arrives
-                   marked by ``masks.mark_bad_keys`` (``ring_attention`` does it): a key that held a
-                   nan/inf has V = 0 and an all-NaN K, so a masked one contributes nothing and exactly
-                   the rows that see it are NaN; dQ reads ``tiles.finite_part(K)``, dS is zeroed where
-                   P is 0 (``tiles.masked_grad``).
-  lse              ``m + log(l)`` saved by the forward (FA-2 Alg. 1 line 13); -inf for a row that
-                   saw no key (then o = 0).
-  D                ``delta = rowsum(dO * O)`` (FA-2 Alg. 2 line 4), computed outside the kernel.
-  step, my_idx     ring step (the grid index) and this device's index on ``axis_name``; at step
-                   ``step`` device ``my_idx`` holds K/V shard ``kv_idx = (my_idx - step) % axis_size``.
+Notation (FlashAttention-2, Dao 2023, Algorithms 1 and 2):
 
-What travels
-  Forward: ``kv`` = stack(K, V) ``[2, b, hk, sk, d]`` and ``kmeta`` = stack(k_pos, k_seg)
-  ``[b, 2, sk]`` (positions travel with their K/V, so any layout - contiguous, striped, zigzag, an
-  explicit permutation - gets exact masks). Backward: the same plus ``dkv`` = stack(dK, dV) float32,
-  which makes one extra hop after the last step to arrive home; dQ stays (Ring Attention, Sec. 3).
+- Br, Bc: ``cfg.hop.block_q``, ``cfg.hop.block_kv``: one tile is ``q[Br rows] x k[Bc rows]``.
+- m, l, o: running row max, running row sum of ``exp(s - m)`` and the unnormalised output, float32
+  VMEM scratch ``m_scr``, ``l_scr``, ``acc_scr`` (FA-2 Alg. 1 lines 8-10); they live across the
+  ring steps (the grid axis), so the ring *is* the Bc loop.
+- S: ``s = scale * q @ k.T``, -inf where ``masks.allowed`` is False. ``kv`` arrives marked by
+  ``masks.mark_bad_keys`` (``ring_attention`` does it): a key that held a nan/inf has V = 0 and an
+  all-NaN K, so a masked one contributes nothing and exactly the rows that see it are NaN; dQ reads
+  ``tiles.finite_part(K)``, dS is zeroed where P is 0 (``tiles.masked_grad``).
+- lse: ``m + log(l)`` saved by the forward (FA-2 Alg. 1 line 13); -inf for a row that saw no key
+  (then o = 0).
+- D: ``delta = rowsum(dO * O)`` (FA-2 Alg. 2 line 4), computed outside the kernel.
+- step, my_idx: ring step (the grid index) and this device's index on ``axis_name``; at step
+  ``step`` device ``my_idx`` holds K/V shard ``kv_idx = (my_idx - step) % axis_size``.
+
+What travels. Forward: ``kv`` = stack(K, V) ``[2, b, hk, sk, d]`` and ``kmeta`` = stack(k_pos,
+k_seg) ``[b, 2, sk]`` (positions travel with their K/V, so any layout - contiguous, striped, zigzag,
+an explicit permutation - gets exact masks). Backward: the same plus ``dkv`` = stack(dK, dV)
+float32, which makes one extra hop after the last step to arrive home; dQ stays (Ring Attention,
+Sec. 3).
 
 Double buffer, semaphores and handshake (each device, N = axis_size, slot = step % 2; a ring of
 4, seen from device 1, whose right neighbour is 2 and left neighbour is 0)::
@@ -46,23 +46,23 @@ Double buffer, semaphores and handshake (each device, N = axis_size, slot = step
   dev 0 |   writes 1.slot 1        |   writes 1.slot 0 only after | ...                |
         |   (never read yet)       |   1's "cap" of step 0        |                    |
 
-  *wait recv* (DMA semaphore ``recv_sem[array, slot]``) orders my reads of a slot after the write
-  into it; *wait send* orders the end of my DMA's read of a slot before I declare it free; the
-  *handshake* (REGULAR semaphore ``cap_sem``, signalled on the left neighbour, "my slot is free")
-  orders the left neighbour's next write into a slot after my last read of it. Without it a device
-  can run a step ahead and overwrite the slot its right neighbour is still computing on; the TPU
-  interpreter's race detector reports exactly that (``tests/_fused_race_probe.py``). With N = 2 each
-  device sends once, into a slot never read, so the handshake only matters from N = 3 on. The
-  backward is the same ring plus ``dkv``: it is accumulated into during the compute, sent every step
-  *including* the last (N sends for N - 1 of K/V, so dK/dV end at home in slot ``N % 2``), and
-  ``cap`` is signalled at steps 0..N-2 (forward 0..N-3). A barrier-semaphore exchange with both
-  neighbours at step 0 makes sure they are inside the kernel (their scratch exists) before any DMA.
+*wait recv* (DMA semaphore ``recv_sem[array, slot]``) orders my reads of a slot after the write
+into it; *wait send* orders the end of my DMA's read of a slot before I declare it free; the
+*handshake* (REGULAR semaphore ``cap_sem``, signalled on the left neighbour, "my slot is free")
+orders the left neighbour's next write into a slot after my last read of it. Without it a device
+can run a step ahead and overwrite the slot its right neighbour is still computing on; the TPU
+interpreter's race detector reports exactly that (``tests/_fused_race_probe.py``). With N = 2 each
+device sends once, into a slot never read, so the handshake only matters from N = 3 on. The
+backward is the same ring plus ``dkv``: it is accumulated into during the compute, sent every step
+*including* the last (N sends for N - 1 of K/V, so dK/dV end at home in slot ``N % 2``), and
+``cap`` is signalled at steps 0..N-2 (forward 0..N-3). A barrier-semaphore exchange with both
+neighbours at step 0 makes sure they are inside the kernel (their scratch exists) before any DMA.
 
-  Both kernels open with the same `_prologue` (ring position; at step 0 the barrier, slot 0 filled
-  with this device's own shard, the accumulators zeroed) and keep the same handshake rule, written
-  once in `_wait_cap` / `_signal_cap` in terms of the ring's last send (forward N-2, backward N-1):
-  wait before each send but the first, signal after each step after which the left neighbour still
-  sends.
+Both kernels open with the same `_prologue` (ring position; at step 0 the barrier, slot 0 filled
+with this device's own shard, the accumulators zeroed) and keep the same handshake rule, written
+once in `_wait_cap` / `_signal_cap` in terms of the ring's last send (forward N-2, backward N-1):
+wait before each send but the first, signal after each step after which the left neighbour still
+sends.
 
 Skipping (docs/design.md, "Skipping"): outside the kernel, `tiles.tile_schedule` marks which
 ``block_q x block_kv`` tiles of my Q shard against each K/V shard are provably empty (min/max of
@@ -78,17 +78,18 @@ pipeline, ``pltpu.emit_pipeline``; not done here). Statistics use a trailing uni
 (``[b, h, sq, 1]``). On TPU use ``block_q`` a multiple of 8 and ``block_kv`` a multiple of 128 (or
 the whole shard). Verified only in the CPU TPU interpreter: no TPU was available to compile it.
 
-Failure modes (JAX "Distributed computing in Pallas for TPUs" style)
-  - a device that waits for a receive nobody sends hangs: every ``wait_recv`` here pairs with the left
-    neighbour's send of the same step, and there is no K/V send (and no wait) after the last step;
-  - a semaphore left non-zero at exit crashes the kernel: ``cap_sem`` is signalled exactly as often as
-    it is waited, and every DMA is waited on by both ends;
-  - dropping the handshake (``_handshake=False``) is a silent data race on TPU; the interpreter with
-    ``detect_races=True`` reports it, and the interpreter must then be reset (use a subprocess);
-  - two kernels with different communication patterns must not share ``collective_id``; forward and
-    backward here talk only to ring neighbours on one axis, so they share ``_COLLECTIVE_ID``. A
-    neighbour cannot finish a kernel (and re-signal the barrier for the next one) before this device
-    has passed its barrier: it needs this device's data or ``cap`` first.
+Failure modes (JAX "Distributed computing in Pallas for TPUs" style):
+
+- a device that waits for a receive nobody sends hangs: every ``wait_recv`` here pairs with the left
+  neighbour's send of the same step, and there is no K/V send (and no wait) after the last step;
+- a semaphore left non-zero at exit crashes the kernel: ``cap_sem`` is signalled exactly as often as
+  it is waited, and every DMA is waited on by both ends;
+- dropping the handshake (``_handshake=False``) is a silent data race on TPU; the interpreter with
+  ``detect_races=True`` reports it, and the interpreter must then be reset (use a subprocess);
+- two kernels with different communication patterns must not share ``collective_id``; forward and
+  backward here talk only to ring neighbours on one axis, so they share ``_COLLECTIVE_ID``. A
+  neighbour cannot finish a kernel (and re-signal the barrier for the next one) before this device
+  has passed its barrier: it needs this device's data or ``cap`` first.
 """
 import dataclasses
 import functools
