@@ -61,7 +61,7 @@ def ring_backward(cfg, qs, kv, bias, o, lse, do, dlse=None):
     """
     hop_bwd = kernels_for(cfg.impl).hop_bwd
     n, my_idx = lax.axis_size(cfg.axis_name), lax.axis_index(cfg.axis_name)
-    kv = kv._replace(**dict(zip("kv", masks.mark_bad_keys(kv.k, kv.v))))  # as the forward did
+    kv = masks.mark_bad_keys_of(kv)  # as the forward did
     acc = acc_dtype(qs.q.dtype)
     sk = kv.k.shape[1]
     skip = cfg.skip_empty_hops and masks.can_be_empty(cfg.hop.causal, cfg.hop.window, qs.seg is not None)

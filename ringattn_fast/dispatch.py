@@ -49,10 +49,11 @@ def check_impl(impl, platform, q, k, v, *, has_bias=False):
         raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
     if impl == "auto":
         impl = "xla" if has_bias else _AUTO.get(platform, "xla")
-        try:
-            check_kernel_dtypes(impl, q, k, v) if impl != "xla" else None
-        except ValueError:  # float64 or mixed dtypes: the kernels compute in float32, XLA does not
-            impl = "xla"
+        if impl != "xla":
+            try:
+                check_kernel_dtypes(impl, q, k, v)
+            except ValueError:  # float64 or mixed dtypes: the kernels compute in float32, XLA does not
+                impl = "xla"
     if impl == "xla":
         return impl
     if has_bias:

@@ -147,11 +147,6 @@ def _whole_hop(run, qs, kv, cfg):
     return lax.cond(full, lambda: run(per_tile=False), lambda: run(per_tile=True))
 
 
-def _finite(x):
-    """``x`` with its non-finite entries set to 0, for a matmul where a masked entry meets ``0 * nan``."""
-    return jnp.where(jnp.isfinite(x), x, 0.0)
-
-
 def hop_fwd(qs, kv, cfg):
     """Attention of ``qs.q`` against one K/V shard: ``(o, lse)``, o 0 and lse -inf where a row saw nothing."""
     return _whole_hop(partial(_hop_fwd, qs, kv, cfg), qs, kv, cfg)
@@ -251,7 +246,7 @@ def _hop_bwd(qs, kv, cfg, do, lse, delta, *, per_tile):
         j, k_j, v_j, kp_j, ks_j = xs
         bias_j = _rows(bias, j * block_kv, block_kv, 3)
         k_j, v_j = k_j.astype(acc), v_j.astype(acc)  # (b, hk, bkv, d)
-        kt_j = jnp.swapaxes(_finite(k_j), -1, -2)  # K_j^T: (b, hk, d, bkv); a masked key's nan stays out of dQ
+        kt_j = jnp.swapaxes(masks.finite_part(k_j), -1, -2)  # K_j^T: (b, hk, d, bkv); a masked key's nan stays out of dQ
 
         def q_block(carry, xs):
             i, qt_i, do_i, lse_i, delta_i, qp_i, qs_i = xs  # (b, hk, d, g*bq), (b, hk, g*bq, d), (b, hk, g*bq) x2
@@ -265,7 +260,7 @@ def _hop_bwd(qs, kv, cfg, do, lse, delta, *, per_tile):
                 pt = jnp.exp(st - lse_i[:, :, None])  # P^T; masked -> 0
                 dv_j = dv_j + jnp.einsum("bksq,bkqd->bksd", pt, do_i)  # dV += P^T dO
                 dpt = jnp.einsum("bksd,bkqd->bksq", v_j, do_i)  # dP^T = V dO^T
-                dst = jnp.where(pt == 0, 0.0, pt * (dpt - delta_i[:, :, None]))  # dS^T; 0 where P is 0, even in a NaN row
+                dst = masks.masked_grad(pt, dpt, delta_i[:, :, None])  # dS^T; 0 where P is 0, even in a NaN row
                 dqt_i = jnp.einsum("bkds,bksq->bkdq", kt_j, dst) * scale  # dQ^T = K^T dS^T: (b, hk, d, g*bq)
                 dk_j = dk_j + jnp.einsum("bksq,bkdq->bksd", dst, qt_i)  # dK += dS^T Q (q carries the scale)
                 db = None

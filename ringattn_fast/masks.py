@@ -13,8 +13,8 @@ import jax.numpy as jnp
 
 from ringattn_ref.masks import allowed, bounds_empty, can_be_empty, tile_is_empty
 
-__all__ = ["allowed", "bounds_empty", "can_be_empty", "mark_bad_keys", "tile_is_empty", "tile_is_full",
-           "tile_kind"]
+__all__ = ["allowed", "bounds_empty", "can_be_empty", "finite_part", "mark_bad_keys", "mark_bad_keys_of",
+           "masked_grad", "tile_is_empty", "tile_is_full", "tile_kind"]
 
 
 def mark_bad_keys(k, v):
@@ -24,6 +24,24 @@ def mark_bad_keys(k, v):
     exactly the rows that may see a bad key turn NaN, in every impl. k, v: [b, s, kv_heads, d]."""
     bad = ~(jnp.isfinite(k).all(-1, keepdims=True) & jnp.isfinite(v).all(-1, keepdims=True))  # (b, s, hk, 1)
     return jnp.where(bad, jnp.nan, k), jnp.where(bad, 0, v).astype(v.dtype)
+
+
+def mark_bad_keys_of(kv):
+    """A ``schedule.KVShard`` with its K and V marked by :func:`mark_bad_keys`."""
+    k, v = mark_bad_keys(kv.k, kv.v)
+    return kv._replace(k=k, v=v)
+
+
+def finite_part(x):
+    """x with its non-finite entries set to 0: K in ``dQ = dS K``, where a masked bad key's NaN K
+    would otherwise meet ``dS = 0`` as ``0 * nan`` (XLA hop and kernels alike)."""
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+
+def masked_grad(p, dp, delta):
+    """FA-2's ``dS = P * (dP - D)``, zeroed with ``where`` where ``P`` is 0: a masked pair (and an
+    underflowed one) has no gradient, even in a row that a bad key made NaN (its D is NaN)."""
+    return jnp.where(p == 0, 0.0, p * (dp - delta))
 
 
 def tile_is_full(q_pos, k_pos, q_seg=None, k_seg=None, *, causal=False, window=None):

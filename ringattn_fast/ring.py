@@ -45,7 +45,7 @@ def ring_forward(cfg, qs, kv, bias):
     hop_fwd = kernels_for(cfg.impl).hop_fwd
     n, my_idx = lax.axis_size(cfg.axis_name), lax.axis_index(cfg.axis_name)
     b, sq, h, d = qs.q.shape
-    kv = kv._replace(**dict(zip("kv", masks.mark_bad_keys(kv.k, kv.v))))
+    kv = masks.mark_bad_keys_of(kv)
     acc = acc_dtype(qs.q.dtype)
     skip = cfg.skip_empty_hops and masks.can_be_empty(cfg.hop.causal, cfg.hop.window, qs.seg is not None)
 
@@ -180,7 +180,7 @@ def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=N
     qs = QShard(q, pos, None if seg is None else padding.padding_queries(seg, padding_segment))
     kv = KVShard(k, v, pos, seg, bias if bias_mode == "travel" else None)
     if impl == "pallas_tpu_fused":  # the whole ring in one kernel (its own custom_vjp)
-        kv = kv._replace(**dict(zip("kv", masks.mark_bad_keys(k, v))))
+        kv = masks.mark_bad_keys_of(kv)
         o, lse = kernels_for(impl).ring(qs, kv, hop, axis_name=axis_name, return_lse=True)
     else:
         cfg = RingConfig(axis_name, hop, impl, bias_mode, skip_empty_hops=kernels_for(impl).ring_may_skip)

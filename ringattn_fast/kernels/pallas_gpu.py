@@ -24,8 +24,8 @@ Notation: FlashAttention-2 (Dao 2023, arXiv:2307.08691) -> code
 
 K/V arrive marked by ``masks.mark_bad_keys`` (the ring does it once): a key that held a nan/inf has
 V = 0 and an all-NaN K, so a masked one contributes nothing and exactly the rows that see it are NaN;
-the backward keeps its NaN out of dQ (``tiles.finite_part``) and zeroes dS where P is 0
-(``tiles.masked_grad``).
+the backward keeps its NaN out of dQ (``masks.finite_part``) and zeroes dS where P is 0
+(``masks.masked_grad``).
 
 Refs are named and fixed: absent segment ids (and the tile counter when not counting) are ``None``
 refs with a ``None`` BlockSpec, as in ``jax/experimental/pallas/ops/gpu/attention.py``.
@@ -46,9 +46,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ringattn_fast.kernels.tiles import (NEG_INF, bounds_skip, check_bwd_args, check_hop_args, finite_part,
-                                         interpret_mode, masked_grad, out_struct, same_vma, tile_schedule)
-from ringattn_fast.masks import allowed
+from ringattn_fast.kernels.tiles import (NEG_INF, bounds_skip, check_bwd_args, check_hop_args,
+                                         interpret_mode, out_struct, same_vma, tile_schedule)
+from ringattn_fast.masks import allowed, finite_part, masked_grad
 from ringattn_fast.schedule import HopGrads
 
 __all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts", "tile_schedule"]

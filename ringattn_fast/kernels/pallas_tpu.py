@@ -50,10 +50,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ringattn_fast.kernels.tiles import (NEG_INF, bounds_skip, check_bwd_args, check_hop_args, finite_part,
-                                         interpret_mode, masked_grad, out_struct, resident_blocks, same_vma,
+from ringattn_fast.kernels.tiles import (NEG_INF, bounds_skip, check_bwd_args, check_hop_args,
+                                         interpret_mode, out_struct, resident_blocks, same_vma,
                                          tile_bounds, tile_schedule)
-from ringattn_fast.masks import allowed
+from ringattn_fast.masks import allowed, finite_part, masked_grad
 from ringattn_fast.schedule import HopGrads
 
 __all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts", "tile_schedule"]

@@ -11,8 +11,9 @@ Non-finite keys (docs/design.md): the kernels take K/V as the ring hands them, m
 by ``masks.mark_bad_keys`` (a key whose K or V holds a nan/inf gets V = 0 and an all-NaN K). The mask
 then turns such a key's logits into -inf for every query that may not see it and NaN for those that
 may, so a masked key contributes nothing and exactly the rows that see it are NaN, whatever the
-tiling. What is left to the kernels: dQ multiplies dS with `finite_part` of K (a masked key's NaN K
-meets dS = 0 there), and dS is zeroed with ``where`` where P is 0 (never ``0 * nan``).
+tiling. What is left to the kernels (``masks.finite_part``, ``masks.masked_grad``, shared with the XLA
+hop): dQ multiplies dS with the finite part of K (a masked key's NaN K meets dS = 0 there), and dS is
+zeroed with ``where`` where P is 0 (never ``0 * nan``).
 """
 import dataclasses
 
@@ -81,20 +82,6 @@ def resident_blocks(schedule):
     last = jax.lax.cummax(jnp.where(schedule, steps, -1), axis=schedule.ndim - 1)
     first = jnp.argmax(schedule, axis=-1).astype(jnp.int32)[..., None]  # 0 when none is visible
     return jnp.where(last >= 0, last, first).astype(jnp.int32)
-
-
-# ---------------------------------------------------------------- non-finite keys inside a tile
-
-def finite_part(x):
-    """x with its non-finite entries set to 0: K in ``dQ = dS K``, where a masked bad key's NaN K
-    would otherwise meet ``dS = 0`` as ``0 * nan``."""
-    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
-
-
-def masked_grad(p, dp, delta):
-    """FA-2's ``dS = P * (dP - D)``, zeroed with ``where`` where ``P`` is 0: a masked pair (and an
-    underflowed one) has no gradient, even in a row that a bad key made NaN (its D is NaN)."""
-    return jnp.where(p == 0, 0.0, p * (dp - delta))
 
 
 # ---------------------------------------------------------------- checks and interpret mode

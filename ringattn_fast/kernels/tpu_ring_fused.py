@@ -21,7 +21,7 @@ Notation (FlashAttention-2, Dao 2023, Algorithms 1 and 2):
 - S: ``s = scale * q @ k.T``, -inf where ``masks.allowed`` is False. ``kv`` arrives marked by
   ``masks.mark_bad_keys`` (``ring_attention`` does it): a key that held a nan/inf has V = 0 and an
   all-NaN K, so a masked one contributes nothing and exactly the rows that see it are NaN; dQ reads
-  ``tiles.finite_part(K)``, dS is zeroed where P is 0 (``tiles.masked_grad``).
+  ``masks.finite_part(K)``, dS is zeroed where P is 0 (``masks.masked_grad``).
 - lse: ``m + log(l)`` saved by the forward (FA-2 Alg. 1 line 13); -inf for a row that saw no key
   (then o = 0).
 - D: ``delta = rowsum(dO * O)`` (FA-2 Alg. 2 line 4), computed outside the kernel.
@@ -102,9 +102,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ringattn_fast.kernels.tiles import (NEG_INF, check_hop_args, finite_part, interpret_mode, masked_grad,
-                                         tile_schedule)
-from ringattn_fast.masks import allowed
+from ringattn_fast.kernels.tiles import NEG_INF, check_hop_args, interpret_mode, tile_schedule
+from ringattn_fast.masks import allowed, finite_part, masked_grad
 from ringattn_fast.schedule import KVShard, QShard
 
 IMPL = "pallas_tpu_fused"
