@@ -1,0 +1,258 @@
+"""Inference on a mesh: ring prefill into a sequence-sharded KV cache, then decode against it.
+
+Mirrors ``ringattn_ref.inference`` (read its docstring first). The cache is a pytree
+(:class:`KVCache`): K/V ``[batch, max_seq, kv_heads, dim]`` sharded ``P(data, sp)`` (the batch on
+``"data"`` when the mesh has it), per-row ``lengths`` and ``overflow`` flags. Positions map to hosts
+round-robin: position ``p`` lives on host ``p % N``, slot ``p // N``, so the global array is in the
+striped layout (host ``r``'s shard = its slots). Every call is jit-able with the cache donated:
+``jax.jit(partial(decode_step, mesh=mesh), donate_argnums=3)``; the new cache reuses the buffers.
+
+- :func:`prefill`: the prompt is sharded striped (host ``r`` keeps prompt tokens ``r, r + N, ...``).
+  Writing: the prompt's K/V chunk travels once around the ring (``N - 1`` ppermutes of ``m / N``
+  tokens); at step ``s`` host ``r`` holds the chunk of host ``(r - s) % N`` and stores it for the rows
+  whose length ``L`` has ``L % N == s`` (those are exactly the rows whose new tokens it owns).
+  Attention: ``ring.ring_forward`` (the training ring, forward only) of the prompt queries against
+  the cache shards, causal by true positions; empty slots and padding queries are masked with segment
+  ids, as in the ref.
+- :func:`decode_step`: the new token's K/V is scattered into the shard of host ``L % N``; every host
+  attends its own shard (``hop.hop_fwd``, one query row) to a partial ``(o, lse)``; the partials are
+  combined with **two all-reduces per token, whatever N**: ``pmax(lse)`` gives the global max ``M`` (so
+  no ``exp`` overflows), then one ``psum`` of ``[exp(lse - M) o, exp(lse - M)]`` gives numerator and
+  denominator of ``softmax.merge`` over all hosts at once. An all-reduce is a log-depth tree (or a
+  bandwidth-optimal ring) inside the collective library, with ``b h (d + 1)`` floats per host; rotating
+  the cache instead would cost ``N - 1`` ppermutes of ``S / N`` keys each.
+
+Errors. Shapes, dtypes, the mesh and anything whose values are concrete (``lengths`` or the cache
+outside ``jit``) raise ``ValueError`` before anything runs, so the cache is untouched. Under ``jit``
+the values of ``lengths`` and ``cache.lengths`` are traced: a row whose prompt length is outside
+``[0, m]``, whose prompt does not fit in the room left, or that is full at a decode step is **not
+written at all** (its K/V slots and its length stay as they were), ``cache.overflow[row]`` is set (it
+stays set), and that row's output is NaN. No write ever lands past ``max_seq`` or on a cached token:
+out-of-range slots are dropped by the scatter (``mode="drop"``), never clamped.
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ringattn_ref import validation as val
+from ringattn_ref.inference import EMPTY_SLOT, PADDING_QUERY, VALID
+
+from . import masks
+from .hop import acc_dtype, hop_fwd
+from .layouts import permute_axis
+from .mesh import check_mesh_axes, resolve_mesh, varying_axes, vary_like
+from .ring import default_block, ring_forward
+from .schedule import HopConfig, KVShard, QShard, RingConfig, ring_loop, send_to_next
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "lengths", "overflow"],
+         meta_fields=["n_hosts", "axis_name"])
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """k, v: [batch, max_seq, kv_heads, dim], global index ``r * max_seq / N + i`` = position ``i * N + r``
+    (striped), sharded ``P(data, axis_name)``; lengths: int32 [batch]; overflow: bool [batch], True once
+    a traced request did not fit (see the module docstring). n_hosts, axis_name: static."""
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+    overflow: jax.Array
+    n_hosts: int
+    axis_name: str
+
+    max_seq = property(lambda self: self.k.shape[1])
+
+
+def _specs(mesh, axis_name, batch, heads, kv_heads):
+    axes = check_mesh_axes(mesh, axis_name, batch=batch, heads=heads, kv_heads=kv_heads)
+    return axes, axes.spec("batch", "seq", None, None), axes.spec("batch")
+
+
+def init_cache(batch, max_seq, kv_heads, dim, *, mesh=None, axis_name="sp", dtype=jnp.float32):
+    """An empty cache on ``mesh`` (zeros, lengths 0), ``max_seq`` divisible by the ring size."""
+    for x, name in ((batch, "batch"), (max_seq, "max_seq"), (kv_heads, "kv_heads"), (dim, "dim")):
+        if not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < 1:
+            raise ValueError(f"{name} must be a positive int; got {x!r}")
+    mesh = resolve_mesh(mesh)
+    axes, kv_spec, row_spec = _specs(mesh, axis_name, batch, kv_heads, kv_heads)
+    if max_seq % axes.n:
+        raise ValueError(f"max_seq ({max_seq}) must be divisible by the size of mesh axis {axis_name!r} "
+                         f"({axes.n}): every host holds max_seq / {axes.n} slots")
+    shard = lambda spec: jax.sharding.NamedSharding(mesh, spec)  # noqa: E731
+    zeros = jax.jit(lambda: (jnp.zeros((batch, max_seq, kv_heads, dim), dtype),) * 2
+                    + (jnp.zeros(batch, jnp.int32), jnp.zeros(batch, bool)),
+                    out_shardings=(shard(kv_spec),) * 2 + (shard(row_spec),) * 2)()
+    return KVCache(*zeros, n_hosts=axes.n, axis_name=axis_name)
+
+
+def _check(q, k, v, cache, mesh):
+    """Trace-time checks (shapes, mesh); returns ``(mesh, axes, b, m, h)``."""
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a KVCache from ringattn_fast.inference.init_cache; got "
+                         f"{type(cache).__name__}")
+    b, m, h, hk, d = val.check_qkv(q, k, v)
+    bc, _, hkc, dc = cache.k.shape
+    if b != bc:
+        raise ValueError(f"q, k, v must have the cache's batch {bc}; got q {tuple(q.shape)}")
+    if (hk, d) != (hkc, dc):
+        raise ValueError(f"k/v must have the cache's kv_heads = {hkc} and dim = {dc}; got k {tuple(k.shape)}")
+    mesh = resolve_mesh(mesh)
+    axes = check_mesh_axes(mesh, cache.axis_name, batch=b, heads=h, kv_heads=hk)
+    if axes.n != cache.n_hosts:
+        raise ValueError(f"mesh axis {cache.axis_name!r} has size {axes.n} but the cache was made for "
+                         f"{cache.n_hosts} hosts")
+    return mesh, axes, b, m, h
+
+
+def _check_lengths(lengths, m):
+    """``lengths`` values outside [0, m], when they are known now (not traced)."""
+    values = val._concrete(lengths)
+    if values is not None and (values.min() < 0 or values.max() > m):
+        raise ValueError(f"lengths must lie in [0, m = {m}]; got {values.tolist()}")
+
+
+def _check_room(cache, need, what):
+    """A row without room for ``need[row]`` more tokens, when the cache's lengths are known now."""
+    held, need = val._concrete(cache.lengths), val._concrete(need)
+    if held is None or need is None:
+        return
+    room = cache.max_seq - held.astype(np.int64)
+    if (need > room).any():
+        row = int(np.argmax(need > room))
+        raise ValueError(f"{what} of row {row} ({need[row]} tokens) does not fit: the row holds {held[row]} of "
+                         f"max_seq = {cache.max_seq} tokens ({room[row]} free)")
+
+
+def _slots(n, r, c, batch):
+    """True positions of host ``r``'s slots, int32 [batch, c]: ``i * n + r``."""
+    return jnp.broadcast_to((jnp.arange(c, dtype=jnp.int32) * n + r)[None], (batch, c))
+
+
+def _store(cache_kv, new_kv, rows_ok, slot):
+    """Scatter ``new_kv`` [b, t, hk, d] at ``slot`` [b, t] where ``rows_ok`` [b, t]; others dropped."""
+    c = cache_kv.shape[1]
+    slot = jnp.where(rows_ok, slot, c)  # c is out of range: mode="drop" discards it (never clamps)
+    rows = jnp.arange(cache_kv.shape[0])[:, None]
+    return cache_kv.at[rows, slot].set(new_kv.astype(cache_kv.dtype), mode="drop")
+
+
+def _prefill_shard(q, k, v, ck, cv, held, overflow, counts, *, axis_name, m, scale, window):
+    """One host: write its rows' new tokens during one trip of the prompt K/V, then the ring."""
+    n, r = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    b, mc, h, d = q.shape  # mc = m_pad / n prompt tokens on this host: indices r, r + n, ...
+    c = ck.shape[1]
+    ok = (counts >= 0) & (counts <= m) & (held + counts <= c * n)  # (b,): traced facts
+    counts = jnp.where(ok, counts, 0)
+    t = jnp.arange(mc, dtype=jnp.int32)[None]  # (1, mc)
+
+    def write(step, chunk, ck, cv):  # chunk: the prompt K/V of host src = (r - step) % n
+        src = (r - step) % n
+        mine = (held % n == step)[:, None] & (src + n * t < counts[:, None])  # (b, mc)
+        slot = (held[:, None] + src) // n + t  # position held + src + n t lives in slot (held + src) // n + t
+        return _store(ck, chunk[0], mine, slot), _store(cv, chunk[1], mine, slot)
+
+    def step_fn(carry, step):
+        chunk, ck, cv = carry
+        chunk_next = send_to_next(chunk, axis_name)
+        return (chunk_next,) + write(step, chunk, ck, cv)
+
+    chunk, ck, cv = ring_loop(step_fn, ((k, v), ck, cv), n)
+    ck, cv = write(n - 1, chunk, ck, cv)
+    new_len = held + counts
+    q_pos = held[:, None] + r + n * t  # (b, mc) true positions of this host's queries
+    qs = QShard(q, q_pos, jnp.where(r + n * t < counts[:, None], VALID, PADDING_QUERY).astype(jnp.int32))
+    k_pos = _slots(n, r, c, b)
+    kv = KVShard(ck, cv, k_pos, jnp.where(k_pos < new_len[:, None], VALID, EMPTY_SLOT).astype(jnp.int32))
+    axes = tuple(sorted(set(varying_axes(*qs, *kv) + (axis_name,))))
+    qs, kv = vary_like((qs, kv), axes)
+    hop = HopConfig(scale=scale, causal=True, window=window, block_q=default_block(mc), block_kv=default_block(c))
+    o, _ = ring_forward(RingConfig(axis_name, hop), qs, kv, None)
+    o = jnp.where(ok[:, None, None, None], o, jnp.nan).astype(q.dtype)
+    return o, ck, cv, new_len, overflow | ~ok
+
+
+def prefill(q, k, v, cache, *, lengths=None, window=None, scale=None, mesh=None):
+    """Write a prompt into the sharded cache and attend to it (the ring); ``ringattn_ref.prefill``'s twin.
+
+    q: [batch, m, heads, dim]; k, v: [batch, m, kv_heads, dim]; lengths: int [batch] in [0, m] (default
+    m), tokens past it are padding (not cached, output 0). Returns ``(o [batch, m, heads, dim] in q's
+    dtype, new cache)``. Any m (padded inside to a multiple of the ring size).
+    """
+    mesh, axes, b, m, h = _check(q, k, v, cache, mesh)
+    scale, window = val.check_scale(scale, q.shape[-1]), val.check_window(window)
+    if lengths is None:
+        lengths = jnp.full((b,), m, jnp.int32)
+    if tuple(lengths.shape) != (b,) or not np.issubdtype(np.dtype(lengths.dtype), np.integer):
+        raise ValueError(f"lengths must be an int array of shape [batch] = ({b},); got shape "
+                         f"{tuple(lengths.shape)}, dtype {lengths.dtype}")
+    _check_lengths(lengths, m)
+    _check_room(cache, lengths, "q: the prompt")
+    n = axes.n
+    pad = -m % n
+    striped = lambda x: permute_axis(jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))), "striped", n)  # noqa: E731
+    kv_spec, row_spec = axes.spec("batch", "seq", None, None), axes.spec("batch")
+    per_host = partial(_prefill_shard, axis_name=cache.axis_name, m=m, scale=scale, window=window)
+    o, ck, cv, new_len, overflow = jax.shard_map(
+        per_host, mesh=mesh, in_specs=(kv_spec,) * 5 + (row_spec,) * 3,
+        out_specs=(kv_spec,) * 3 + (row_spec,) * 2)(
+        striped(q), striped(k), striped(v), cache.k, cache.v, cache.lengths, cache.overflow,
+        lengths.astype(jnp.int32))
+    o = permute_axis(o, "striped", n, inverse=True)[:, :m]
+    return o, dataclasses.replace(cache, k=ck, v=cv, lengths=new_len, overflow=overflow)
+
+
+def merge_across(o, lse, axis_name):
+    """``softmax.merge`` of every host's ``(o [b, 1, h, d], lse [b, h, 1])`` with one pmax and one psum."""
+    top = lax.pmax(lse, axis_name)  # (b, h, 1) the global max: every exp below is <= 1
+    w = jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0))  # 0 for a host that saw nothing
+    w_o = jnp.einsum("bhs->bsh", w)[..., None]  # (b, 1, h, 1)
+    both = lax.psum(jnp.concatenate([w_o * o, w_o], axis=-1), axis_name)  # one all-reduce: [num, den]
+    num, den = both[..., :-1], both[..., -1:]
+    return num / jnp.where(den == 0, 1.0, den)
+
+
+def _decode_shard(q, k, v, ck, cv, held, overflow, *, axis_name, scale, window):
+    n, r = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    b, c = q.shape[0], ck.shape[1]
+    ok = held < c * n  # (b,): a full row is not written
+    mine = (ok & (held % n == r))[:, None]  # (b, 1): this host owns position held
+    ck, cv = _store(ck, k, mine, (held // n)[:, None]), _store(cv, v, mine, (held // n)[:, None])
+    new_len = held + ok
+    k_pos = _slots(n, r, c, b)
+    qs = QShard(q, held[:, None], jnp.full((b, 1), VALID, jnp.int32))
+    kv = KVShard(ck, cv, k_pos, jnp.where(k_pos < new_len[:, None], VALID, EMPTY_SLOT).astype(jnp.int32))
+    axes = tuple(sorted(set(varying_axes(*qs, *kv) + (axis_name,))))
+    qs, kv = vary_like((qs, kv), axes)
+    # one query row: the whole shard is one tile (b * h * c logits, like the cache itself ~ S / N)
+    hop = HopConfig(scale=scale, causal=True, window=window, block_q=1, block_kv=c)
+    o, lse = hop_fwd(qs, masks.mark_bad_keys_of(kv), hop)
+    acc = acc_dtype(q.dtype)
+    o = merge_across(o.astype(acc), lse.astype(acc), axis_name)
+    o = jnp.where(ok[:, None, None, None], o, jnp.nan).astype(q.dtype)
+    return o, ck, cv, new_len, overflow | ~ok
+
+
+def decode_step(q, k, v, cache, *, window=None, scale=None, mesh=None):
+    """Append one token per row and attend it to the whole cached prefix; ``ringattn_ref.decode_step``'s twin.
+
+    q: [batch, 1, heads, dim]; k, v: [batch, 1, kv_heads, dim]. Local attention per host, then
+    :func:`merge_across` (2 all-reduces). Returns ``(o [batch, 1, heads, dim] in q's dtype, new cache)``.
+    """
+    mesh, axes, b, m, h = _check(q, k, v, cache, mesh)
+    if m != 1:
+        raise ValueError(f"q must hold exactly one token per row (m = 1) in decode_step; got shape "
+                         f"{tuple(q.shape)}: use prefill for a prompt")
+    scale, window = val.check_scale(scale, q.shape[-1]), val.check_window(window)
+    _check_room(cache, np.ones(b, np.int64), "cache: the decode step")
+    kv_spec, row_spec, tok_spec = axes.spec("batch", "seq", None, None), axes.spec("batch"), axes.spec("batch")
+    per_host = partial(_decode_shard, axis_name=cache.axis_name, scale=scale, window=window)
+    o, ck, cv, new_len, overflow = jax.shard_map(
+        per_host, mesh=mesh, in_specs=(tok_spec,) * 3 + (kv_spec,) * 2 + (row_spec,) * 2,
+        out_specs=(tok_spec,) + (kv_spec,) * 2 + (row_spec,) * 2)(q, k, v, cache.k, cache.v, cache.lengths,
+                                                                  cache.overflow)
+    return o, dataclasses.replace(cache, k=ck, v=cv, lengths=new_len, overflow=overflow)
