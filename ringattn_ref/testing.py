@@ -28,7 +28,8 @@ import numpy as np
 
 from .attention import attention
 
-__all__ = ["AttentionProblem", "attention", "attention_problems", "max_abs_error", "LAYOUT_CHOICES"]
+__all__ = ["AttentionProblem", "attention", "attention_problems", "max_abs_error", "LAYOUT_CHOICES",
+           "InferenceProblem", "PrefixOracle", "inference_problems"]
 
 LAYOUT_CHOICES = ("contiguous", "striped", "zigzag", "permutation")
 
@@ -147,5 +148,84 @@ def attention_problems(*, max_hosts=8, min_hosts=1, max_batch=2, max_kv_heads=2,
             segment_ids=seg, bias=bias_arr, window=win,
             scale=draw(st.one_of(st.none(), st.floats(0.1, 2.0))), layout=layout,
             block_q=block_q, block_kv=block_kv)
+
+    return problems()
+
+
+@dataclass(frozen=True)
+class InferenceProblem:
+    """One drawn inference run: one or two prefill chunks, then decode steps.
+
+    - prompts: tuple of ``(q [b, m, h, d], k, v [b, m, kv_heads, d], lengths int [b] in [0, m])``;
+    - steps: tuple of ``(q [b, 1, h, d], k, v [b, 1, kv_heads, d])``;
+    - max_seq: a multiple of n_hosts with room for every prompt and step.
+    """
+    n_hosts: int
+    max_seq: int
+    kv_heads: int
+    window: tuple | None
+    scale: float | None
+    prompts: tuple
+    steps: tuple
+
+    def __repr__(self):
+        q = self.prompts[0][0]
+        return (f"InferenceProblem(batch={q.shape[0]}, heads={q.shape[2]}, kv_heads={self.kv_heads}, "
+                f"dim={q.shape[3]}, n_hosts={self.n_hosts}, max_seq={self.max_seq}, window={self.window}, "
+                f"prompts={[(p[0].shape[1], p[3].tolist()) for p in self.prompts]}, steps={len(self.steps)})")
+
+
+class PrefixOracle:
+    """The answer an inference path must give: ``attention`` over each row's whole prefix so far.
+
+    Feed it what you feed ``prefill`` / ``decode_step``: ``oracle(q, k, v, counts)`` records the first
+    ``counts[b]`` tokens of each row (default all) and returns the expected o [b, m, h, d] (0 past
+    ``counts[b]``), each token attending causally (and within ``window``) to its row's prefix.
+    """
+
+    def __init__(self, batch, *, window=None, scale=None):
+        self.rows = [None] * batch
+        self.window, self.scale = window, scale
+
+    def __call__(self, q, k, v, counts=None):
+        b, m, h, d = q.shape
+        counts = np.full(b, m) if counts is None else np.asarray(counts)
+        out = np.zeros((b, m, h, d))
+        for i in range(b):
+            n = int(counts[i])
+            new = [x[i:i + 1, :n] for x in (q, k, v)]
+            old = self.rows[i]
+            self.rows[i] = new if old is None else [np.concatenate(pair, axis=1) for pair in zip(old, new)]
+            if n:
+                o = attention(*self.rows[i], causal=True, window=self.window, scale=self.scale)
+                out[i, :n] = o[0, -n:]
+        return out
+
+
+def inference_problems(*, max_hosts=8, max_batch=3, max_kv_heads=2, max_group=2, max_dim=4, max_prompt=6,
+                       max_steps=3, dtype=np.float64):
+    """A hypothesis strategy of :class:`InferenceProblem`: random per-row prompt lengths (a second
+    prompt = chunked prefill), a window or none, GQA, 1..max_hosts hosts, spare room in the cache."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def problems(draw):
+        n = draw(st.integers(1, max_hosts))
+        b, hk = draw(st.integers(1, max_batch)), draw(st.integers(1, max_kv_heads))
+        h, d = hk * draw(st.integers(1, max_group)), draw(st.integers(1, max_dim))
+        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+        draw_qkv = lambda m: (rng.standard_normal((b, m, h, d)).astype(dtype),  # noqa: E731
+                              *(rng.standard_normal((b, m, hk, d)).astype(dtype) for _ in range(2)))
+        prompts = []
+        for _ in range(draw(st.integers(1, 2))):
+            m = draw(st.integers(1, max_prompt))
+            lengths = np.array(draw(st.lists(st.integers(0, m), min_size=b, max_size=b)))
+            prompts.append((*draw_qkv(m), lengths))
+        steps = tuple(draw_qkv(1)[:3] for _ in range(draw(st.integers(0, max_steps))))
+        need = sum(p[0].shape[1] for p in prompts) + len(steps) + draw(st.integers(0, n))
+        window = draw(st.one_of(st.none(), st.tuples(st.integers(-1, need), st.integers(-1, need))))
+        return InferenceProblem(n_hosts=n, max_seq=n * -(-need // n), kv_heads=hk, window=window,
+                                scale=draw(st.one_of(st.none(), st.floats(0.1, 2.0))), prompts=tuple(prompts),
+                                steps=steps)
 
     return problems()
