@@ -8,9 +8,11 @@ Reading order, following ``q`` from the public function to a kernel and back:
 ``feedforward``, ``padding`` (any sequence length), ``packing`` (``cu_seqlens``). In a model:
 ``jax_nn.dot_product_attention`` (``jax.nn``'s twin) and ``flax_adapter.flax_attention_fn`` (an
 ``attention_fn`` for Flax's attention modules).
+Serving: ``inference`` (a sequence-sharded KV cache, ring prefill, decode with an all-reduce merge).
 """
 from .feedforward import blockwise_feedforward
 from .flax_adapter import flax_attention_fn
+from .inference import KVCache, decode_step, init_cache, prefill
 from .jax_nn import dot_product_attention
 from .layouts import from_layout, to_layout
 from .mesh import make_mesh
@@ -22,3 +24,4 @@ from .softmax import merge
 __all__ = ["blockwise_feedforward", "dot_product_attention", "flax_attention_fn", "from_layout", "make_mesh",
            "merge", "pad_for_ring", "positions_from_segment_ids", "ring_attention", "ring_attention_shard",
            "segment_ids_from_cu_seqlens", "to_layout"]
+__all__ += ["KVCache", "decode_step", "init_cache", "prefill"]

@@ -3,6 +3,7 @@
 Reading order: ``attention`` (the oracle) -> ``softmax`` (online softmax, merge) -> ``masks`` ->
 ``blockwise`` (BPT on one device) -> ``layouts`` -> ``ring`` (N virtual hosts) -> ``backward`` ->
 ``feedforward`` -> ``cost`` -> ``viz`` -> ``testing``; ``packing`` for packed documents.
+Serving: ``inference`` (a KV cache over the hosts, ring prefill, decode with a merge tree).
 
 Plain imports: every module needs only numpy (matplotlib and hypothesis are imported inside the
 functions that use them), so importing all of them costs a few milliseconds beyond numpy.
@@ -12,6 +13,7 @@ from .backward import hop_attention_vjp, ring_attention_vjp
 from .blockwise import blockwise_attention, hop_attention
 from .cost import HARDWARE, hop_times, min_block_size, step_bytes, step_flops, table1, table2
 from .feedforward import blockwise_feedforward, relu_ffn
+from .inference import InferenceTrace, KVCache, decode_step, init_cache, prefill
 from .layouts import from_layout, layout_permutation, to_layout
 from .packing import positions_from_segment_ids, segment_ids_from_cu_seqlens
 from .ring import RingTrace, ring_attention
@@ -23,3 +25,4 @@ __all__ = ["AttentionProblem", "HARDWARE", "RingTrace", "attention", "attention_
            "layout_permutation", "merge", "min_block_size", "positions_from_segment_ids", "relu_ffn",
            "ring_attention", "ring_attention_vjp", "segment_ids_from_cu_seqlens", "step_bytes", "step_flops",
            "table1", "table2", "to_layout"]
+__all__ += ["InferenceTrace", "KVCache", "decode_step", "init_cache", "prefill"]
