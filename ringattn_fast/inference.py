@@ -15,7 +15,7 @@ striped layout (host ``r``'s shard = its slots). Every call is jit-able with the
   the cache shards, causal by true positions; empty slots and padding queries are masked with segment
   ids, as in the ref.
 - :func:`decode_step`: the new token's K/V is scattered into the shard of host ``L % N``; every host
-  attends its own shard (``hop.hop_fwd``, one query row) to a partial ``(o, lse)``; the partials are
+  attends its own shard (:func:`attend_shard`, one query row) to a partial ``(o, lse)``; the partials are
   combined with **two all-reduces per token, whatever N**: ``pmax(lse)`` gives the global max ``M`` (so
   no ``exp`` overflows), then one ``psum`` of ``[exp(lse - M) o, exp(lse - M)]`` gives numerator and
   denominator of ``softmax.merge`` over all hosts at once. An all-reduce is a log-depth tree (or a
@@ -44,7 +44,7 @@ from ringattn_ref import validation as val
 from ringattn_ref.inference import EMPTY_SLOT, PADDING_QUERY, VALID
 
 from . import masks
-from .hop import acc_dtype, hop_fwd
+from .hop import acc_dtype
 from .layouts import permute_axis
 from .mesh import check_mesh_axes, resolve_mesh, varying_axes, vary_like
 from .ring import default_block, ring_forward
@@ -133,12 +133,21 @@ def _slots(n, r, c, batch):
     return jnp.broadcast_to((jnp.arange(c, dtype=jnp.int32) * n + r)[None], (batch, c))
 
 
-def _store(cache_kv, new_kv, rows_ok, slot):
-    """Scatter ``new_kv`` [b, t, hk, d] at ``slot`` [b, t] where ``rows_ok`` [b, t]; others dropped."""
-    c = cache_kv.shape[1]
-    slot = jnp.where(rows_ok, slot, c)  # c is out of range: mode="drop" discards it (never clamps)
-    rows = jnp.arange(cache_kv.shape[0])[:, None]
-    return cache_kv.at[rows, slot].set(new_kv.astype(cache_kv.dtype), mode="drop")
+def _store(ck, cv, k, v, ok, slot):
+    """Scatter new K/V [b, t, hk, d] at ``slot`` [b, t] where ``ok`` [b, t] (the rest is dropped).
+
+    Keys holding a nan/inf are stored marked (``masks.mark_bad_keys``: K all-NaN, V 0), so reading the
+    cache needs no finiteness pass. The optimization barrier makes XLA materialise the updated shard
+    before it is read: without it, the reads fused the old buffer with the update and kept both, so
+    every step copied the whole shard (measured: 4 shard copies per decode step at 64K).
+    """
+    c = ck.shape[1]
+    slot = jnp.where(ok, slot, c)  # c is out of range: mode="drop" discards it (never clamps)
+    rows = jnp.arange(ck.shape[0])[:, None]
+    k, v = masks.mark_bad_keys(k, v)
+    ck = ck.at[rows, slot].set(k.astype(ck.dtype), mode="drop")
+    cv = cv.at[rows, slot].set(v.astype(cv.dtype), mode="drop")
+    return lax.optimization_barrier((ck, cv))
 
 
 def _prefill_shard(q, k, v, ck, cv, held, overflow, counts, *, axis_name, m, scale, window):
@@ -154,7 +163,7 @@ def _prefill_shard(q, k, v, ck, cv, held, overflow, counts, *, axis_name, m, sca
         src = (r - step) % n
         mine = (held % n == step)[:, None] & (src + n * t < counts[:, None])  # (b, mc)
         slot = (held[:, None] + src) // n + t  # position held + src + n t lives in slot (held + src) // n + t
-        return _store(ck, chunk[0], mine, slot), _store(cv, chunk[1], mine, slot)
+        return _store(ck, cv, chunk[0], chunk[1], mine, slot)
 
     def step_fn(carry, step):
         chunk, ck, cv = carry
@@ -216,32 +225,52 @@ def merge_across(o, lse, axis_name):
     return num / jnp.where(den == 0, 1.0, den)
 
 
+def attend_shard(q, k, v, ok, scale):
+    """One query row per example against this host's shard: ``(o [b, 1, h, d], lse [b, h, 1])``.
+
+    q: [b, 1, h, d]; k, v: [b, c, hk, d] (the cache shard, in its own layout); ok: bool [b, c], the
+    slots this query may see. ``hop.hop_fwd``'s arithmetic for a single row, written as broadcast
+    products summed over ``d`` and over the slots: XLA fuses each into one pass over the shard, where a
+    batched matmul would first copy the shard into ``[b, hk, c, d]`` (measured at 64K: that copy took
+    twice the time of the attention and a shard of temp memory). Non-finite keys were marked when
+    written (:func:`_store`: K all-NaN, V 0), so a seen one makes its row NaN and a masked one adds 0.
+    """
+    b, _, h, d = q.shape
+    hk = k.shape[2]
+    acc = acc_dtype(q.dtype)
+    qg = (q[:, 0].astype(acc) * scale).reshape(b, 1, hk, h // hk, d)  # (b, 1, hk, g, d)
+    s = jnp.sum(k.astype(acc)[:, :, :, None, :] * qg, axis=-1)  # (b, c, hk, g) logits
+    s = jnp.where(ok[:, :, None, None], s, -jnp.inf)
+    m = s.max(axis=1)  # (b, hk, g)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m_safe[:, None])  # (b, c, hk, g); 0 where not seen
+    l = p.sum(axis=1)
+    o = jnp.sum(p[..., None] * v.astype(acc)[:, :, :, None, :], axis=1)  # (b, hk, g, d)
+    o = (o / jnp.where(l == 0, 1.0, l)[..., None]).reshape(b, 1, h, d)
+    lse = jnp.where(l == 0, -jnp.inf, m_safe + jnp.log(jnp.where(l == 0, 1.0, l))).reshape(b, h, 1)
+    return o, lse
+
+
 def _decode_shard(q, k, v, ck, cv, held, overflow, *, axis_name, scale, window):
     n, r = lax.axis_size(axis_name), lax.axis_index(axis_name)
     b, c = q.shape[0], ck.shape[1]
-    ok = held < c * n  # (b,): a full row is not written
-    mine = (ok & (held % n == r))[:, None]  # (b, 1): this host owns position held
-    ck, cv = _store(ck, k, mine, (held // n)[:, None]), _store(cv, v, mine, (held // n)[:, None])
-    new_len = held + ok
+    full = held >= c * n  # (b,): a full row is not written
+    mine = (~full & (held % n == r))[:, None]  # (b, 1): this host owns position held
+    ck, cv = _store(ck, cv, k, v, mine, (held // n)[:, None])
+    new_len = held + ~full
     k_pos = _slots(n, r, c, b)
-    qs = QShard(q, held[:, None], jnp.full((b, 1), VALID, jnp.int32))
-    kv = KVShard(ck, cv, k_pos, jnp.where(k_pos < new_len[:, None], VALID, EMPTY_SLOT).astype(jnp.int32))
-    axes = tuple(sorted(set(varying_axes(*qs, *kv) + (axis_name,))))
-    qs, kv = vary_like((qs, kv), axes)
-    # one query row: the whole shard is one tile (b * h * c logits, like the cache itself ~ S / N)
-    hop = HopConfig(scale=scale, causal=True, window=window, block_q=1, block_kv=c)
-    o, lse = hop_fwd(qs, masks.mark_bad_keys_of(kv), hop)
-    acc = acc_dtype(q.dtype)
-    o = merge_across(o.astype(acc), lse.astype(acc), axis_name)
-    o = jnp.where(ok[:, None, None, None], o, jnp.nan).astype(q.dtype)
-    return o, ck, cv, new_len, overflow | ~ok
+    ok = masks.allowed(held[:, None], k_pos, causal=True, window=window) & (k_pos < new_len[:, None])  # (b, c)
+    o, lse = attend_shard(q, ck, cv, ok, scale)
+    o = merge_across(o, lse, axis_name)
+    o = jnp.where(full[:, None, None, None], jnp.nan, o).astype(q.dtype)
+    return o, ck, cv, new_len, overflow | full
 
 
 def decode_step(q, k, v, cache, *, window=None, scale=None, mesh=None):
     """Append one token per row and attend it to the whole cached prefix; ``ringattn_ref.decode_step``'s twin.
 
-    q: [batch, 1, heads, dim]; k, v: [batch, 1, kv_heads, dim]. Local attention per host, then
-    :func:`merge_across` (2 all-reduces). Returns ``(o [batch, 1, heads, dim] in q's dtype, new cache)``.
+    q: [batch, 1, heads, dim]; k, v: [batch, 1, kv_heads, dim]. Local attention per host
+    (:func:`attend_shard`), then :func:`merge_across` (2 all-reduces). Returns ``(o [batch, 1, heads, dim] in q's dtype, new cache)``.
     """
     mesh, axes, b, m, h = _check(q, k, v, cache, mesh)
     if m != 1:

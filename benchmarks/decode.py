@@ -1,0 +1,183 @@
+"""Decode-mode benchmark: one token per step against a sequence-sharded KV cache vs a dense one.
+
+    python -m benchmarks.bench --mode decode                      # 8 CPU devices, cache 8K..128K
+    python -m benchmarks.bench --mode decode --lengths 8192,65536 --out decode.jsonl --plot decode.png
+
+For each cache length S, on ``--devices`` simulated CPU devices: ``sharded`` is
+``ringattn_fast.decode_step`` (the cache split over the ring, positions round-robin; local attention
+per device, then one pmax and one psum) and ``dense`` is a single-device cache with the same step in
+plain ``jnp`` (write the token, masked attention over all S slots, the same fused arithmetic). Both are jitted with the cache
+donated and fed their own output cache, as a server would. Reported per S: median per-token latency
+and tokens/s (batch / latency; compilation excluded, the two timed round-robin), the per-device cache
+bytes (the K/V shard a device holds), XLA's per-device temp bytes (``memory_analysis()``), and the
+collectives per token counted in the compiled program text (all-reduce, all-gather, all-to-all,
+collective-permute, reduce-scatter). The cache is filled with random K/V up to ``S - repeats - 8``
+tokens directly (a 128K prefill on CPU would take far longer than the decoding it sets up).
+One JSON object per line to stdout (or ``--out``), a markdown table to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+
+import numpy as np
+
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench --mode decode", description=__doc__.split("\n")[0])
+    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices = ring size (default 8)")
+    p.add_argument("--lengths", default="8192,16384,32768,65536,131072", help="cache lengths S, comma list")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=30, help="decode steps timed per length; the median is kept")
+    p.add_argument("--out", help="write the JSON lines here instead of stdout")
+    p.add_argument("--plot", help="save a figure (latency and per-device memory over S) to this image file")
+    return p.parse_args(argv)
+
+
+def count_collectives(hlo_text):
+    """Collective ops in a compiled program's text, by kind (an async pair ``-start``/``-done`` counts once)."""
+    found = re.findall(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", hlo_text)
+    return {name: found.count(name) for name in COLLECTIVES if found.count(name)}
+
+
+def dense_step(q, k, v, cache):
+    """One decode step on a dense single-device cache ``(ck, cv [b, S, hk, d], held int32 [b])``: write the
+    token at ``held``, attend over slots ``<= held``. The same arithmetic as ``inference.attend_shard``
+    (fused passes over the cache, no relayout), so the two differ only by the sharding and the merge."""
+    import jax.numpy as jnp
+    ck, cv, held = cache
+    b, s, hk, d = ck.shape
+    rows = jnp.arange(b)
+    ck, cv = ck.at[rows, held].set(k[:, 0], mode="drop"), cv.at[rows, held].set(v[:, 0], mode="drop")
+    h = q.shape[2]
+    qg = (q[:, 0].astype(jnp.float32) * d ** -0.5).reshape(b, 1, hk, h // hk, d)
+    logits = jnp.sum(ck.astype(jnp.float32)[:, :, :, None, :] * qg, axis=-1)  # (b, S, hk, g)
+    seen = (jnp.arange(s)[None] <= held[:, None])[:, :, None, None]
+    logits = jnp.where(seen, logits, -jnp.inf)
+    m = logits.max(axis=1)
+    p = jnp.exp(logits - m[:, None])
+    o = jnp.sum(p[..., None] * cv.astype(jnp.float32)[:, :, :, None, :], axis=1) / p.sum(axis=1)[..., None]
+    return o.reshape(b, 1, h, d).astype(q.dtype), (ck, cv, held + 1)
+
+
+def setup(args, s, mesh):
+    """``{name: (compiled step, token, cache, per-device cache bytes)}`` for cache length ``s``."""
+    import jax
+    import jax.numpy as jnp
+
+    import ringattn_fast as rf
+    from ringattn_fast.inference import KVCache
+
+    rng = np.random.default_rng(0)
+    b, hk, d, dtype = args.batch, args.kv_heads, args.dim, jnp.dtype(args.dtype)
+    held = s - args.repeats - 8
+    tok = [jnp.asarray(rng.standard_normal((b, 1, h, d)), dtype) for h in (args.heads, hk, hk)]
+    kv = np.asarray(jnp.asarray(rng.standard_normal((b, s, hk, d)), dtype))  # numpy: every put is a new buffer
+    lengths = np.full((b,), held, np.int32)
+    put = lambda x, spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
+    sharded = KVCache(put(kv, jax.P(None, "sp")), put(kv, jax.P(None, "sp")), put(lengths, jax.P()),
+                      put(np.zeros(b, bool), jax.P()), n_hosts=args.devices, axis_name="sp")
+    one = jax.devices()[0]
+    dense = tuple(jax.device_put(x, one) for x in (kv, kv, lengths))
+    out = {}
+    step = jax.jit(lambda q, k, v, c: rf.decode_step(q, k, v, c, mesh=mesh), donate_argnums=3)
+    out["sharded"] = (step.lower(*tok, sharded).compile(), tok, sharded,
+                      sharded.k.addressable_shards[0].data.nbytes * 2)
+    dense_tok = [jax.device_put(t, one) for t in tok]
+    out["dense"] = (jax.jit(dense_step, donate_argnums=3).lower(*dense_tok, dense).compile(), dense_tok, dense,
+                    dense[0].nbytes * 2)
+    return out
+
+
+def measure(args, s, mesh):
+    import jax
+    impls = setup(args, s, mesh)
+    caches = {name: impl[2] for name, impl in impls.items()}
+    for name, (compiled, tok, _, _) in impls.items():  # warm-up
+        o, caches[name] = compiled(*tok, caches[name])
+        jax.block_until_ready(o)
+    times = {name: [] for name in impls}
+    for _ in range(args.repeats):
+        for name, (compiled, tok, _, _) in impls.items():
+            start = time.perf_counter()
+            o, caches[name] = compiled(*tok, caches[name])
+            jax.block_until_ready(o)
+            times[name].append(time.perf_counter() - start)
+    rows = []
+    for name, (compiled, _, _, cache_bytes) in impls.items():
+        latency = statistics.median(times[name])
+        rows.append(dict(impl=name, seq=s, devices=args.devices if name == "sharded" else 1, batch=args.batch,
+                         heads=args.heads, kv_heads=args.kv_heads, dim=args.dim, dtype=args.dtype,
+                         latency_s=latency, tokens_per_s=args.batch / latency, cache_bytes_per_device=int(cache_bytes),
+                         temp_bytes_per_device=int(compiled.memory_analysis().temp_size_in_bytes),
+                         collectives=count_collectives(compiled.as_text())))
+    return rows
+
+
+def table(rows):
+    """Markdown: one line per S, sharded next to dense."""
+    lines = ["| S | sharded ms/token | dense ms/token | sharded / dense | sharded tok/s | dense tok/s | "
+             "cache MiB/device (sharded, dense) | temp MiB/device (sharded, dense) | collectives/token |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for s in sorted({r["seq"] for r in rows}):
+        sh, de = (next(r for r in rows if r["seq"] == s and r["impl"] == name) for name in ("sharded", "dense"))
+        coll = ", ".join(f"{n} {name}" for name, n in sh["collectives"].items()) or "none"
+        lines.append(f"| {s // 1024}K | {1e3 * sh['latency_s']:.2f} | {1e3 * de['latency_s']:.2f} | "
+                     f"{sh['latency_s'] / de['latency_s']:.2f}x | {sh['tokens_per_s']:.0f} | {de['tokens_per_s']:.0f} | "
+                     f"{sh['cache_bytes_per_device'] / 2**20:.2f}, {de['cache_bytes_per_device'] / 2**20:.2f} | "
+                     f"{sh['temp_bytes_per_device'] / 2**20:.2f}, {de['temp_bytes_per_device'] / 2**20:.2f} | {coll} |")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for name in ("sharded", "dense"):
+        rs = sorted((r for r in rows if r["impl"] == name), key=lambda r: r["seq"])
+        seq = [r["seq"] for r in rs]
+        axes[0].plot(seq, [1e3 * r["latency_s"] for r in rs], "o-", label=name)
+        axes[1].plot(seq, [r["cache_bytes_per_device"] / 2**20 for r in rs], "o-", label=f"{name} cache")
+        axes[1].plot(seq, [r["temp_bytes_per_device"] / 2**20 for r in rs], "x--", label=f"{name} temp")
+    axes[0].set_ylabel("ms per token (median)")
+    axes[1].set_ylabel("MiB per device")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("cache length S")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import jax
+    jax.config.update("jax_num_cpu_devices", args.devices)
+    import ringattn_fast as rf
+
+    mesh = rf.make_mesh(args.devices)
+    out = open(args.out, "w") if args.out else sys.stdout
+    rows = []
+    for s in (int(x) for x in args.lengths.split(",")):
+        for row in measure(args, s, mesh):
+            rows.append(row)
+            print(json.dumps(row), file=out, flush=True)
+        sys.stderr.write(f"S={s} done\n")
+    if args.out:
+        out.close()
+    print(table(rows), file=sys.stderr)
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"plot saved to {args.plot}", file=sys.stderr)
+    return rows
