@@ -44,3 +44,12 @@ def test_double_buffer_draws_every_hop(n):
     assert len(marks) == n * max(n - 2, 0)  # one unordered write per device and step < n - 2
     with pytest.raises(ValueError, match="n_devices"):
         figures.plot_double_buffer(0)
+
+
+def test_decode_schedules_plots_both_schedules_and_their_ratio():
+    fig = figures.plot_decode_schedules([2, 4], {"32K": [4e-6, 8e-6]}, {"32K": [1e-6, 1e-6]}, hardware="(v5e)")
+    left, right = fig.axes
+    assert len(left.get_lines()) == 2 and np.allclose(left.get_lines()[0].get_ydata(), [4, 8])  # µs
+    assert np.allclose(right.get_lines()[0].get_ydata(), [4, 8])
+    with pytest.raises(ValueError, match="one per host count"):
+        figures.plot_decode_schedules([2, 4], {"32K": [1.0]}, {"32K": [1.0, 1.0]})

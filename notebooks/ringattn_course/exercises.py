@@ -411,3 +411,43 @@ def check_min_context(answer, *, hardware="TPU v5e", n_hosts=64):
         raise AssertionError(f"got {got:.6g}; Table 2 gives the minimal sequence per host (6 c, c = F / B); "
                              f"the ring has {n_hosts} hosts")
     return _correct(f"{want / 1e3:.0f}K tokens: below that, the hosts wait for K/V")
+
+
+# ---- 11 inference and decoding ---------------------------------------------------------------------
+
+def check_cache_slot(where):
+    """11, exercise 1: ``where(position, n_hosts) -> (host, slot)``: where the round-robin KV cache keeps
+    a token, checked against the K a prefill stored in ``ringattn_ref.inference``'s cache."""
+    if _pending(where, "where(position, n_hosts) -> (host, slot)"):
+        return False
+    from ringattn_ref import inference
+    for n_hosts in (1, 3, 4):
+        cache = inference.init_cache(1, 12, 1, 1, n_hosts=n_hosts)
+        marks = (np.arange(12, dtype=np.float64) + 1).reshape(1, 12, 1, 1)  # token p holds the value p + 1
+        _, cache = inference.prefill(marks, marks, marks, cache)
+        for p in range(12):
+            host, slot = (int(x) for x in where(p, n_hosts))
+            if not (0 <= host < n_hosts and 0 <= slot < cache.slots) or cache.k[host, 0, slot, 0, 0] != p + 1:
+                raise AssertionError(f"position {p} with {n_hosts} hosts: you say host {host}, slot {slot}; the "
+                                     f"cache keeps it elsewhere (hint: consecutive tokens go to consecutive hosts)")
+    return _correct("host p % N, slot p // N: appends take turns over the hosts")
+
+
+def check_merge_bytes(merge_bytes):
+    """11, exercise 2: ``merge_bytes(n_hosts, batch, heads, dim)``: float64 bytes the reduction tree sends
+    for one decode step, checked against ``decode_step``'s trace."""
+    if _pending(merge_bytes, "merge_bytes(n_hosts, batch, heads, dim)"):
+        return False
+    from ringattn_ref import inference
+    rng = np.random.default_rng(0)
+    for n_hosts, batch, heads, dim in ((1, 1, 1, 2), (2, 2, 4, 8), (5, 1, 2, 3), (8, 3, 2, 4)):
+        cache = inference.init_cache(batch, 4 * n_hosts, 1, dim, n_hosts=n_hosts)
+        q = rng.standard_normal((batch, 1, heads, dim))
+        k, v = rng.standard_normal((2, batch, 1, 1, dim))
+        _, _, trace = inference.decode_step(q, k, v, cache, return_trace=True)
+        got = int(np.asarray(merge_bytes(n_hosts, batch, heads, dim)).item())
+        if got != trace.total_bytes:
+            raise AssertionError(f"n_hosts={n_hosts}, batch={batch}, heads={heads}, dim={dim}: the tree sends "
+                                 f"{trace.total_bytes} bytes, you say {got} (hint: how many messages has a tree "
+                                 f"over N hosts, and what is in one?)")
+    return _correct("(N - 1) messages of one o row and one lse per head: b h (d + 1) 8 bytes, whatever S")

@@ -10,6 +10,8 @@ not need it), with the non-interactive Agg backend when there is no display.
   step, from the kernels' skip predicate ``kernels.tiles.tile_schedule`` (notebook 08);
 - :func:`plot_double_buffer` -- the fused TPU ring's double buffer, remote DMAs and handshake as a
   time-space diagram (notebook 09).
+- :func:`plot_decode_schedules` -- seconds per decoded token, ring against the merge reduction, over
+  the host count (notebook 11).
 """
 from __future__ import annotations
 
@@ -171,4 +173,35 @@ def plot_double_buffer(n_devices=4, *, handshake=True):
     fig.legend(handles=handles, fontsize=8, loc="outside lower center", ncol=2)
     ax.set_title(f"fused ring on {n} devices, " + ("with" if handshake else "WITHOUT") + " the handshake",
                  fontsize=10)
+    return fig
+
+
+def plot_decode_schedules(n_hosts, ring_s, reduction_s, *, hardware=""):
+    """Seconds per decoded token with the ring against the merge reduction, over the host count N.
+
+    n_hosts: the ``N`` evaluated; ring_s / reduction_s: dicts ``label (a cache length) -> seconds per
+    N`` (notebook 11, from ``ringattn_ref.cost``). Left: both in microseconds (log-log); right: their
+    ratio, how many times longer the ring makes each token wait.
+    """
+    n_hosts = np.asarray(n_hosts)
+    for name, series in (("ring_s", ring_s), ("reduction_s", reduction_s)):
+        for label, ys in series.items():
+            if len(ys) != len(n_hosts):
+                raise ValueError(f"{name}[{label!r}] has {len(ys)} values; expected one per host count "
+                                 f"({len(n_hosts)})")
+    if set(ring_s) != set(reduction_s):
+        raise ValueError(f"ring_s and reduction_s must have the same labels; got {sorted(ring_s)} and "
+                         f"{sorted(reduction_s)}")
+    plt = _pyplot()
+    fig, (ax, ratio) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for label in ring_s:
+        ring, tree = np.asarray(ring_s[label]), np.asarray(reduction_s[label])
+        line, = ax.plot(n_hosts, ring * 1e6, "o-", label=f"ring, {label}")
+        ax.plot(n_hosts, tree * 1e6, "x--", color=line.get_color(), label=f"reduction, {label}")
+        ratio.plot(n_hosts, ring / tree, "o-", color=line.get_color(), label=label)
+    ax.set(xscale="log", yscale="log", xlabel="hosts N", ylabel=f"µs per token and head {hardware}".strip())
+    ratio.set(xscale="log", yscale="log", xlabel="hosts N", ylabel="ring / reduction")
+    for a in (ax, ratio):
+        a.legend(fontsize=7)
+    fig.tight_layout()
     return fig
