@@ -196,6 +196,8 @@ def prefill(q, k, v, cache, *, lengths=None, window=None, scale=None, mesh=None)
     scale, window = val.check_scale(scale, q.shape[-1]), val.check_window(window)
     if lengths is None:
         lengths = jnp.full((b,), m, jnp.int32)
+    elif not hasattr(lengths, "shape"):  # a list or tuple of ints
+        lengths = np.asarray(lengths)
     if tuple(lengths.shape) != (b,) or not np.issubdtype(np.dtype(lengths.dtype), np.integer):
         raise ValueError(f"lengths must be an int array of shape [batch] = ({b},); got shape "
                          f"{tuple(lengths.shape)}, dtype {lengths.dtype}")

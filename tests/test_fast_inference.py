@@ -39,7 +39,7 @@ def run_both(problem, mesh, dtype):
     return err, np.abs(np.asarray(fc.k, np.float64) - stored).max()
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(inference_problems(max_hosts=8, max_batch=2, max_steps=2))
 def test_float64_matches_the_reference(problem):
     with jax.enable_x64(True):
@@ -155,7 +155,7 @@ def _filled(mesh, held):
     """A float32 cache of 2 rows, max_seq 16, holding ``held`` tokens per row, and its numpy copy."""
     rng = np.random.default_rng(7)
     cache = fi.init_cache(2, 16, 1, 2, mesh=mesh)
-    q, k, v = (jnp.asarray(rng.standard_normal((2, max(held), 1, 2)), jnp.float32) for _ in range(3))
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 16, 1, 2)), jnp.float32) for _ in range(3))  # one compile
     _, cache = PREFILL(q, k, v, cache, lengths=jnp.asarray(held, jnp.int32), mesh=mesh)
     return cache, [np.asarray(x) for x in (cache.k, cache.v, cache.lengths, cache.overflow)]
 
