@@ -11,8 +11,8 @@ donated and fed their own output cache, as a server would. Reported per S: media
 and tokens/s (batch / latency; compilation excluded, the two timed round-robin), the per-device cache
 bytes (the K/V shard a device holds), XLA's per-device temp bytes (``memory_analysis()``), and the
 collectives per token counted in the compiled program text (all-reduce, all-gather, all-to-all,
-collective-permute, reduce-scatter). The cache is filled with random K/V up to ``S - repeats - 8``
-tokens directly (a 128K prefill on CPU would take far longer than the decoding it sets up).
+collective-permute, reduce-scatter). Both caches are filled with the same random K/V (the sharded one
+in its striped order) up to ``S - repeats - 8`` tokens directly (a 128K prefill on CPU would take far longer than the decoding it sets up).
 One JSON object per line to stdout (or ``--out``), a markdown table to stderr.
 """
 from __future__ import annotations
@@ -77,6 +77,7 @@ def setup(args, s, mesh):
 
     import ringattn_fast as rf
     from ringattn_fast.inference import KVCache
+    from ringattn_ref.layouts import to_layout
 
     rng = np.random.default_rng(0)
     b, hk, d, dtype = args.batch, args.kv_heads, args.dim, jnp.dtype(args.dtype)
@@ -85,7 +86,8 @@ def setup(args, s, mesh):
     kv = np.asarray(jnp.asarray(rng.standard_normal((b, s, hk, d)), dtype))  # numpy: every put is a new buffer
     lengths = np.full((b,), held, np.int32)
     put = lambda x, spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
-    sharded = KVCache(put(kv, jax.P(None, "sp")), put(kv, jax.P(None, "sp")), put(lengths, jax.P()),
+    striped = to_layout(kv, "striped", args.devices)  # the sharded cache's order: slot-major per device
+    sharded = KVCache(put(striped, jax.P(None, "sp")), put(striped, jax.P(None, "sp")), put(lengths, jax.P()),
                       put(np.zeros(b, bool), jax.P()), n_hosts=args.devices, axis_name="sp")
     one = jax.devices()[0]
     dense = tuple(jax.device_put(x, one) for x in (kv, kv, lengths))

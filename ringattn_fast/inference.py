@@ -13,7 +13,9 @@ striped layout (host ``r``'s shard = its slots). Every call is jit-able with the
   whose length ``L`` has ``L % N == s`` (those are exactly the rows whose new tokens it owns).
   Attention: ``ring.ring_forward`` (the training ring, forward only) of the prompt queries against
   the cache shards, causal by true positions; empty slots and padding queries are masked with segment
-  ids, as in the ref.
+  ids, as in the ref. The ring moves whole shards (``max_seq / N`` slots each), filled or not: a short
+  prompt into a large, mostly empty cache pays for the empty slots (a ring that moves the prompt's
+  queries and partial results instead would not; not done here).
 - :func:`decode_step`: the new token's K/V is scattered into the shard of host ``L % N``; every host
   attends its own shard (:func:`attend_shard`, one query row) to a partial ``(o, lse)``; the partials are
   combined with **two all-reduces per token, whatever N**: ``pmax(lse)`` gives the global max ``M`` (so
