@@ -48,4 +48,7 @@ def races_found():
     races = _interpreter_state().races  # read at call time: the interpreter rebinds it
     if races is None:
         raise RuntimeError("no kernel has run with pltpu.InterpretParams(detect_races=True) yet")
+    if not hasattr(races, "races_found"):
+        raise RuntimeError(f"jax {jax.__version__}: the interpreter's race state has no 'races_found'; "
+                           f"update ringattn_fast/kernels/races.py")
     return bool(races.races_found)
