@@ -10,8 +10,10 @@ compute when ``4 d c^2 / F >= 4 c d / B``, i.e. when the block size is at least:
 Example: an A100 (312 TFLOP/s) over NVLink (300 GB/s) needs ``c >= 1040`` tokens; the paper then
 asks for ``s = 6c`` tokens per host (6.2K). Over InfiniBand (12.5 GB/s) it needs ~25K.
 
-Units: FLOPs, bytes and seconds. Activation formulas follow Table 1, which counts bytes in bf16;
-``dtype_bytes`` (default 2) rescales them to another element size.
+Units: FLOPs, bytes and seconds. Activation formulas reproduce Table 1 as printed, and the table is
+not in one unit: vanilla attention's ``2bns^2`` is bytes in bf16 (``b n s^2`` scores, 2 bytes each),
+while Ring Attention's ``6bch`` counts *elements* (six ``b x c x h`` blocks; ``12bch`` bytes in bf16).
+``dtype_bytes`` (default 2) rescales them by ``dtype_bytes / 2``.
 """
 from __future__ import annotations
 
@@ -81,15 +83,24 @@ def step_bytes(block, dim, *, batch=1, kv_heads=1, dtype_bytes=2):
     return 2.0 * batch * block * kv_heads * dim * _positive("dtype_bytes", dtype_bytes)
 
 
-def min_block_size(flops_per_s, bandwidth_bytes_per_s, *, dtype_bytes=2):
+def min_block_size(flops_per_s, bandwidth_bytes_per_s, *, dtype_bytes=2, heads=1, kv_heads=None, fill=1.0):
     """Smallest block ``c`` (tokens) whose compute hides the K/V transfer: ``c >= F / B`` (§3).
 
     From ``4 d c^2 / F >= 2 c d * dtype_bytes / B``: ``c >= (dtype_bytes / 2) * F / B``, i.e. ``F / B``
     in bf16. Returns a float (round up for a usable block). A100 + NVLink: 312e12 / 300e9 = 1040.
+
+    Beyond the paper's count (defaults reproduce it): with grouped-query attention all ``heads``
+    compute while only ``kv_heads`` travel, so the bound scales by ``kv_heads / heads``; a hop that
+    computes only a fraction ``fill`` of its tiles (about 1/2 for the causal diagonal hop) still sends
+    the whole block, so it scales by ``1 / fill``. Pass *achieved* FLOP/s and bandwidth, not peak,
+    for a real host: the hop runs at the achieved rates.
     """
     f = _positive("flops_per_s", flops_per_s)
     b = _positive("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
-    return f / b * _positive("dtype_bytes", dtype_bytes) / 2.0
+    heads = _positive("heads", heads)
+    kv_heads = heads if kv_heads is None else _positive("kv_heads", kv_heads)
+    fill = _positive("fill", fill)
+    return f / b * _positive("dtype_bytes", dtype_bytes) / 2.0 * (kv_heads / heads) / fill
 
 
 @dataclass(frozen=True)
@@ -145,7 +156,8 @@ def format_table2(rows):
     return "\n".join(lines)
 
 
-# Table 1 of arXiv:2310.01889: maximum activation per layer, bytes in bf16
+# Table 1 of arXiv:2310.01889 as printed: maximum activation per layer (bf16 bytes for 2bns^2; 6bch
+# counts elements, see the module docstring)
 # (b batch, s sequence, h hidden, n heads, c block size).
 TABLE1_FORMULAS = {
     "vanilla": ("2bns^2", "8bsh"),
@@ -159,8 +171,9 @@ def activation_bytes(method, *, batch, seq, hidden, heads, block, dtype_bytes=2)
     """Per-host peak activation bytes ``(attention, feedforward)`` of one layer (Table 1).
 
     method: a key of :data:`TABLE1_FORMULAS`. Any size argument may be a numpy array (for curves).
-    The paper's formulas are bytes in bf16; they are scaled by ``dtype_bytes / 2``. Ring Attention's
-    ``6bch`` is one query block, two K/V blocks, two receive buffers and one output block; it does not
+    The table's values as printed, scaled by ``dtype_bytes / 2``. Ring Attention's ``6bch`` is six
+    ``b x c x h`` blocks -- query, K and V held, K and V receive buffers, output -- counted in elements
+    (in bf16 bytes it is ``12bch``; the paper's ``2bns^2`` is bytes); it does not
     depend on ``seq``: more hosts, not more memory per host.
     """
     b, s = _positive("batch", batch), _positive("seq", seq)

@@ -227,3 +227,45 @@ def plot_overlap(blocks=None, hardware=("A100 NVLink", "TPU v5e", "A100 InfiniBa
     ax.grid(True, which="major", alpha=0.3)
     fig.legend(fontsize=8, ncol=len(hardware), loc="outside lower center")  # same F: same compute line
     return fig
+
+
+def plot_ring_gantt(trace, flops_per_s, bandwidth_bytes_per_s, *, title=None):
+    """The ring as a Gantt chart: per host, when it computes (top bar) and sends (bottom bar) each step.
+
+    Times come from :func:`ringattn_ref.gantt.ring_timeline` (a host computes ``flops / F``, sends
+    ``bytes / B``, and waits for its neighbour's block). A compute bar is labelled with the K/V
+    block it uses; skipped hops have no compute bar; gaps are waiting. Microseconds on the x axis.
+    """
+    from .gantt import ring_timeline
+
+    plt = _pyplot()
+    from matplotlib.patches import Patch
+
+    tl = ring_timeline(trace, flops_per_s, bandwidth_bytes_per_s)
+    n_hosts, n_steps = tl.compute_start.shape
+    us = 1e6
+    fig, ax = plt.subplots(figsize=(8.0, 1.0 + 0.55 * n_hosts), layout="constrained")
+    compute_c, send_c = "#2c66b0", "#f0a04b"
+    for i in range(n_hosts):
+        for s in range(n_steps):
+            width = tl.compute_end[i, s] - tl.compute_start[i, s]
+            if width > 0:
+                ax.broken_barh([(tl.compute_start[i, s] * us, width * us)], (i - 0.4, 0.45), color=compute_c,
+                               edgecolor="white")
+                ax.text((tl.compute_start[i, s] + width / 2) * us, i - 0.175, str(trace.kv_block[i, s]),
+                        ha="center", va="center", color="white", fontsize=7)
+            sent = tl.send_end[i, s] - tl.send_start[i, s]
+            if sent > 0:
+                ax.broken_barh([(tl.send_start[i, s] * us, sent * us)], (i + 0.08, 0.3), color=send_c,
+                               edgecolor="white")
+    ax.set_yticks(range(n_hosts), [f"host {i}" for i in range(n_hosts)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, tl.total_s * us * 1.02)
+    ax.set_xlabel("time (µs)")
+    ideal = float(np.asarray(trace.flops).sum(axis=1).max()) / flops_per_s
+    ax.set_title(title or (f"{n_hosts} hosts, layout={_layout_name(trace)}: ring takes {tl.total_s * us:.3g} µs, "
+                           f"the busiest host computes {ideal * us:.3g} µs"), fontsize=10)
+    fig.legend(handles=[Patch(color=compute_c, label="compute (label: K/V block)"),
+                        Patch(color=send_c, label="send K/V to host i + 1")],
+               loc="outside lower center", ncol=2, fontsize=8, frameon=False)
+    return fig

@@ -18,9 +18,9 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 
 import numpy as np  # noqa: E402
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpret_state  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
+from ringattn_fast.kernels.races import races_found  # noqa: E402
 from ringattn_fast.kernels.tpu_ring_fused import fused_ring_attention_shard  # noqa: E402
 from ringattn_fast.schedule import HopConfig, KVShard, QShard  # noqa: E402
 
@@ -45,7 +45,7 @@ def run(handshake, on_race):
     except Exception as e:  # noqa: BLE001 - the race surfaces wrapped in a runtime error
         message = f"{type(e).__name__}: {e}"
         raised = "RACE DETECTED" if "RACE DETECTED" in message else message[:1000]
-    return {"races_found": bool(interpret_state.races.races_found), "raised": raised}
+    return {"races_found": races_found(), "raised": raised}
 
 
 if __name__ == "__main__":

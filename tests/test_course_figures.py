@@ -53,3 +53,41 @@ def test_decode_schedules_plots_both_schedules_and_their_ratio():
     assert np.allclose(right.get_lines()[0].get_ydata(), [4, 8])
     with pytest.raises(ValueError, match="one per host count"):
         figures.plot_decode_schedules([2, 4], {"32K": [1.0]}, {"32K": [1.0, 1.0]})
+
+
+def _trace(n_hosts, causal=False, seq=None):
+    from ringattn_ref import ring_attention
+    x = np.random.default_rng(0).standard_normal((1, seq or 4 * n_hosts, 1, 2))
+    return ring_attention(x, x, x, n_hosts=n_hosts, causal=causal, return_trace=True)[1]
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_ring_timeline_runs_at_the_slower_of_compute_and_links(n):
+    from ringattn_ref.gantt import ring_timeline
+    trace = _trace(n)
+    t_c, t_x = trace.flops[0, 0], trace.bytes_sent[0, 0] if n > 1 else 0.0
+    fast_links = ring_timeline(trace, 1.0, 4.0 * max(t_x, 1))  # transfer = t_x / B < compute = t_c
+    assert np.isclose(fast_links.total_s, n * t_c) and np.allclose(fast_links.busy_fraction(), 1.0)
+    slow_links = ring_timeline(trace, 1.0, t_x / (3 * t_c) if n > 1 else 1.0)  # transfer = 3 x compute
+    assert np.isclose(slow_links.total_s, (n - 1) * 3 * t_c + t_c)
+    assert np.all(slow_links.compute_start[:, 1:] >= slow_links.send_end[:, :-1] - 1e-12)  # waits for its block
+    with pytest.raises(ValueError, match="flops_per_s"):
+        ring_timeline(trace, 0.0, 1.0)
+
+
+def test_ring_timeline_causal_contiguous_idles_the_first_host():
+    from ringattn_ref.gantt import ring_timeline
+    tl = ring_timeline(_trace(4, causal=True), 1.0, 1e30)  # free links: only compute and waiting
+    busy = tl.busy_fraction()
+    assert busy[-1] > 0.99 and busy[0] < 0.3 and np.all(np.diff(busy) > 0)  # host r computes r + 1 hops
+
+
+def test_ring_gantt_draws_one_bar_per_hop_and_send():
+    from ringattn_ref import viz
+    trace = _trace(4, causal=True)
+    fig = viz.plot_ring_gantt(trace, 1e9, 1e9)
+    ax = fig.axes[0]
+    n_bars = len(ax.collections)  # one BrokenBarHCollection per bar
+    assert n_bars == int((~trace.hop_skipped).sum()) + int((trace.bytes_sent > 0).sum())
+    labels = [t.get_text() for t in ax.texts]
+    assert labels.count("0") == 4  # block 0 is used by every host under the causal mask

@@ -126,6 +126,10 @@ def _ends_in_check(tree: ast.Module) -> bool:
     return False
 
 
+# Notebooks 00..SECOND_EDITION_LAST follow the course's second edition (issue 13): learning objectives,
+# prerequisites, an inline quiz, "What to take away", at least three exercises.
+SECOND_EDITION_LAST = 10
+
 PLOTTING_MODULES = {"viz": "ringattn_ref", "viz_blocks": "ringattn_ref", "figures": "ringattn_course"}
 
 
@@ -156,9 +160,16 @@ def test_notebook_structure(path):
             continue
         assert _ends_in_check(tree), f"code cell {i} does not end in an assert/check:\n{src}"
     text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
-    assert re.search(r"\{admonition\}\s*Takeaway", text), "missing the Takeaway box"
     n_ex = len(re.findall(r"^#+ Exercise \d", text, flags=re.M))
-    assert 1 <= n_ex <= 3, f"expected 1-3 exercises, found {n_ex}"
+    if int(path.name[:2]) <= SECOND_EDITION_LAST:
+        assert re.search(r"\{admonition\}\s*What to take away", text), "missing the 'What to take away' box"
+        assert re.search(r"\{admonition\}\s*Learning objectives", text), "missing the learning objectives"
+        assert re.search(r"^\*\*Prerequisites", text, flags=re.M), "missing the prerequisites"
+        assert re.search(r"^\*\*Quiz", text, flags=re.M), "no inline quiz (**Quiz** ... then a hidden answer)"
+        assert 3 <= n_ex <= 6, f"expected 3-6 exercises, found {n_ex}"
+    else:  # a chapter written before the second edition's structure; raise SECOND_EDITION_LAST once it has it
+        assert re.search(r"\{admonition\}\s*(Takeaway|What to take away)", text), "missing the Takeaway box"
+        assert 1 <= n_ex <= 6, f"expected 1-6 exercises, found {n_ex}"
     assert text.count('<details class="answer">') >= n_ex, "each exercise needs a hidden answer"
     assert _plots_with_project_code(cells), \
         "each notebook has at least one figure made by the project's plotting code: viz.plot_... or " \

@@ -152,3 +152,14 @@ def test_lazy_exports():
 
     for name in ("HARDWARE", "step_flops", "step_bytes", "min_block_size", "hop_times", "table1", "table2"):
         assert getattr(ringattn_ref, name) is getattr(cost, name)
+
+
+def test_min_block_size_gqa_and_partial_hops_cross_where_hop_times_do():
+    """c = min_block_size(..., heads, kv_heads, fill) is where fill x compute equals the transfer."""
+    hw = cost.HARDWARE["A100 InfiniBand"]
+    c = cost.min_block_size(hw.flops_per_s, hw.bandwidth_bytes_per_s, heads=32, kv_heads=8, fill=0.5)
+    assert np.isclose(c, 2 * 8 / 32 * hw.flops_per_s / hw.bandwidth_bytes_per_s)
+    t = cost.hop_times(c, hw, dim=128, heads=32, kv_heads=8)
+    assert np.isclose(0.5 * t.compute_s, t.transfer_s, rtol=1e-12)
+    with pytest.raises(ValueError, match="fill"):
+        cost.min_block_size(1.0, 1.0, fill=0.0)

@@ -87,6 +87,17 @@ def check_longest_vanilla_seq(answer):
     return _correct(f"seq = {want}; twice that needs {max(cost.activation_bytes('vanilla', batch=1, seq=2 * want, hidden=4096, heads=32, block=1)) / 1e9:.0f} GB")
 
 
+def check_host_flops_ratio(answer, *, block=4096, seqs=(131072, 1048576)):
+    """00, exercise 3: a ring of hosts with ``block`` tokens each grows from 128K to 1M tokens (more
+    hosts, same block). How many times more attention FLOPs does *each host* do at 1M?"""
+    if _pending(answer, "per-host FLOPs at 1M tokens / at 128K tokens"):
+        return False
+    per_host = [seq // block * cost.step_flops(block, 128, heads=32) for seq in seqs]  # N steps of 4dc^2
+    want = per_host[1] / per_host[0]
+    _close(answer, want, 1e-12, "each host runs N = s / c ring steps of 4 d c^2 FLOPs per head")
+    return _correct(f"{want:g}x: memory per host is flat in s, compute per host grows linearly with s")
+
+
 # ---- 01 online softmax -----------------------------------------------------------------------------
 
 def check_merge_state(merge_state):
@@ -123,6 +134,16 @@ def check_lse_of_large_logits(answer):
     return _correct(f"lse = 1000 + log 4 = {want:.6f}")
 
 
+def check_merged_lse(answer):
+    """01, exercise 3: the lse of the union of two disjoint key sets whose partial lse are 2 and 3."""
+    if _pending(answer, "lse of the merged partial results"):
+        return False
+    keys = np.array([2.0, 3.0])  # one key per partial result: its lse is its logit
+    want = float(np.logaddexp.reduce(keys))
+    _close(answer, want, 1e-12, "lse = log(e^lse1 + e^lse2), computed stably")
+    return _correct(f"lse = {want:.6f} = 3 + log(1 + e^-1)")
+
+
 # ---- 02 blockwise attention and blockwise feedforward ----------------------------------------------
 
 def check_kv_outer_blockwise(kv_outer_attention):
@@ -152,6 +173,16 @@ def check_ffn_peak_elements(answer):
         raise AssertionError(f"got {answer}; the hidden activation max(0, x W1 + b1) of one block "
                              "is alive at a time: [batch, block, ffn_hidden]")
     return _correct(f"{want} elements, {4096 // 512}x fewer than the whole sequence's")
+
+
+def check_score_tile_elements(answer, *, batch=2, heads=4, block_q=128, block_kv=256):
+    """02, exercise 3: score elements one blockwise tile holds (batch 2, 4 heads, 128 x 256 tile)."""
+    if _pending(answer, "elements of one score tile"):
+        return False
+    want = batch * heads * block_q * block_kv  # logits [b, h, block_q, block_kv]
+    if _as_int(answer, "the number of elements") != want:
+        raise AssertionError(f"got {answer}; the tile's logits are [batch, heads, block_q, block_kv]")
+    return _correct(f"{want} elements, whatever the sequence length")
 
 
 # ---- 03 the ring -----------------------------------------------------------------------------------
@@ -188,6 +219,22 @@ def check_total_bytes_sent(total_bytes_sent):
     return _correct("(n_hosts - 1) sends of one K/V shard each")
 
 
+def check_ring_time(answer, *, n_hosts=8, compute_us=10.0, transfer_us=15.0):
+    """03, exercise 3: wall time of a forward ring of 8 hosts when a hop computes 10 us and a K/V
+    send takes 15 us (same on every host), from ``ringattn_ref.gantt.ring_timeline``."""
+    if _pending(answer, "wall time of the ring in microseconds"):
+        return False
+    from ringattn_ref.gantt import ring_timeline
+
+    q, k, v = _problem(9, seq=4 * n_hosts, heads=1, kv_heads=1, dim=2)
+    _, trace = ring_attention(q, k, v, n_hosts=n_hosts, return_trace=True)
+    f = trace.flops[0, 0] / (compute_us * 1e-6)
+    b = trace.bytes_sent[0, 0] / (transfer_us * 1e-6)
+    want = ring_timeline(trace, f, b).total_s * 1e6
+    _close(answer, want, 1e-9, "each step waits for the slower of compute and transfer; no send after the last")
+    return _correct(f"{want:g} us = 7 x 15 + 10: the links set the pace")
+
+
 # ---- 04 causal masking and load balance ------------------------------------------------------------
 
 def check_contiguous_busy_hops(busy_hops):
@@ -221,6 +268,17 @@ def check_zigzag_owner(owner):
     return _correct("chunk j = pos // (seq / 2N) is on host min(j, 2N - 1 - j)")
 
 
+def check_causal_imbalance(answer, *, n_hosts=8):
+    """04, exercise 3: critical path / mean work per host of the causal contiguous ring, 8 hosts."""
+    if _pending(answer, "critical path / mean work for the contiguous causal ring"):
+        return False
+    q, k, v = _problem(10, seq=4 * n_hosts, heads=1, kv_heads=1, dim=2)
+    _, trace = ring_attention(q, k, v, n_hosts=n_hosts, causal=True, block_q=4, block_kv=4, return_trace=True)
+    want = trace.critical_path() / trace.work_per_host().mean()
+    _close(answer, want, 1e-9, "the critical path is N hops; host r computes r + 1 of them")
+    return _correct(f"{want:.4f} = 2N / (N + 1): the ring runs almost twice as long as balanced work needs")
+
+
 # ---- 05 the ring backward --------------------------------------------------------------------------
 
 def check_delta(delta):
@@ -241,14 +299,32 @@ def check_delta(delta):
 
 
 def check_backward_bytes_ratio(answer):
-    """05, exercise 2: bytes sent per ring step in the backward, relative to the forward."""
+    """05, exercise 2: bytes a host sends per backward step / per forward step, with K and V in
+    bfloat16 and the dK, dV accumulators in float32 (as ``ringattn_fast.backward`` sends them).
+
+    Computed from a ring trace: the forward's bytes per step at 2 bytes per element (float16 inputs
+    stand in for bfloat16, same itemsize) give the K/V element count; dK, dV have as many elements.
+    """
     if _pending(answer, "backward / forward bytes per step"):
         return False
-    z = np.zeros((1, 4, 1, 2))
-    fwd = KVBlock(0, z, z, np.arange(4), None).payload_elements()
-    bwd = KVBlock(0, z, z, np.arange(4), None, dk=z, dv=z).payload_elements()
-    _close(answer, bwd / fwd, 1e-12, "K, V, dK and dV travel in the backward; K and V in the forward")
-    return _correct(f"{bwd / fwd:g}x: the backward needs a block twice as large to hide its transfers")
+    q, k, v = (x.astype(np.float16) for x in _problem(11, seq=8, heads=2, kv_heads=1, dim=4))
+    _, trace = ring_attention(q, k, v, n_hosts=2, return_trace=True)
+    fwd = int(trace.bytes_sent[0, 0])  # K and V, 2 bytes each
+    kv_elements = fwd // 2
+    bwd = fwd + kv_elements * 4  # + dK and dV, float32
+    _close(answer, bwd / fwd, 1e-12, "the backward sends K and V (2 bytes) plus dK and dV (4 bytes each)")
+    return _correct(f"{bwd / fwd:g}x the forward's bytes per step")
+
+
+def check_backward_min_block(answer, *, hardware="A100 NVLink"):
+    """05, exercise 3: the backward's minimal block on A100 + NVLink: FA-2's backward computes 2.5x
+    the forward's FLOPs per tile and sends 3x its bytes (float32 dK/dV)."""
+    if _pending(answer, "minimal block size for the backward ring"):
+        return False
+    hw = cost.HARDWARE[hardware]
+    want = cost.min_block_size(hw.flops_per_s, hw.bandwidth_bytes_per_s) * 3 / 2.5
+    _close(answer, want, 1e-3, "10 d c^2 / F >= 12 c d / B")
+    return _correct(f"c >= {want:.0f} tokens: 1.2 F/B, the backward binds, not the forward")
 
 
 # ---- 06 overlap of communication and compute -------------------------------------------------------
@@ -269,6 +345,16 @@ def check_min_block_float32(answer):
     want = cost.min_block_size(989e12, 450e9, dtype_bytes=4)
     _close(answer, want, 1e-3, "bytes per step double while FLOPs stay")
     return _correct(f"c >= {want:.0f}: twice the bf16 block")
+
+
+def check_min_block_causal_gqa(answer):
+    """06, exercise 3: minimal block for the causal diagonal hop (half its tiles) with GQA 32:8 on a
+    host achieving 60% of 989 TFLOP/s and 80% of 450 GB/s, bf16 K/V."""
+    if _pending(answer, "minimal block for the causal GQA hop at achieved rates"):
+        return False
+    want = cost.min_block_size(0.6 * 989e12, 0.8 * 450e9, heads=32, kv_heads=8, fill=0.5)
+    _close(answer, want, 1e-3, "c >= (kv_heads / heads) x (1 / fill) x F_achieved / B_achieved")
+    return _correct(f"c >= {want:.0f} tokens")
 
 
 # ---- 07 shard_map and ppermute ---------------------------------------------------------------------
@@ -331,16 +417,28 @@ def check_kv_bytes_sent(answer, *, batch=1, seq=256, kv_heads=2, dim=16, n_devic
     return _correct(f"{n_devices - 1} sends x 2 x {shard} bytes = {want} bytes; the queries never move")
 
 
+def check_bwd_bytes_sent(answer, *, batch=1, seq=256, kv_heads=2, dim=16, n_devices=8, itemsize=4):
+    """07, exercise 3: bytes of K, V, dK and dV one device sends in the backward ring (float32 all)."""
+    if _pending(answer, "bytes one device sends in the backward"):
+        return False
+    shard = batch * (seq // n_devices) * kv_heads * dim * itemsize  # one of K, V, dK, dV
+    want = (n_devices - 1) * 2 * shard + n_devices * 2 * shard  # K/V N - 1 times, dK/dV N times
+    if _as_int(answer, "the number of bytes") != want:
+        raise AssertionError(f"got {answer}; K/V move N - 1 times, dK/dV N times (the last move brings them "
+                             "home): see ringattn_fast.backward's docstring")
+    return _correct(f"{want} bytes: {want / ((n_devices - 1) * 2 * shard):.3g}x the forward's")
+
+
 # ---- 08 Pallas per-hop kernels ---------------------------------------------------------------------
 
-def _tiles_computed(seq, block, causal, window):
+def _tiles_computed(seq, block, causal, window, block_kv=None):
     import jax.numpy as jnp
 
     from ringattn_fast.kernels.tiles import tile_schedule
 
     pos = jnp.arange(seq, dtype=jnp.int32)[None]
     return int(np.asarray(tile_schedule(pos, pos, causal=causal, window=window, block_q=block,
-                                        block_kv=block)).sum())
+                                        block_kv=block if block_kv is None else block_kv)).sum())
 
 
 def check_causal_tiles(answer, *, seq=1024, block=128):
@@ -364,6 +462,17 @@ def check_window_tiles(answer, *, seq=1024, block=128, window=(100, 0)):
         raise AssertionError(f"got {answer}; a query at position i sees keys i - 100 ... i: which key tiles "
                              f"can a query tile [128 t, 128 t + 127] reach?")
     return _correct(f"{want}: the diagonal and the tile left of it (except for the first row)")
+
+
+def check_causal_tiles_rect(answer, *, seq=1024, block_q=128, block_kv=64):
+    """08, exercise 3: tiles a causal one-device hop computes with block_q = 128, block_kv = 64."""
+    if _pending(answer, "number of 128 x 64 tiles computed under a causal mask"):
+        return False
+    want = _tiles_computed(seq, block_q, True, None, block_kv=block_kv)
+    if _as_int(answer, "the number of tiles") != want:
+        raise AssertionError(f"got {answer}; query tile t ends at key 128 t + 127: which 64-key tiles start "
+                             "no later than that?")
+    return _correct(f"{want} of {(seq // block_q) * (seq // block_kv)} tiles")
 
 
 # ---- 09 the fused TPU ring -------------------------------------------------------------------------
@@ -396,6 +505,18 @@ def check_handshake_signals(n_signals):
             raise AssertionError(f"n_devices={n}: a device signals {want} times, you say {got} (hint: the "
                                  f"left neighbour sends at steps 0 .. n-2; which of its writes need my 'free'?)")
     return _correct("max(n - 2, 0): with 2 devices nobody writes a slot twice, so no handshake is needed")
+
+
+def check_remote_copies(n_copies):
+    """09, exercise 3: ``n_copies(n_devices)``: K/V remote DMAs one device starts in the fused forward."""
+    if _pending(n_copies, "n_copies(n_devices)"):
+        return False
+    for n in range(1, 9):
+        want = sum(1 for step in range(n) if step < n - 1)  # tpu_ring_fused: no send after the last step
+        got = _as_int(n_copies(n), f"n_copies({n})")
+        if got != want:
+            raise AssertionError(f"n_devices={n}: a device starts {want} K/V copies, you say {got}")
+    return _correct("n - 1, as in every ring of this course")
 
 
 # ---- 10 putting it together ------------------------------------------------------------------------
@@ -451,3 +572,23 @@ def check_merge_bytes(merge_bytes):
                                  f"{trace.total_bytes} bytes, you say {got} (hint: how many messages has a tree "
                                  f"over N hosts, and what is in one?)")
     return _correct("(N - 1) messages of one o row and one lse per head: b h (d + 1) 8 bytes, whatever S")
+
+
+def check_min_block_gqa_infiniband(answer):
+    """10, exercise 2: minimal block on A100 + InfiniBand (12.5 GB/s) with GQA 32:8, bf16, full hops."""
+    if _pending(answer, "minimal block over InfiniBand with GQA 4:1"):
+        return False
+    hw = cost.HARDWARE["A100 InfiniBand"]
+    want = cost.min_block_size(hw.flops_per_s, hw.bandwidth_bytes_per_s, heads=32, kv_heads=8)
+    _close(answer, want, 1e-3, "c >= (kv_heads / heads) F / B")
+    return _correct(f"c >= {want:.0f}: 8K tokens per GPU hides a full hop, not a causal diagonal one")
+
+
+def check_min_block_backward_causal(answer, *, hardware="TPU v5e"):
+    """10, exercise 3: the causal diagonal hop of the backward on TPU v5e, GQA 32:8 (peak rates)."""
+    if _pending(answer, "minimal block for the causal backward hop with GQA"):
+        return False
+    hw = cost.HARDWARE[hardware]
+    want = cost.min_block_size(hw.flops_per_s, hw.bandwidth_bytes_per_s, heads=32, kv_heads=8, fill=0.5) * 3 / 2.5
+    _close(answer, want, 1e-3, "backward factor 3 / 2.5, causal factor 2, GQA factor 8 / 32")
+    return _correct(f"c >= {want:.0f} tokens")
