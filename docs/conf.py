@@ -54,7 +54,6 @@ extensions = [
 exclude_patterns = [
     "_build", "jupyter_execute", "Thumbs.db", ".DS_Store",
     "notebooks/ipynb", "notebooks/README.md", "notebooks/**/.ipynb_checkpoints",
-    "notebooks/labs",  # the labs are Python files and a README for the repository, not site pages
 ]
 templates_path = ["_templates"]
 html_static_path = ["_static"]
