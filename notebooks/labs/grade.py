@@ -78,7 +78,10 @@ def _run(lab, path, limit):
     try:
         out, err = child.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)  # the child and anything it started
+        try:
+            os.killpg(child.pid, signal.SIGKILL)  # the child and anything it started
+        except ProcessLookupError:  # it ended just now
+            pass
         out, _ = child.communicate()
         print(out, end="")
         print(f"FAIL {lab}: TIMEOUT: the grade ran past the lab's time limit of {limit:g} s and was stopped "

@@ -57,10 +57,12 @@ def _check_ring(sol, fn, p):
             prop = (f"after step {step} of {n} host {i} holds block {want} (sent one host on, "
                     f"{'no send after the last step' if step == n - 1 else 'buffers swapped'}) and its "
                     f"receive buffer is empty")
-            held = getattr(host.held, "kv_idx", None)
             if host.held is not blocks[want] or host.recv is not None:
-                raise Fail(f"property '{prop}' failed on example {p!r}: it holds block {held}, receive buffer "
-                           f"{'empty' if host.recv is None else 'holds block ' + str(host.recv.kv_idx)}")
+                held = getattr(host.held, "kv_idx", None)
+                held = f"a copy of block {held} (send the block object itself)" if held == want and \
+                    host.held is not blocks[want] else f"block {held}"
+                recv = "empty" if host.recv is None else f"holds block {getattr(host.recv, 'kv_idx', None)}"
+                raise Fail(f"property '{prop}' failed on example {p!r}: it holds {held}, receive buffer {recv}")
             blk = blocks[(i - step) % n]  # the block attended at this step
             empty = bool(tile_is_empty(host.q_pos, blk.k_pos, host.q_seg, blk.k_seg, causal=problem.causal,
                                        window=problem.window))
