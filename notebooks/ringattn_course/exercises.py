@@ -534,6 +534,26 @@ def check_min_context(answer, *, hardware="TPU v5e", n_hosts=64):
     return _correct(f"{want / 1e3:.0f}K tokens: below that, the hosts wait for K/V")
 
 
+def check_min_block_gqa_infiniband(answer):
+    """10, exercise 2: minimal block on A100 + InfiniBand (12.5 GB/s) with GQA 32:8, bf16, full hops."""
+    if _pending(answer, "minimal block over InfiniBand with GQA 4:1"):
+        return False
+    hw = cost.HARDWARE["A100 InfiniBand"]
+    want = cost.min_block_size(hw.flops_per_s, hw.bandwidth_bytes_per_s, heads=32, kv_heads=8)
+    _close(answer, want, 1e-3, "c >= (kv_heads / heads) F / B")
+    return _correct(f"c >= {want:.0f}: 8K tokens per GPU hides a full hop, not a causal diagonal one")
+
+
+def check_min_block_backward_causal(answer, *, hardware="TPU v5e"):
+    """10, exercise 3: the causal diagonal hop of the backward on TPU v5e, GQA 32:8 (peak rates)."""
+    if _pending(answer, "minimal block for the causal backward hop with GQA"):
+        return False
+    hw = cost.HARDWARE[hardware]
+    want = cost.min_block_size(hw.flops_per_s, hw.bandwidth_bytes_per_s, heads=32, kv_heads=8, fill=0.5) * 3 / 2.5
+    _close(answer, want, 1e-3, "backward factor 3 / 2.5, causal factor 2, GQA factor 8 / 32")
+    return _correct(f"c >= {want:.0f} tokens")
+
+
 # ---- 11 inference and decoding ---------------------------------------------------------------------
 
 def check_cache_slot(where):
@@ -572,23 +592,3 @@ def check_merge_bytes(merge_bytes):
                                  f"{trace.total_bytes} bytes, you say {got} (hint: how many messages has a tree "
                                  f"over N hosts, and what is in one?)")
     return _correct("(N - 1) messages of one o row and one lse per head: b h (d + 1) 8 bytes, whatever S")
-
-
-def check_min_block_gqa_infiniband(answer):
-    """10, exercise 2: minimal block on A100 + InfiniBand (12.5 GB/s) with GQA 32:8, bf16, full hops."""
-    if _pending(answer, "minimal block over InfiniBand with GQA 4:1"):
-        return False
-    hw = cost.HARDWARE["A100 InfiniBand"]
-    want = cost.min_block_size(hw.flops_per_s, hw.bandwidth_bytes_per_s, heads=32, kv_heads=8)
-    _close(answer, want, 1e-3, "c >= (kv_heads / heads) F / B")
-    return _correct(f"c >= {want:.0f}: 8K tokens per GPU hides a full hop, not a causal diagonal one")
-
-
-def check_min_block_backward_causal(answer, *, hardware="TPU v5e"):
-    """10, exercise 3: the causal diagonal hop of the backward on TPU v5e, GQA 32:8 (peak rates)."""
-    if _pending(answer, "minimal block for the causal backward hop with GQA"):
-        return False
-    hw = cost.HARDWARE[hardware]
-    want = cost.min_block_size(hw.flops_per_s, hw.bandwidth_bytes_per_s, heads=32, kv_heads=8, fill=0.5) * 3 / 2.5
-    _close(answer, want, 1e-3, "backward factor 3 / 2.5, causal factor 2, GQA factor 8 / 32")
-    return _correct(f"c >= {want:.0f} tokens")
