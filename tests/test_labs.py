@@ -59,6 +59,9 @@ BROKEN = {
     "timeout": ("lab01", LAB01.replace("def online_update(m, l, o, s, v):\n",
                                        "def online_update(m, l, o, s, v):\n    while True:\n        pass\n"),
                 ("--time-limit", "4"), "TIMEOUT"),
+    # a solution that prints a look-alike verdict and leaves before the grader's own verdict
+    "fake_pass": ("lab01", "import os\nprint('PASS lab01: every property holds', flush=True)\nos._exit(0)\n", (),
+                  "died without a verdict"),
 }
 
 

@@ -16,6 +16,7 @@ import argparse
 import importlib
 import importlib.util
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -43,7 +44,13 @@ def _lab_name(text):
 
 
 def _child(lab, path):
-    """In the child process: set up JAX, import the solution, run the lab's checks, print a verdict."""
+    """In the child process: set up JAX, import the solution, run the lab's checks, print a verdict.
+
+    The verdict line starts with a one-time token the parent sends on stdin (read before the solution
+    is imported), so a solution that prints its own "PASS" line does not pass.
+    """
+    token = sys.stdin.readline().strip()
+    sys.stdin.close()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if LABS[lab][2]:
         import jax
@@ -62,10 +69,23 @@ def _child(lab, path):
             raise Fail(f"cannot import {os.path.basename(path)}: {type(e).__name__}: {one_line(e, 300)}") from None
         passed = importlib.import_module(f"_grader.{lab}").check(Solution(module, path))
     except Fail as e:
-        print(f"FAIL {lab}: {e}", flush=True)
+        print(f"{token} FAIL {lab}: {e}", flush=True)
         return 1
-    print(f"PASS {lab}: {passed}", flush=True)
+    print(f"{token} PASS {lab}: {passed}", flush=True)
     return 0
+
+
+def _untokened(out, token):
+    """The child's output as the student sees it: the verdict's token removed, a look-alike marked."""
+    lines = []
+    for line in out.splitlines(keepends=True):
+        if line.startswith(token + " "):
+            lines.append(line[len(token) + 1:])
+        elif line.startswith(("PASS", "FAIL")):
+            lines.append("(printed by the solution) " + line)
+        else:
+            lines.append(line)
+    return "".join(lines)
 
 
 def _run(lab, path, limit):
@@ -73,24 +93,26 @@ def _run(lab, path, limit):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
         filter(None, [str(ROOT), str(ROOT / "notebooks"), os.environ.get("PYTHONPATH")])))
     env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=8"]))
-    child = subprocess.Popen([sys.executable, __file__, "--child", lab, str(path)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    token = secrets.token_hex(16)
+    child = subprocess.Popen([sys.executable, __file__, "--child", lab, str(path)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             start_new_session=True)
     try:
-        out, err = child.communicate(timeout=limit)
+        out, err = child.communicate(token + "\n", timeout=limit)
     except subprocess.TimeoutExpired:
         try:
             os.killpg(child.pid, signal.SIGKILL)  # the child and anything it started
         except ProcessLookupError:  # it ended just now
             pass
         out, _ = child.communicate()
-        print(out, end="")
+        print(_untokened(out, token), end="")
         print(f"FAIL {lab}: TIMEOUT: the grade ran past the lab's time limit of {limit:g} s and was stopped "
               f"(an endless loop, or far too slow?)", flush=True)
         return 3
-    print(out, end="")
-    verdict = [line for line in out.splitlines() if line.startswith((f"PASS {lab}", f"FAIL {lab}"))]
+    verdict = [line for line in out.splitlines() if line.startswith((f"{token} PASS {lab}", f"{token} FAIL {lab}"))]
+    print(_untokened(out, token), end="")
     if child.returncode in (0, 1) and verdict:
-        return child.returncode
+        return 0 if verdict[-1].startswith(f"{token} PASS") and child.returncode == 0 else 1
     last = (err.strip().splitlines() or ["(no output)"])[-1]
     print(f"FAIL {lab}: the grading process died without a verdict (exit code {child.returncode}): {last[:300]}",
           flush=True)

@@ -8,6 +8,7 @@ import numpy as np
 from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
+from ringattn_fast.kernels.races import races_found  # the one home of the private race flag
 from ringattn_ref.blockwise import hop_attention
 from ringattn_ref.layouts import layout_permutation
 from ringattn_ref.testing import attention_problems
@@ -17,17 +18,6 @@ from .common import Fail, check_array, check_close, for_all, forbid, ok
 
 EXAMPLES = 4
 TOL = 2e-5  # float32 kernel vs float64 oracle, d <= 8
-
-
-def races_found():
-    """Whether the TPU interpreter's race detector saw a race since it was last reset, or None if this
-    JAX keeps that state elsewhere (the flag is private: ``jax._src``; checked on JAX 0.12)."""
-    try:
-        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as state
-    except ImportError:
-        return None
-    races = getattr(state, "races", None)
-    return None if races is None else bool(races.races_found)
 
 
 @dataclass(frozen=True)
