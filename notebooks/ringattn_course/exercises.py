@@ -592,3 +592,24 @@ def check_merge_bytes(merge_bytes):
                                  f"{trace.total_bytes} bytes, you say {got} (hint: how many messages has a tree "
                                  f"over N hosts, and what is in one?)")
     return _correct("(N - 1) messages of one o row and one lse per head: b h (d + 1) 8 bytes, whatever S")
+
+
+def check_cache_bytes_per_host(cache_bytes_per_host):
+    """11, exercise 3: ``cache_bytes_per_host(seq, n_hosts, layers, kv_heads, dim, dtype_bytes)``: K and V
+    bytes one host keeps for one sequence over all layers, checked against the arrays of
+    ``ringattn_ref.inference.init_cache`` (one layer's cache; a model has one per layer)."""
+    if _pending(cache_bytes_per_host, "cache_bytes_per_host(seq, n_hosts, layers, kv_heads, dim, dtype_bytes)"):
+        return False
+    from ringattn_ref import inference
+    dtypes = {2: np.float16, 4: np.float32, 8: np.float64}
+    for seq, n_hosts, layers, kv_heads, dim, dtype_bytes in (
+            (8, 1, 1, 1, 2, 2), (12, 4, 3, 2, 4, 4), (64, 8, 2, 3, 8, 8), (30, 5, 4, 1, 6, 2)):
+        cache = inference.init_cache(1, seq, kv_heads, dim, n_hosts=n_hosts, dtype=dtypes[dtype_bytes])
+        want = layers * (cache.k[0].nbytes + cache.v[0].nbytes)   # host 0's K and V, one per layer
+        got = _as_int(cache_bytes_per_host(seq, n_hosts, layers, kv_heads, dim, dtype_bytes), "the byte count")
+        if got != want:
+            raise AssertionError(f"seq={seq}, n_hosts={n_hosts}, layers={layers}, kv_heads={kv_heads}, dim={dim}, "
+                                 f"dtype_bytes={dtype_bytes}: a host holds {want} bytes, you say {got} (hint: "
+                                 f"seq / N slots per host, K and V, every layer)")
+    return _correct("2 · layers · (S / N) · kv_heads · dim · bytes: 128 KiB per token for a 7B-class model, "
+                    "so 1M tokens need 128 GiB on one host, 2 GiB each on 64")
