@@ -40,11 +40,11 @@ class RecallTask:
     """
     seq: int
     shard: int
-    n_keys: int = 16
+    n_keys: int = 4
     n_values: int = 16
-    n_pairs: int = 8
+    n_pairs: int = 4
     n_queries: int = 4
-    n_filler: int = 16
+    n_filler: int = 1
 
     def __post_init__(self):
         if self.n_pairs > self.n_keys or self.n_queries > self.n_pairs:

@@ -18,12 +18,10 @@ import json
 import os
 import sys
 import time
-from functools import partial
-
 import numpy as np
 
-QUICK = dict(seq=256, devices=8, steps=150, batch=16, d_model=64, layers=2, lr=3e-3)
-FULL = dict(seq=2048, devices=8, steps=300, batch=8, d_model=64, layers=2, lr=3e-3)
+QUICK = dict(seq=256, devices=8, steps=300, batch=16, d_model=64, layers=2, lr=1e-2)
+FULL = dict(seq=512, devices=8, steps=400, batch=16, d_model=64, layers=2, lr=1e-2)
 
 
 class Progress:

@@ -411,3 +411,30 @@ def check_min_context(answer, *, hardware="TPU v5e", n_hosts=64):
         raise AssertionError(f"got {got:.6g}; Table 2 gives the minimal sequence per host (6 c, c = F / B); "
                              f"the ring has {n_hosts} hosts")
     return _correct(f"{want / 1e3:.0f}K tokens: below that, the hosts wait for K/V")
+
+
+# ---- 12 training with a long context ------------------------------------------------------------
+
+def check_last_fact_position(answer, *, seq=512, shard=64):
+    """12, exercise 1: the largest position of a fact in ``RecallTask(seq=512, shard=64)``."""
+    if _pending(answer, "the largest position a fact may take"):
+        return False
+    from ringattn_fast.tasks import RecallTask
+    task = RecallTask(seq=seq, shard=shard)
+    want = task.fact_limit - 1
+    got = _as_int(answer, "the position")
+    if got != want:
+        raise AssertionError(f"got {got}; the {task.n_queries} questions and their answers fill the last "
+                             f"{2 * task.n_queries} positions, and a fact must be MORE than {shard} before the first")
+    return _correct(f"{want}: from the first question at {seq - 2 * task.n_queries}, {want} is {shard + 1} back")
+
+
+def check_kept_scale(answer, *, rate=0.2):
+    """12, exercise 2: the multiplier of a kept attention probability at ``dropout_rate=0.2``."""
+    if _pending(answer, "the factor of a kept probability"):
+        return False
+    from ringattn_ref.dropout import dropout_mask
+    pos = np.arange(64)[None]
+    want = float(dropout_mask(np.zeros(2, np.uint32), rate, 1, 1, pos, pos).max())  # what a kept entry gets
+    _close(answer, want, 1e-9, "the kept probability's factor (the expectation must not change)")
+    return _correct(f"{want}: kept with probability {1 - rate}, so E[factor * p] = p")
