@@ -1,5 +1,6 @@
 """Training through the ring (issue 12): the loss curve does not depend on the ring size or the layout,
 and the recall task puts every answer more than one shard away."""
+import jax
 import numpy as np
 import pytest
 
@@ -11,6 +12,16 @@ from ringattn_fast.train import train
 TASK = RecallTask(seq=64, shard=8, n_queries=2)
 CFG = ModelConfig(vocab=TASK.vocab, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=32, ffn_block=8)
 STEPS = 20
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_persistent_cache():
+    """Compile these steps afresh: on the 8-device CPU mesh, a training step loaded from the persistent
+    compilation cache (tests/conftest.py) was seen to stall in its all-reduce rendezvous and abort."""
+    old = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", old)
 
 
 def test_every_fact_is_more_than_one_shard_before_its_question():
