@@ -98,7 +98,7 @@ def make_optimizer(lr, steps):
 
 
 def train(task, cfg, *, mesh, layout="contiguous", steps=100, batch_size=16, lr=3e-3, seed=0, label="",
-          progress=True, eval_batches=4):
+          progress=True, eval_batches=8):
     """Train one model; returns a dict: losses, accuracies (per step), eval accuracy, by-distance data.
 
     The data depend only on ``seed`` (the same batches for every model, ring size and layout); the
@@ -142,32 +142,44 @@ def train(task, cfg, *, mesh, layout="contiguous", steps=100, batch_size=16, lr=
                 weights=weights, params=params)
 
 
-def plot(runs, task, path):
-    """Loss curves of every run, and eval accuracy by question-fact distance (ring vs local)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def by_distance(runs, task, n_bins=8):
+    """Eval accuracy per bin of question-fact distance for each run: ``{name: {centers, accuracy, count}}``
+    (lists, for metrics.json; an empty bin's accuracy is None)."""
     from .tasks import accuracy_by_distance
 
-    fig, (ax_loss, ax_dist) = plt.subplots(1, 2, figsize=(11, 4))
+    edges = np.linspace(task.shard, task.seq, n_bins + 1)
+    out = {}
     for name, run in runs.items():
-        ax_loss.plot(run["losses"], label=name, lw=1)
-    ax_loss.axhline(np.log(task.n_values), color="gray", ls=":", lw=1, label="log(n_values): guessing")
+        centers, acc, count = accuracy_by_distance(run["correct"], run["distance"], run["weights"], edges)
+        out[name] = dict(centers=centers.tolist(), accuracy=[None if np.isnan(a) else float(a) for a in acc],
+                         count=count.tolist())
+    return out
+
+
+def draw(metrics, fig):
+    """Draw a metrics dict on ``fig`` (a matplotlib Figure): loss curves of every run; eval accuracy by
+    question-fact distance, with chance and one shard marked. Returns ``fig``."""
+    ax_loss, ax_dist = fig.subplots(1, 2)
+    for name, losses in metrics["losses"].items():
+        ax_loss.plot(losses, label=name, lw=1)
+    ax_loss.axhline(-np.log(metrics["chance_accuracy"]), color="gray", ls=":", lw=1, label="log(n_values): guessing")
     ax_loss.set(xlabel="step", ylabel="loss (questions)", title="training loss")
     ax_loss.legend(fontsize=8)
-    edges = np.linspace(task.shard, task.seq, 9)
-    for name, run in runs.items():
-        centers, acc, _ = accuracy_by_distance(run["correct"], run["distance"], run["weights"], edges)
-        ax_dist.plot(centers, acc, "o-", label=name)
-    ax_dist.axhline(task.chance, color="gray", ls=":", lw=1, label="chance")
-    ax_dist.axvline(task.shard, color="k", ls="--", lw=1, label="one shard")
+    for name, d in metrics["accuracy_by_distance"].items():
+        ax_dist.plot(d["centers"], [np.nan if a is None else a for a in d["accuracy"]], "o-", label=name)
+    ax_dist.axhline(metrics["chance_accuracy"], color="gray", ls=":", lw=1, label="chance")
+    ax_dist.axvline(metrics["shard"], color="k", ls="--", lw=1, label="one shard")
     ax_dist.set(xlabel="distance from question to fact (tokens)", ylabel="eval accuracy", ylim=(0, 1.05),
                 title="accuracy by key distance")
     ax_dist.legend(fontsize=8)
-    fig.tight_layout()
+    return fig
+
+
+def plot(metrics, path):
+    """:func:`draw` into a PNG file (no pyplot: a bare Figure with the Agg canvas)."""
+    from matplotlib.figure import Figure
+    fig = draw(metrics, Figure(figsize=(11, 4), layout="constrained"))
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def run_experiment(*, seq, devices, layout, steps, dtype, batch, d_model, layers, lr, seed=0, out=None,
@@ -199,12 +211,12 @@ def run_experiment(*, seq, devices, layout, steps, dtype, batch, d_model, layers
                    seconds=time.perf_counter() - start, seconds_per_model=seconds,
                    final_loss={k: float(np.mean(r["losses"][-10:])) for k, r in runs.items()},
                    eval_accuracy={k: r["accuracy"] for k, r in runs.items()},
-                   losses={k: r["losses"] for k, r in runs.items()})
+                   losses={k: r["losses"] for k, r in runs.items()}, accuracy_by_distance=by_distance(runs, task))
     if out is not None:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "metrics.json"), "w") as f:
             json.dump(metrics, f, indent=1)
-        plot(runs, task, os.path.join(out, "training.png"))
+        plot(metrics, os.path.join(out, "training.png"))
     return metrics
 
 

@@ -9,7 +9,9 @@ not need it), with the non-interactive Agg backend when there is no display.
 - :func:`plot_tile_schedule` -- which ``block_q x block_kv`` tiles each host computes at each ring
   step, from the kernels' skip predicate ``kernels.tiles.tile_schedule`` (notebook 08);
 - :func:`plot_double_buffer` -- the fused TPU ring's double buffer, remote DMAs and handshake as a
-  time-space diagram (notebook 09).
+  time-space diagram (notebook 09);
+- :func:`plot_training` -- loss curves and accuracy by fact distance of ``ringattn_fast.train``'s
+  ring and one-shard models (notebook 12).
 """
 from __future__ import annotations
 
@@ -172,3 +174,11 @@ def plot_double_buffer(n_devices=4, *, handshake=True):
     ax.set_title(f"fused ring on {n} devices, " + ("with" if handshake else "WITHOUT") + " the handshake",
                  fontsize=10)
     return fig
+
+
+def plot_training(metrics):
+    """``ringattn_fast.train``'s figure from its metrics dict (``run_experiment``'s result or
+    ``metrics.json``): training loss of every run; eval accuracy by question-fact distance."""
+    plt = _pyplot()
+    from ringattn_fast.train import draw
+    return draw(metrics, plt.figure(figsize=(11, 4), layout="constrained"))
