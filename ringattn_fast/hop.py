@@ -273,7 +273,7 @@ def _hop_bwd(qs, kv, cfg, do, lse, delta, drop, *, per_tile):
         kt_j = jnp.swapaxes(masks.finite_part(k_j), -1, -2)  # K_j^T: (b, hk, d, bkv); a masked key's nan stays out of dQ
 
         def q_block(carry, xs):
-            i, qt_i, do_i, lse_i, delta_i, qp_i, qs_i, rows_i = xs  # (b, hk, d, g*bq), (b, hk, g*bq, d), (b, hk, g*bq) x2
+            i, qt_i, do_i, lse_i, delta_i, qp_i, qs_i, rows_i = xs  # (b, hk, d, g*bq), (b, hk, g*bq, d), (b, hk, g*bq) x3
             bias_ij = _rows(bias_j, i * block_q, block_q, 2)
 
             def tile(carry, masked):
@@ -284,7 +284,8 @@ def _hop_bwd(qs, kv, cfg, do, lse, delta, drop, *, per_tile):
                 pt = jnp.exp(st - lse_i[:, :, None])  # P^T; masked -> 0
                 keep_t = None if rows_i is None else keep_scale(rows_i[:, :, None, :], kp_j[:, None, :, None],
                                                                 cfg.dropout_rate, acc)  # dropout K^T
-                dv_j = dv_j + jnp.einsum("bksq,bkqd->bksd", pt if keep_t is None else pt * keep_t, do_i)  # dV += P^T dO
+                pt_v = pt if keep_t is None else pt * keep_t  # the P that multiplied V in the forward
+                dv_j = dv_j + jnp.einsum("bksq,bkqd->bksd", pt_v, do_i)  # dV += P^T dO
                 dpt = jnp.einsum("bksd,bkqd->bksq", v_j, do_i)  # dP^T = V dO^T
                 dpt = dpt if keep_t is None else dpt * keep_t
                 dst = masks.masked_grad(pt, dpt, delta_i[:, :, None])  # dS^T; 0 where P is 0, even in a NaN row

@@ -297,7 +297,8 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
     def per_host(*xs):
         kw = dict(zip(names, xs))
         if dropout_rate > 0:
-            kw["dropout_offsets"] = (_first_index(axes.batch, kw["q"].shape[0]), _first_index(axes.heads, kw["q"].shape[2]))
+            b_local, h_local = kw["q"].shape[0], kw["q"].shape[2]
+            kw["dropout_offsets"] = (_first_index(axes.batch, b_local), _first_index(axes.heads, h_local))
         return ring_attention_shard(**kw, axis_name=axis_name, causal=causal, window=window, scale=scale,
                                     layout=layout, block_q=block_q, block_kv=block_kv, impl=impl,
                                     padding_segment=padded.padding_segment, return_lse=True,

@@ -223,7 +223,7 @@ def run_experiment(*, seq, devices, layout, steps, dtype, batch, d_model, layers
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m ringattn_fast.train", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"the small configuration {QUICK}")
-    parser.add_argument("--seq", type=int, help="sequence length (full run default %(default)s)")
+    parser.add_argument("--seq", type=int, help=f"sequence length (default: {FULL['seq']}, --quick {QUICK['seq']})")
     parser.add_argument("--devices", type=int, help="ring size (simulated CPU devices)")
     parser.add_argument("--layout", default="contiguous", choices=("contiguous", "striped", "zigzag"))
     parser.add_argument("--steps", type=int)

@@ -114,8 +114,9 @@ def test_fast_gradients_equal_dense_attention_with_the_same_mask():
     q, k, v, do = arrays(s=8)
     with jax.enable_x64(True):
         q, k, v, do = (jnp.asarray(x, jnp.float64) for x in (q, k, v, do))
-        ring = lambda q, k, v: rf.ring_attention(q, k, v, mesh=rf.make_mesh(2), causal=True, layout="zigzag",  # noqa: E731
-                                                 block_q=2, block_kv=1, dropout_rate=RATE, dropout_key=KEY)
+        kw = dict(mesh=rf.make_mesh(2), causal=True, layout="zigzag", block_q=2, block_kv=1, dropout_rate=RATE,
+                  dropout_key=KEY)
+        ring = lambda q, k, v: rf.ring_attention(q, k, v, **kw)  # noqa: E731
         o, vjp = jax.vjp(ring, q, k, v)
         o_want, vjp_want = jax.vjp(lambda q, k, v: dense_dropout64(q, k, v, WORDS), q, k, v)
         assert rel_err(o, o_want) <= 1e-12
