@@ -15,6 +15,7 @@ Mirrors ``ringattn_ref.backward``.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -48,7 +49,7 @@ def _add_hop(cfg, grads, dq, dbias, g, kv_idx, sk):
     return KVGrads(grads.dk + g.dk, grads.dv + g.dv, dbias_t), dq + g.dq, dbias
 
 
-def ring_backward(cfg, qs, kv, bias, o, lse, do, dlse=None):
+def ring_backward(cfg, qs, kv, bias, o, lse, do, dlse=None, drop=None):
     """The backward ring on this host: ``(dq, KVGrads, dbias)`` in float32/64, dK/dV home.
 
     - qs, kv, bias: as given to ``ring.ring_forward``; o [b, sq, h, d] and lse [b, h, sq]: its
@@ -56,10 +57,12 @@ def ring_backward(cfg, qs, kv, bias, o, lse, do, dlse=None):
     - do: the output cotangent; dlse: the cotangent of lse or None (``d lse / d S = P``, so it only
       shifts FA-2's D: ``dS = P (dP - (D - dlse))``).
 
+    drop: the forward's ``schedule.Dropout`` or None (the hops recompute the same mask).
     dbias: the gradient of the non-travelling bias (or None). The gradients of a key that held a
     nan/inf are those of its marked K and V (unspecified: NaN where it was seen).
     """
     hop_bwd = kernels_for(cfg.impl).hop_bwd
+    hop_bwd = hop_bwd if drop is None else partial(hop_bwd, drop=drop)
     n, my_idx = lax.axis_size(cfg.axis_name), lax.axis_index(cfg.axis_name)
     kv = masks.mark_bad_keys_of(kv)  # as the forward did
     acc = acc_dtype(qs.q.dtype)

@@ -43,12 +43,13 @@ def kernels_for(impl):
     return KERNELS[impl]
 
 
-def check_impl(impl, platform, q, k, v, *, has_bias=False):
-    """The concrete impl for this call, or a ValueError naming what does not fit (bias, dtype, platform)."""
+def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False):
+    """The concrete impl for this call, or a ValueError naming what does not fit (bias, dropout, dtype,
+    platform). Attention dropout runs in the XLA hop only: ``"auto"`` picks it."""
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
     if impl == "auto":
-        impl = "xla" if has_bias else _AUTO.get(platform, "xla")
+        impl = "xla" if has_bias or has_dropout else _AUTO.get(platform, "xla")
         if impl != "xla":
             try:
                 check_kernel_dtypes(impl, q, k, v)
@@ -56,6 +57,9 @@ def check_impl(impl, platform, q, k, v, *, has_bias=False):
                 impl = "xla"
     if impl == "xla":
         return impl
+    if has_dropout:
+        raise ValueError(f"impl={impl!r} does not support dropout_rate > 0 (attention dropout runs in the XLA "
+                         f"hop only); use impl='xla' or impl='auto' with dropout")
     if has_bias:
         raise ValueError(f"impl={impl!r} does not support bias (the Pallas kernels take none); "
                          f"use impl='xla' or impl='auto' with a bias")

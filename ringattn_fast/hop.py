@@ -32,6 +32,8 @@ from functools import partial
 import jax.numpy as jnp
 from jax import lax
 
+from ringattn_ref.dropout import keep_scale, row_hash
+
 from . import masks
 from .mesh import varying_axes, vary_like
 from .schedule import HopGrads
@@ -129,6 +131,19 @@ def _logits_t(k_j, qt_i, bias_ij, mask_ij, g, acc):
     return st.reshape(b, hk, bkv, gq)
 
 
+def _drop_rows(drop, q_pos, hk, g, block):
+    """Dropout row hashes of every query chunk, rows ordered like :func:`_q_chunks`: [n, b, hk, g*block]
+    (uint32), or None without dropout. q_pos: [b, sq] true positions."""
+    if drop is None:
+        return None
+    b, sq = q_pos.shape
+    batch = (jnp.arange(b, dtype=jnp.uint32) + drop.batch_offset)[:, None, None, None]  # (b, 1, 1, 1)
+    head = (jnp.arange(hk * g, dtype=jnp.uint32) + drop.head_offset).reshape(1, hk, g, 1)
+    rows = row_hash(drop.seed, batch, head, q_pos[:, None, None, :])  # (b, hk, g, sq)
+    rows = rows.reshape(b, hk, g, sq // block, block)
+    return jnp.transpose(rows, (3, 0, 1, 2, 4)).reshape(sq // block, b, hk, g * block)
+
+
 def _by_kind(tile, carry, skipped, qp, kp, qs, ks, cfg, per_tile):
     """Run ``tile(carry, True)`` on a partial tile, ``tile(carry, False)`` on a full one, and
     return ``skipped(carry)`` on an empty one; no branch at all unless ``per_tile``."""
@@ -147,12 +162,15 @@ def _whole_hop(run, qs, kv, cfg):
     return lax.cond(full, lambda: run(per_tile=False), lambda: run(per_tile=True))
 
 
-def hop_fwd(qs, kv, cfg):
-    """Attention of ``qs.q`` against one K/V shard: ``(o, lse)``, o 0 and lse -inf where a row saw nothing."""
-    return _whole_hop(partial(_hop_fwd, qs, kv, cfg), qs, kv, cfg)
+def hop_fwd(qs, kv, cfg, drop=None):
+    """Attention of ``qs.q`` against one K/V shard: ``(o, lse)``, o 0 and lse -inf where a row saw nothing.
+
+    drop: a ``schedule.Dropout`` when ``cfg.dropout_rate > 0``: ``P V`` uses ``P * M / (1 - rate)``
+    (``ringattn_ref.dropout``), lse is that of the undropped ``P``."""
+    return _whole_hop(partial(_hop_fwd, qs, kv, cfg, drop), qs, kv, cfg)
 
 
-def _hop_fwd(qs, kv, cfg, *, per_tile):
+def _hop_fwd(qs, kv, cfg, drop, *, per_tile):
     (q, q_pos, q_seg), (k, v, k_pos, k_seg, bias) = qs, kv
     block_q, block_kv = cfg.block_q, cfg.block_kv
     b, sq, h, d = q.shape
@@ -165,7 +183,7 @@ def _hop_fwd(qs, kv, cfg, *, per_tile):
     kv_xs = (jnp.arange(nk), kc, vc, _pos_chunks(k_pos, block_kv), _pos_chunks(k_seg, block_kv))
 
     def q_block(xs):  # one Br chunk of queries against all of the shard's keys
-        i, q_i, qp_i, qs_i = xs
+        i, q_i, qp_i, qs_i, rows_i = xs
         bias_i = _rows(bias, i * block_q, block_q, 2)
 
         def kv_block(carry, xs):  # one Bc chunk: the online-softmax update (FA-2 Algorithm 1)
@@ -180,7 +198,11 @@ def _hop_fwd(qs, kv, cfg, *, per_tile):
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with no key yet
                 p = jnp.exp(s - m_safe[..., None])  # masked -> exp(-inf) = 0
                 alpha = jnp.exp(m - m_safe)
-                pv = jnp.einsum("bkqs,bksd->bkqd", p, v_j.astype(acc))
+                if rows_i is not None:  # dropout: P V with P * M / (1 - rate); l keeps the undropped P
+                    p_v = p * keep_scale(rows_i[..., None], kp_j[:, None, None, :], cfg.dropout_rate, acc)
+                else:
+                    p_v = p
+                pv = jnp.einsum("bkqs,bksd->bkqd", p_v, v_j.astype(acc))
                 return alpha[..., None] * o + pv, m_new, alpha * l + p.sum(axis=-1)
 
             return _by_kind(tile, carry, lambda c: c, qp_i, kp_j, qs_i, ks_j, cfg, per_tile), None
@@ -190,7 +212,8 @@ def _hop_fwd(qs, kv, cfg, *, per_tile):
         o = o / jnp.where(l == 0, 1.0, l)[..., None]
         return o, jnp.where(l == 0, -jnp.inf, m + jnp.log(jnp.where(l == 0, 1.0, l)))
 
-    o, lse = lax.map(q_block, (jnp.arange(nq), qc, _pos_chunks(q_pos, block_q), _pos_chunks(q_seg, block_q)))
+    o, lse = lax.map(q_block, (jnp.arange(nq), qc, _pos_chunks(q_pos, block_q), _pos_chunks(q_seg, block_q),
+                               _drop_rows(drop, q_pos, hk, g, block_q)))
     return _q_unchunk(o, g), _stat_unchunk(lse, g)
 
 
@@ -205,7 +228,7 @@ def _sum_to(x, shape):
     return x.sum(axis=axes, keepdims=True) if axes else x
 
 
-def hop_bwd(qs, kv, cfg, *, do, lse, delta):
+def hop_bwd(qs, kv, cfg, *, do, lse, delta, drop=None):
     """FlashAttention-2 backward (Algorithm 2) of one hop, recomputing each tile from ``q, k, lse``.
 
     Outer loop over K/V chunks (dK_j, dV_j accumulate over the query chunks), inner loop over query
@@ -218,13 +241,14 @@ def hop_bwd(qs, kv, cfg, *, do, lse, delta):
     with the rhs's first (``dQ^T = K^T dS^T``): XLA CPU runs ``P^T dO`` written on the untransposed
     ``P`` (both operands contracted on their row axis) 1.4-3x slower (measured at 128 and 1024 tiles).
 
-    do: [b, sq, h, d]; lse, delta: [b, h, sq] over all hops (delta = rowsum(do * o_final)). Returns
-    :class:`HopGrads` in float32 (float64 for float64).
+    do: [b, sq, h, d]; lse, delta: [b, h, sq] over all hops (delta = rowsum(do * o_final)); drop: as
+    in :func:`hop_fwd` (with the keep multiplier ``K``: ``dV += (P K)^T dO``, ``dP = (dO V^T) K``; D is
+    unchanged). Returns :class:`HopGrads` in float32 (float64 for float64).
     """
-    return HopGrads(*_whole_hop(partial(_hop_bwd, qs, kv, cfg, do, lse, delta), qs, kv, cfg))
+    return HopGrads(*_whole_hop(partial(_hop_bwd, qs, kv, cfg, do, lse, delta, drop), qs, kv, cfg))
 
 
-def _hop_bwd(qs, kv, cfg, do, lse, delta, *, per_tile):
+def _hop_bwd(qs, kv, cfg, do, lse, delta, drop, *, per_tile):
     (q, q_pos, q_seg), (k, v, k_pos, k_seg, bias) = qs, kv
     scale, block_q, block_kv = cfg.scale, cfg.block_q, cfg.block_kv
     b, sq, h, d = q.shape
@@ -238,7 +262,7 @@ def _hop_bwd(qs, kv, cfg, do, lse, delta, *, per_tile):
     qt = jnp.swapaxes(_q_chunks(q.astype(acc) * scale, hk, block_q), -1, -2)  # Q^T: (nq, b, hk, d, g*bq)
     q_xs = (jnp.arange(nq), qt, _q_chunks(do.astype(acc), hk, block_q),
             _stat_chunks(lse, hk, block_q), _stat_chunks(delta, hk, block_q), _pos_chunks(q_pos, block_q),
-            _pos_chunks(q_seg, block_q))
+            _pos_chunks(q_seg, block_q), _drop_rows(drop, q_pos, hk, g, block_q))
     kv_xs = (jnp.arange(nk), _kv_chunks(k, block_kv), _kv_chunks(v, block_kv), _pos_chunks(k_pos, block_kv),
              _pos_chunks(k_seg, block_kv))
 
@@ -249,7 +273,7 @@ def _hop_bwd(qs, kv, cfg, do, lse, delta, *, per_tile):
         kt_j = jnp.swapaxes(masks.finite_part(k_j), -1, -2)  # K_j^T: (b, hk, d, bkv); a masked key's nan stays out of dQ
 
         def q_block(carry, xs):
-            i, qt_i, do_i, lse_i, delta_i, qp_i, qs_i = xs  # (b, hk, d, g*bq), (b, hk, g*bq, d), (b, hk, g*bq) x2
+            i, qt_i, do_i, lse_i, delta_i, qp_i, qs_i, rows_i = xs  # (b, hk, d, g*bq), (b, hk, g*bq, d), (b, hk, g*bq) x3
             bias_ij = _rows(bias_j, i * block_q, block_q, 2)
 
             def tile(carry, masked):
@@ -258,8 +282,12 @@ def _hop_bwd(qs, kv, cfg, do, lse, delta, *, per_tile):
                                      causal=cfg.causal, window=cfg.window) if masked else None
                 st = _logits_t(k_j, qt_i, bias_ij, mask, g, acc)  # S^T: (b, hk, bkv, g*bq)
                 pt = jnp.exp(st - lse_i[:, :, None])  # P^T; masked -> 0
-                dv_j = dv_j + jnp.einsum("bksq,bkqd->bksd", pt, do_i)  # dV += P^T dO
+                keep_t = None if rows_i is None else keep_scale(rows_i[:, :, None, :], kp_j[:, None, :, None],
+                                                                cfg.dropout_rate, acc)  # dropout K^T
+                pt_v = pt if keep_t is None else pt * keep_t  # the P that multiplied V in the forward
+                dv_j = dv_j + jnp.einsum("bksq,bkqd->bksd", pt_v, do_i)  # dV += P^T dO
                 dpt = jnp.einsum("bksd,bkqd->bksq", v_j, do_i)  # dP^T = V dO^T
+                dpt = dpt if keep_t is None else dpt * keep_t
                 dst = masks.masked_grad(pt, dpt, delta_i[:, :, None])  # dS^T; 0 where P is 0, even in a NaN row
                 dqt_i = jnp.einsum("bkds,bksq->bkdq", kt_j, dst) * scale  # dQ^T = K^T dS^T: (b, hk, d, g*bq)
                 dk_j = dk_j + jnp.einsum("bksq,bkdq->bksd", dst, qt_i)  # dK += dS^T Q (q carries the scale)

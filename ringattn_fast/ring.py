@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ringattn_ref import dropout as drop_ref
 from ringattn_ref import validation as val
 
 from . import masks, padding
@@ -31,18 +32,21 @@ from .dispatch import check_impl, kernels_for
 from .hop import acc_dtype
 from .layouts import permute_axis
 from .mesh import check_mesh_axes, mesh_platform, resolve_mesh, varying_axes, vary_like
-from .schedule import HopConfig, KVShard, QShard, RingConfig, hop_kv, kv_index, local_positions, ring_loop, send_to_next
+from .schedule import (Dropout, HopConfig, KVShard, QShard, RingConfig, hop_kv, kv_index, local_positions, ring_loop,
+                       send_to_next)
 from .softmax import merge
 
 
-def ring_forward(cfg, qs, kv, bias):
+def ring_forward(cfg, qs, kv, bias, drop=None):
     """The forward ring on this host: ``(o, lse)``, o ``[b, sq, h, d]``, lse ``[b, h, sq]`` in float32/64.
 
     qs: this host's queries; kv: this host's own K/V shard (it starts the ring); bias: the host's
-    non-travelling bias (``cfg.bias_mode`` "columns" or "static") or None. A key holding a nan/inf is
-    marked first (``masks.mark_bad_keys``), so no hop meets ``0 * nan``.
+    non-travelling bias (``cfg.bias_mode`` "columns" or "static") or None; drop: a
+    ``schedule.Dropout`` or None. A key holding a nan/inf is marked first (``masks.mark_bad_keys``),
+    so no hop meets ``0 * nan``.
     """
     hop_fwd = kernels_for(cfg.impl).hop_fwd
+    hop_fwd = hop_fwd if drop is None else partial(hop_fwd, drop=drop)
     n, my_idx = lax.axis_size(cfg.axis_name), lax.axis_index(cfg.axis_name)
     b, sq, h, d = qs.q.shape
     kv = masks.mark_bad_keys_of(kv)
@@ -73,28 +77,28 @@ def ring_forward(cfg, qs, kv, bias):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(cfg, qs, kv, bias):
+def _ring(cfg, qs, kv, bias, drop=None):
     """Ring attention on this host: ``(o, lse)``, o ``[b, sq, h, d]`` in q's dtype, lse ``[b, h, sq]``
     float32 (float64 for float64); differentiable in q, k, v, bias (and through lse)."""
-    o, lse = ring_forward(cfg, qs, kv, bias)
+    o, lse = ring_forward(cfg, qs, kv, bias, drop)
     return o.astype(qs.q.dtype), lse
 
 
-def _ring_fwd(cfg, qs, kv, bias):
+def _ring_fwd(cfg, qs, kv, bias, drop=None):
     """The forward saves only its inputs, ``o`` and ``lse``: ``O(S/N)`` per host."""
-    o, lse = ring_forward(cfg, qs, kv, bias)
+    o, lse = ring_forward(cfg, qs, kv, bias, drop)
     o = o.astype(qs.q.dtype)
-    return (o, lse), (qs, kv, bias, o, lse)
+    return (o, lse), (qs, kv, bias, o, lse, drop)
 
 
 def _ring_bwd(cfg, res, cotangents):
-    qs, kv, bias, o, lse = res
+    qs, kv, bias, o, lse, drop = res
     do, dlse = cotangents
-    dq, dkv, dbias = ring_backward(cfg, qs, kv, bias, o, lse, do, dlse)
+    dq, dkv, dbias = ring_backward(cfg, qs, kv, bias, o, lse, do, dlse, drop)
     cast = lambda g, x: None if x is None else g.astype(x.dtype)  # noqa: E731
     return (QShard(cast(dq, qs.q), None, None),
             KVShard(cast(dkv.dk, kv.k), cast(dkv.dv, kv.v), None, None, cast(dkv.dbias, kv.bias)),
-            cast(dbias, bias))
+            cast(dbias, bias), None if drop is None else Dropout(None, None, None))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -142,9 +146,24 @@ def _axis_size(axis_name):
                          f"whose mesh has that axis, or call ring_attention on global arrays") from None
 
 
+def _dropout_seed(key):
+    """The two uint32 words of a dropout key: a typed ``jax.random.key``, a raw ``PRNGKey`` (uint32 [2])
+    or an int seed in ``[0, 2**64)`` (``ringattn_ref.dropout``: the same words give the same mask)."""
+    if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+        return jnp.asarray(drop_ref.int_seed_words(key))
+    if hasattr(key, "dtype") and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    if getattr(key, "shape", None) != (2,) or getattr(key, "dtype", None) != jnp.uint32:
+        raise ValueError(f"dropout_key must be a jax.random.key (threefry), a raw PRNGKey (uint32 [2]) or an int "
+                         f"seed; got {type(key).__name__} with shape {getattr(key, 'shape', None)}, dtype "
+                         f"{getattr(key, 'dtype', None)}")
+    return jnp.asarray(key)
+
+
 def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=None, bias=None, window=None,
                          scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
-                         positions=None, padding_segment=None, return_lse=False):
+                         positions=None, padding_segment=None, return_lse=False, dropout_rate=0.0,
+                         dropout_key=None, dropout_offsets=(0, 0)):
     """Ring attention for code already inside ``jax.shard_map``: this host's output shard.
 
     q: [batch, s_local, heads, dim] and k, v: [batch, s_local, kv_heads, dim], this host's shard of the
@@ -152,7 +171,11 @@ def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=N
     split); segment_ids: int32 [batch, s_local]; bias: see :func:`_bias_mode`; positions: int
     [batch, s_local] true positions in ``[0, 2**31)``, overriding ``layout`` (for a custom per-example
     permutation, ``to_layout(..., positions=...)``); padding_segment: keys of that segment are masked
-    for every query and its queries return 0. Differentiable in q, k, v, bias. Returns
+    for every query and its queries return 0. dropout_rate / dropout_key: attention dropout with the
+    mask of ``ringattn_ref.dropout`` (a function of the key, batch row, head and true positions: the
+    same for every ring size, layout and block size; XLA hop only); the batch row and head count from
+    ``dropout_offsets = (first batch row, first head)`` of this host (``ring_attention`` sets them when
+    it splits the batch or the heads over mesh axes). Differentiable in q, k, v, bias. Returns
     [batch, s_local, heads, dim] in q's dtype, and with ``return_lse`` also lse [batch, heads, s_local]
     (float32, float64 for float64; -inf on rows that see nothing).
     """
@@ -170,13 +193,19 @@ def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=N
         raise ValueError(f"bias must be a floating-point array; got dtype {bias.dtype}")
     block_q = val.check_block(default_block(sq) if block_q is None else block_q, sq, "block_q")
     block_kv = val.check_block(default_block(sq) if block_kv is None else block_kv, sq, "block_kv")
-    impl = check_impl(impl, mesh_platform(jax.sharding.get_abstract_mesh()), q, k, v, has_bias=bias is not None)
+    dropout_rate = drop_ref.check_dropout_rate(dropout_rate, dropout_key)
+    impl = check_impl(impl, mesh_platform(jax.sharding.get_abstract_mesh()), q, k, v, has_bias=bias is not None,
+                      has_dropout=dropout_rate > 0)
     val.check_positions(positions, b, sq)
     pos = local_positions(layout, sq, axis_name, b) if positions is None else positions.astype(jnp.int32)
     seg = None if seg is None else seg.astype(jnp.int32)
     axes = tuple(sorted(set(varying_axes(q, k, v, seg, bias, pos) + (axis_name,))))
     q, k, v, pos, seg, bias = vary_like((q, k, v, pos, seg, bias), axes)
-    hop = HopConfig(scale=scale, causal=causal, window=window, block_q=block_q, block_kv=block_kv)
+    hop = HopConfig(scale=scale, causal=causal, window=window, block_q=block_q, block_kv=block_kv,
+                    dropout_rate=dropout_rate)
+    drop = None
+    if dropout_rate > 0:
+        drop = Dropout(_dropout_seed(dropout_key), *(jnp.asarray(x).astype(jnp.uint32) for x in dropout_offsets))
     qs = QShard(q, pos, None if seg is None else padding.padding_queries(seg, padding_segment))
     kv = KVShard(k, v, pos, seg, bias if bias_mode == "travel" else None)
     if impl == "pallas_tpu_fused":  # the whole ring in one kernel (its own custom_vjp)
@@ -184,7 +213,7 @@ def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=N
         o, lse = kernels_for(impl).ring(qs, kv, hop, axis_name=axis_name, return_lse=True)
     else:
         cfg = RingConfig(axis_name, hop, impl, bias_mode, skip_empty_hops=kernels_for(impl).ring_may_skip)
-        o, lse = _ring(cfg, qs, kv, None if bias_mode == "travel" else bias)
+        o, lse = _ring(cfg, qs, kv, None if bias_mode == "travel" else bias, drop)
     return (o, lse) if return_lse else o
 
 
@@ -195,9 +224,17 @@ def _int32_segment_ids(segment_ids):
     return jnp.searchsorted(jnp.sort(segment_ids.ravel()), segment_ids).astype(jnp.int32)
 
 
+def _first_index(mesh_axes, local_size):
+    """Global index of this host's first row along a dim split over ``mesh_axes`` (None: not split)."""
+    if mesh_axes is None or mesh_axes == ():
+        return 0
+    return lax.axis_index(mesh_axes) * local_size
+
+
 def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_ids=None, bias=None,
                    window=None, scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
-                   padding_segment=None, return_lse=False, batch_axes=None, head_axis=None):
+                   padding_segment=None, return_lse=False, batch_axes=None, head_axis=None, dropout_rate=0.0,
+                   dropout_key=None):
     """Ring attention on global arrays: shards them over ``mesh``, runs the ring, returns the output.
 
     - q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim] (heads % kv_heads == 0);
@@ -209,7 +246,10 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
       key-only ``[b|1, h|1, 1, seq]`` one travels with K/V);
     - window: ``(left, right)`` ints, -1 or at least ``seq - 1`` = unbounded;
     - layout: ``"contiguous" | "striped" | "zigzag"`` or a permutation;
-    - impl: ``"auto" | "xla" | "pallas_gpu" | "pallas_tpu" | "pallas_tpu_fused"`` (``dispatch``).
+    - impl: ``"auto" | "xla" | "pallas_gpu" | "pallas_tpu" | "pallas_tpu_fused"`` (``dispatch``);
+    - dropout_rate / dropout_key: attention dropout (``jax.random.key``, raw ``PRNGKey`` or int seed;
+      no default key): the mask of ``ringattn_ref.dropout``, identical for every mesh, layout and
+      block size; runs in the XLA hop (``impl="auto"`` picks it, a Pallas impl is an error).
 
     The sequence is sharded on ``axis_name``, the batch on ``batch_axes`` (default ``"data"`` if the
     mesh has it; one name or a tuple), the heads on ``head_axis`` (default: not split); q, k, v are
@@ -229,7 +269,9 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
     mesh = resolve_mesh(mesh)
     axes = check_mesh_axes(mesh, axis_name, batch=b, heads=h, kv_heads=hk, batch_axes=batch_axes,
                            head_axis=head_axis)
-    check_impl(impl, mesh_platform(mesh), q, k, v, has_bias=bias is not None)  # errors before tracing
+    dropout_rate = drop_ref.check_dropout_rate(dropout_rate, dropout_key)
+    check_impl(impl, mesh_platform(mesh), q, k, v, has_bias=bias is not None,
+               has_dropout=dropout_rate > 0)  # errors before tracing
     padded = padding.pad_for_ring(q, k, v, n_hosts=axes.n, layout=layout, segment_ids=segment_ids, bias=bias,
                                   padding_segment=padding_segment)
     layout, s_ring = padded.layout, padded.q.shape[1]
@@ -248,12 +290,19 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
         args["bias"] = perm(args["bias"], axis=3) if bias.shape[3] > 1 else args["bias"]
         specs["bias"] = axes.spec("batch" if bias.shape[0] > 1 else None, "heads" if bias.shape[1] > 1 else None,
                                   rows, cols)
+    if dropout_rate > 0:  # replicated; each host adds the global index of its first batch row and head
+        args["dropout_key"], specs["dropout_key"] = _dropout_seed(dropout_key), jax.P()
     names = tuple(args)
 
     def per_host(*xs):
-        return ring_attention_shard(**dict(zip(names, xs)), axis_name=axis_name, causal=causal, window=window,
-                                    scale=scale, layout=layout, block_q=block_q, block_kv=block_kv, impl=impl,
-                                    padding_segment=padded.padding_segment, return_lse=True)
+        kw = dict(zip(names, xs))
+        if dropout_rate > 0:
+            b_local, h_local = kw["q"].shape[0], kw["q"].shape[2]
+            kw["dropout_offsets"] = (_first_index(axes.batch, b_local), _first_index(axes.heads, h_local))
+        return ring_attention_shard(**kw, axis_name=axis_name, causal=causal, window=window, scale=scale,
+                                    layout=layout, block_q=block_q, block_kv=block_kv, impl=impl,
+                                    padding_segment=padded.padding_segment, return_lse=True,
+                                    dropout_rate=dropout_rate)
 
     o, lse = jax.shard_map(per_host, mesh=mesh, in_specs=tuple(specs[k_] for k_ in names),
                            out_specs=(specs["q"], axes.spec("batch", "heads", "seq")))(*(args[k_] for k_ in names))

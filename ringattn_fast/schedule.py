@@ -51,13 +51,24 @@ class HopConfig:
 
     - scale: logit scale;
     - causal / window: the mask (window normalised, -1 = unbounded, int32-safe);
-    - block_q / block_kv: the tile sides Br / Bc, dividing the shard.
+    - block_q / block_kv: the tile sides Br / Bc, dividing the shard;
+    - dropout_rate: attention dropout (its key travels as a :class:`Dropout`; XLA hop only).
     """
     scale: float
     causal: bool = False
     window: tuple | None = None
     block_q: int = 128
     block_kv: int = 128
+    dropout_rate: float = 0.0
+
+
+class Dropout(NamedTuple):
+    """The traced half of attention dropout: seed uint32 [2] (the key's words) and the global index of
+    this host's first batch row and first head (uint32 scalars), so that the mask
+    (``ringattn_ref.dropout``) is a function of global batch row, head and true positions."""
+    seed: jax.Array
+    batch_offset: jax.Array
+    head_offset: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .dropout import check_dropout, dropout_mask
 from .masks import allowed, mark_bad_keys
 from .validation import check_bias, check_bool, check_qkv, check_scale, check_segment_ids, check_window
 
@@ -27,7 +28,7 @@ def repeat_kv(x, heads):
 
 
 def attention(q, k, v, *, causal=False, segment_ids=None, bias=None, window=None, scale=None,
-              return_lse=False, padding_segment=None):
+              return_lse=False, padding_segment=None, dropout_rate=0.0, dropout_key=None):
     """Softmax attention of ``q`` over ``k``, ``v`` (all in true token order).
 
     - q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim] with heads % kv_heads == 0;
@@ -36,7 +37,10 @@ def attention(q, k, v, *, causal=False, segment_ids=None, bias=None, window=None
     - bias: broadcastable to [batch, heads, seq, seq], added to the scaled logits;
     - scale: defaults to ``dim ** -0.5``;
     - padding_segment: a segment id whose keys no query sees and whose queries see nothing
-      (MaxText's padding 0; ``ringattn_ref.packing``).
+      (MaxText's padding 0; ``ringattn_ref.packing``);
+    - dropout_rate / dropout_key: attention dropout, ``P * M / (1 - rate)`` in ``P V`` with the mask of
+      ``dropout.dropout_mask`` (a function of the key, batch row, head and true positions); lse is
+      that of the undropped ``P``.
 
     Returns o [batch, seq, heads, dim] float64, and lse [batch, heads, seq] if ``return_lse``.
     A row that sees no key gives ``o = 0`` and ``lse = -inf`` (never NaN).
@@ -47,6 +51,7 @@ def attention(q, k, v, *, causal=False, segment_ids=None, bias=None, window=None
     window = check_window(window, s)
     segment_ids = check_segment_ids(segment_ids, b, s)
     bias = check_bias(bias, b, h, s)
+    dropout_rate, seed = check_dropout(dropout_rate, dropout_key)
     q = np.asarray(q, dtype=np.float64)
     k, v = mark_bad_keys(k, v)
 
@@ -69,7 +74,10 @@ def attention(q, k, v, *, causal=False, segment_ids=None, bias=None, window=None
     p = np.exp(logits - m)  # (b, h, s, s); exactly 0 where masked
     l = p.sum(axis=-1)  # (b, h, s)
     seen = l != 0  # NaN (a row that sees a bad key) counts as seen: it stays NaN
-    o = np.einsum("bhqk,bkhd->bqhd", p / np.where(seen, l, 1.0)[..., None], repeat_kv(v, h))
+    p = p / np.where(seen, l, 1.0)[..., None]
+    if seed is not None:
+        p = p * dropout_mask(seed, dropout_rate, b, h, pos, pos)
+    o = np.einsum("bhqk,bkhd->bqhd", p, repeat_kv(v, h))
     if not return_lse:
         return o
     with np.errstate(divide="ignore"):

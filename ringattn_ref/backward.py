@@ -25,6 +25,7 @@ import numpy as np
 
 from .attention import repeat_kv
 from .blockwise import tile_logits
+from .dropout import dropout_mask
 from .masks import as_rows, mark_bad_keys, tile_is_empty
 from .ring import Host, KVBlock, hop_is_empty, ring_forward, send_to_next, setup_ring, swap_buffers
 from .validation import (check_block, check_bool, check_cotangent, check_positions, check_scale,
@@ -37,11 +38,14 @@ def sum_over_group(x, kv_heads):
     return x.reshape(b, sk, kv_heads, h // kv_heads, d).sum(axis=3)
 
 
-def attend_kv_block_bwd(host, block, bias, *, scale, causal, window, block_q, block_kv):
+def attend_kv_block_bwd(host, block, bias, *, scale, causal, window, block_q, block_kv, dropout=None):
     """Accumulate into ``host.dq`` and ``block.dk``/``block.dv`` the gradients of one hop, in place.
 
     host: a ring ``Host`` with q, do [b, c, h, d], lse, delta [b, h, c], dq; block: the ``KVBlock`` it
-    holds (k, v, dk, dv [b, c, kv_heads, d]). Returns the number of tiles computed.
+    holds (k, v, dk, dv [b, c, kv_heads, d]); dropout: ``(seed, rate)`` or None. With dropout
+    ``O = (P * K) V`` for the keep multiplier ``K = M / (1 - rate)``: ``dV = (P * K)^T dO``,
+    ``dP = (dO V^T) * K``, and ``D = rowsum(dO * O)`` is still ``rowsum(P * dP)``. Returns the number of
+    tiles computed.
     """
     q, do, k, v = host.q, host.do, block.k, block.v
     h, kv_heads = q.shape[2], k.shape[2]
@@ -59,8 +63,10 @@ def attend_kv_block_bwd(host, block, bias, *, scale, causal, window, block_q, bl
                             scale=scale, causal=causal, window=window)  # (b, h, tq, tk)
             p = np.exp(s - lse[:, :, qs, None])  # (b, h, tq, tk); 0 where masked
             k_tile, v_tile = repeat_kv(k_finite[:, ks], h), repeat_kv(v[:, ks], h)  # (b, tk, h, d)
-            dv = np.einsum("bhqk,bqhd->bkhd", p, do[:, qs])  # (b, tk, h, d)
-            dp = np.einsum("bqhd,bkhd->bhqk", do[:, qs], v_tile)  # (b, h, tq, tk)
+            keep = 1.0 if dropout is None else dropout_mask(*dropout, q.shape[0], h, host.q_pos[:, qs],
+                                                            block.k_pos[:, ks])  # (b, h, tq, tk)
+            dv = np.einsum("bhqk,bqhd->bkhd", p * keep, do[:, qs])  # (b, tk, h, d)
+            dp = np.einsum("bqhd,bkhd->bhqk", do[:, qs], v_tile) * keep  # (b, h, tq, tk)
             ds = np.where(p == 0, 0.0, p * (dp - host.delta[:, :, qs, None]))  # (b, h, tq, tk); a pair of
             # probability 0 has no gradient, even in a row made NaN by a bad key (its delta is NaN)
             host.dq[:, qs] += scale * np.einsum("bhqk,bkhd->bqhd", ds, k_tile)
@@ -97,7 +103,8 @@ def hop_attention_vjp(q, k, v, do, lse, delta, q_pos, k_pos, q_seg=None, k_seg=N
 
 
 def ring_attention_vjp(q, k, v, do, *, n_hosts, causal=False, segment_ids=None, bias=None,
-                       window=None, scale=None, layout="contiguous", block_q=None, block_kv=None):
+                       window=None, scale=None, layout="contiguous", block_q=None, block_kv=None,
+                       dropout_rate=0.0, dropout_key=None):
     """Gradients of :func:`ringattn_ref.ring_attention` for the output cotangent ``do``.
 
     q, do: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim]; keywords as in
@@ -106,7 +113,8 @@ def ring_attention_vjp(q, k, v, do, *, n_hosts, causal=False, segment_ids=None, 
     """
     check_cotangent(do, q.shape)
     kwargs = dict(n_hosts=n_hosts, causal=causal, segment_ids=segment_ids, bias=bias, window=window,
-                  scale=scale, layout=layout, block_q=block_q, block_kv=block_kv)
+                  scale=scale, layout=layout, block_q=block_q, block_kv=block_kv, dropout_rate=dropout_rate,
+                  dropout_key=dropout_key)
     o, lse, _ = ring_forward(q, k, v, **kwargs)  # the forward saves only o and lse
     problem, hosts = setup_ring(q, k, v, **kwargs)
     n, c, perm = problem.n_hosts, problem.shard, problem.perm
@@ -123,7 +131,8 @@ def ring_attention_vjp(q, k, v, do, *, n_hosts, causal=False, segment_ids=None, 
             if not hop_is_empty(host, problem):
                 attend_kv_block_bwd(host, host.held, problem.bias, scale=problem.scale,
                                     causal=problem.causal, window=problem.window,
-                                    block_q=problem.block_q, block_kv=problem.block_kv)
+                                    block_q=problem.block_q, block_kv=problem.block_kv,
+                                    dropout=problem.dropout)
         if step < n - 1:  # dK/dV of this block are final for this host: send k, v, dk, dv on
             send_to_next(hosts)
             swap_buffers(hosts)

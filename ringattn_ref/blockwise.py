@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .attention import repeat_kv
+from .dropout import dropout_mask
 from .masks import allowed, as_rows, mark_bad_keys, tile_is_empty
 from .softmax import finalize, init_state, online_update
 from .validation import (check_bias, check_block, check_bool, check_positions, check_qkv, check_scale,
@@ -63,12 +64,14 @@ def tile_logits(q, k, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window
 
 
 def attend_kv_block(state, q, k, v, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window,
-                    block_q, block_kv):
+                    block_q, block_kv, dropout=None):
     """Fold the attention of ``q`` over one K/V block into ``state = (m, l, o)``, in place.
 
     - q: [b, sq, h, d]; k, v: [b, sk, hk, d]; q_pos [b|1, sq], k_pos [b|1, sk] true positions;
     - segments [b, sq] / [b, sk] or None; bias: full bias in true order or None;
-    - m, l: [b, h, sq]; o: [b, sq, h, d] unnormalised.
+    - m, l: [b, h, sq]; o: [b, sq, h, d] unnormalised;
+    - dropout: ``(seed, rate)`` or None: each tile's ``P V`` uses the mask of ``dropout.dropout_mask``
+      at the tile's true positions (the same entries whatever the tiling).
 
     Tiles whose mask is provably empty are skipped (:func:`ringattn_ref.masks.tile_is_empty`).
     Returns ``(tiles_computed, tiles_skipped)``.
@@ -86,8 +89,10 @@ def attend_kv_block(state, q, k, v, q_pos, k_pos, q_seg, k_seg, bias, *, scale, 
             s = tile_logits(q[:, qs], k[:, ks], q_pos[:, qs], k_pos[:, ks], q_seg_t, k_seg_t, bias,
                             scale=scale, causal=causal, window=window)  # (b, h, tq, tk)
             v_tile = repeat_kv(v[:, ks], q.shape[2])  # (b, tk, h, d)
+            keep = None if dropout is None else dropout_mask(*dropout, q.shape[0], q.shape[2], q_pos[:, qs],
+                                                             k_pos[:, ks])  # (b, h, tq, tk)
             m[:, :, qs], l[:, :, qs], o[:, qs] = online_update(m[:, :, qs], l[:, :, qs], o[:, qs],
-                                                               s, v_tile)
+                                                               s, v_tile, keep)
             computed += 1
     return computed, skipped
 

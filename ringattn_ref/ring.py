@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .blockwise import attend_kv_block, default_block
+from .dropout import check_dropout
 from .layouts import layout_permutation
 from .masks import mark_bad_keys, tile_is_empty
 from .softmax import finalize, init_state
@@ -140,10 +141,11 @@ class RingProblem:
     block_q: int
     block_kv: int
     itemsize: int
+    dropout: tuple | None = None  # (seed uint32 [2], rate) or None
 
 
 def setup_ring(q, k, v, *, n_hosts, causal, segment_ids, bias, window, scale, layout, block_q,
-               block_kv):
+               block_kv, dropout_rate=0.0, dropout_key=None):
     """Validate the arguments and build the hosts: host ``r`` gets layout shard ``r`` of q and k/v."""
     b, s, h, hk, d = check_qkv(q, k, v)
     layout = check_layout(layout, s)
@@ -151,12 +153,14 @@ def setup_ring(q, k, v, *, n_hosts, causal, segment_ids, bias, window, scale, la
     c = s // n_hosts
     block_q = check_block(default_block(c) if block_q is None else block_q, c, "block_q")
     block_kv = check_block(default_block(c) if block_kv is None else block_kv, c, "block_kv")
+    rate, seed = check_dropout(dropout_rate, dropout_key)
     problem = RingProblem(
         n_hosts=n_hosts, shard=c, perm=layout_permutation(layout, s, n_hosts),
         layout_name=layout if isinstance(layout, str) else "custom", scale=check_scale(scale, d),
         causal=check_bool(causal, "causal"), window=check_window(window, s),
         bias=None if check_bias(bias, b, h, s) is None else np.asarray(bias, np.float64),
-        block_q=block_q, block_kv=block_kv, itemsize=np.dtype(q.dtype).itemsize)
+        block_q=block_q, block_kv=block_kv, itemsize=np.dtype(q.dtype).itemsize,
+        dropout=None if seed is None else (seed, rate))
     segment_ids = check_segment_ids(segment_ids, b, s)
     perm = problem.perm
     k, v = mark_bad_keys(k, v)  # a key holding a nan/inf: NaN for whoever sees it, nothing for the rest
@@ -192,14 +196,16 @@ def swap_buffers(hosts):
 
 
 def ring_forward(q, k, v, *, n_hosts, causal=False, segment_ids=None, bias=None, window=None,
-                 scale=None, layout="contiguous", block_q=None, block_kv=None):
+                 scale=None, layout="contiguous", block_q=None, block_kv=None, dropout_rate=0.0,
+                 dropout_key=None):
     """The ring forward pass; returns ``(o, lse, trace)`` with o, lse in the caller's order.
 
     o: [b, s, h, d]; lse: [b, h, s]. Arguments as in :func:`ring_attention`.
     """
     problem, hosts = setup_ring(q, k, v, n_hosts=n_hosts, causal=causal, segment_ids=segment_ids,
                                 bias=bias, window=window, scale=scale, layout=layout,
-                                block_q=block_q, block_kv=block_kv)
+                                block_q=block_q, block_kv=block_kv, dropout_rate=dropout_rate,
+                                dropout_key=dropout_key)
     n, c = problem.n_hosts, problem.shard
     b, _, h, d = hosts[0].q.shape
     n_tiles = (c // problem.block_q) * (c // problem.block_kv)
@@ -231,7 +237,7 @@ def ring_forward(q, k, v, *, n_hosts, causal=False, segment_ids=None, bias=None,
                 (host.m, host.l, host.o), host.q, host.held.k, host.held.v, host.q_pos,
                 host.held.k_pos, host.q_seg, host.held.k_seg, problem.bias, scale=problem.scale,
                 causal=problem.causal, window=problem.window, block_q=problem.block_q,
-                block_kv=problem.block_kv)
+                block_kv=problem.block_kv, dropout=problem.dropout)
         if step < n - 1:
             swap_buffers(hosts)
 
@@ -248,17 +254,21 @@ def ring_forward(q, k, v, *, n_hosts, causal=False, segment_ids=None, bias=None,
 
 
 def ring_attention(q, k, v, *, n_hosts, causal=False, segment_ids=None, bias=None, window=None,
-                   scale=None, layout="contiguous", block_q=None, block_kv=None, return_trace=False):
+                   scale=None, layout="contiguous", block_q=None, block_kv=None, return_trace=False,
+                   dropout_rate=0.0, dropout_key=None):
     """Attention computed by ``n_hosts`` simulated hosts passing K/V around a ring.
 
     q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim]; all in the caller's (true)
     order; the mask arguments are those of :func:`ringattn_ref.attention`. ``layout``:
     ``"contiguous"``, ``"striped"``, ``"zigzag"`` or a permutation array (``layouts.py``); seq must be
     divisible by ``n_hosts`` (``2 * n_hosts`` for zigzag). ``block_q`` / ``block_kv`` must divide the
-    shard ``seq / n_hosts``; default: the largest divisor of the shard ``<= 128``.
+    shard ``seq / n_hosts``; default: the largest divisor of the shard ``<= 128``. ``dropout_rate`` /
+    ``dropout_key``: attention dropout as in :func:`ringattn_ref.attention` (the same mask, for every
+    ring size, layout and block size: ``dropout.py``).
     Returns o [batch, seq, heads, dim] float64, and a :class:`RingTrace` if ``return_trace``.
     """
     o, _, trace = ring_forward(q, k, v, n_hosts=n_hosts, causal=causal, segment_ids=segment_ids,
                                bias=bias, window=window, scale=scale, layout=layout,
-                               block_q=block_q, block_kv=block_kv)
+                               block_q=block_q, block_kv=block_kv, dropout_rate=dropout_rate,
+                               dropout_key=dropout_key)
     return (o, trace) if return_trace else o

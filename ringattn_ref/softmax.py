@@ -35,18 +35,20 @@ def init_state(batch, heads, seq, dim):
     return m, l, o
 
 
-def online_update(m, l, o, s, v):
+def online_update(m, l, o, s, v, keep=None):
     """Fold one block of masked logits into the state (FA-2 Algorithm 1, lines 8-10).
 
     m, l: [b, h, q]; o: [b, q, h, d]; s: [b, h, q, k] logits with -inf where masked;
-    v: [b, k, h, d] (kv heads already repeated to q heads). Returns the new ``(m, l, o)``.
+    v: [b, k, h, d] (kv heads already repeated to q heads); keep: the dropout multiplier
+    ``M / (1 - rate)`` [b, h, q, k] or None (``dropout.py``: it scales ``P`` in ``P V`` only, not ``l``).
+    Returns the new ``(m, l, o)``.
     """
     m_new = np.maximum(m, s.max(axis=-1))  # (b, h, q); -inf if the row saw nothing so far
     m_safe = _finite_or_zero(m_new)
     alpha = np.exp(m - m_safe)  # (b, h, q): rescales the old state; exp(-inf) = 0 when m was -inf
     p = np.exp(s - m_safe[..., None])  # (b, h, q, k); 0 where masked
     l_new = alpha * l + p.sum(axis=-1)
-    o_new = _rows_to_o(alpha) * o + np.einsum("bhqk,bkhd->bqhd", p, v)
+    o_new = _rows_to_o(alpha) * o + np.einsum("bhqk,bkhd->bqhd", p if keep is None else p * keep, v)
     return m_new, l_new, o_new
 
 

@@ -3,6 +3,6 @@
 # Extra arguments go to pytest (e.g. scripts/test.sh -k ring -x).
 set -eu
 here=$(cd "$(dirname "$0")/.." && pwd)
-py=$("$here/scripts/setup-venv" test,notebooks,docs,flax)
+py=$("$here/scripts/setup-venv" test,notebooks,docs,flax,train)
 cd "$here"
 exec "$py" -m pytest "$@"

@@ -613,3 +613,30 @@ def check_cache_bytes_per_host(cache_bytes_per_host):
                                  f"seq / N slots per host, K and V, every layer)")
     return _correct("2 · layers · (S / N) · kv_heads · dim · bytes: 128 KiB per token for a 7B-class model, "
                     "so 1M tokens need 128 GiB on one host, 2 GiB each on 64")
+
+
+# ---- 12 training with a long context ------------------------------------------------------------
+
+def check_last_fact_position(answer, *, seq=512, shard=64):
+    """12, exercise 1: the largest position of a fact in ``RecallTask(seq=512, shard=64)``."""
+    if _pending(answer, "the largest position a fact may take"):
+        return False
+    from ringattn_fast.tasks import RecallTask
+    task = RecallTask(seq=seq, shard=shard)
+    want = task.fact_limit - 1
+    got = _as_int(answer, "the position")
+    if got != want:
+        raise AssertionError(f"got {got}; the {task.n_queries} questions and their answers fill the last "
+                             f"{2 * task.n_queries} positions, and a fact must be MORE than {shard} before the first")
+    return _correct(f"{want}: from the first question at {seq - 2 * task.n_queries}, {want} is {shard + 1} back")
+
+
+def check_kept_scale(answer, *, rate=0.2):
+    """12, exercise 2: the multiplier of a kept attention probability at ``dropout_rate=0.2``."""
+    if _pending(answer, "the factor of a kept probability"):
+        return False
+    from ringattn_ref.dropout import dropout_mask
+    pos = np.arange(64)[None]
+    want = float(dropout_mask(np.zeros(2, np.uint32), rate, 1, 1, pos, pos).max())  # what a kept entry gets
+    _close(answer, want, 1e-9, "the kept probability's factor (the expectation must not change)")
+    return _correct(f"{want}: kept with probability {1 - rate}, so E[factor * p] = p")

@@ -9,9 +9,11 @@ not need it), with the non-interactive Agg backend when there is no display.
 - :func:`plot_tile_schedule` -- which ``block_q x block_kv`` tiles each host computes at each ring
   step, from the kernels' skip predicate ``kernels.tiles.tile_schedule`` (notebook 08);
 - :func:`plot_double_buffer` -- the fused TPU ring's double buffer, remote DMAs and handshake as a
-  time-space diagram (notebook 09).
+  time-space diagram (notebook 09);
 - :func:`plot_decode_schedules` -- seconds per decoded token, ring against the merge reduction, over
-  the host count (notebook 11).
+  the host count (notebook 11);
+- :func:`plot_training` -- loss curves and accuracy by fact distance of ``ringattn_fast.train``'s
+  ring and one-shard models (notebook 12).
 """
 from __future__ import annotations
 
@@ -205,3 +207,11 @@ def plot_decode_schedules(n_hosts, ring_s, reduction_s, *, hardware=""):
         a.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def plot_training(metrics):
+    """``ringattn_fast.train``'s figure from its metrics dict (``run_experiment``'s result or
+    ``metrics.json``): training loss of every run; eval accuracy by question-fact distance."""
+    plt = _pyplot()
+    from ringattn_fast.train import draw
+    return draw(metrics, plt.figure(figsize=(11, 4), layout="constrained"))

@@ -1,0 +1,251 @@
+"""Train the model of ``model.py`` on the recall task of ``tasks.py``: ring attention vs one shard.
+
+``python -m ringattn_fast.train --quick --out runs/quick`` trains two models on the same batches:
+attention over the whole sequence around a ring of ``--devices`` hosts, and the same model with its
+attention window cut to one host's shard (``window=(shard - 1, 0)``, what a model without the ring
+would see). It writes ``DIR/metrics.json`` (accuracies, chance, timing, loss curves) and
+``DIR/training.png`` (loss curves; accuracy by the distance between question and fact). On CPU
+``--devices`` simulated devices are made with ``jax_num_cpu_devices``.
+
+Batches are made in true order (``tasks.py``), permuted into the layout (``--layout``) and sharded;
+the model gets each token's true position, so the loss curve does not depend on the ring size or the
+layout (``tests/test_training.py``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import numpy as np
+
+QUICK = dict(seq=256, devices=8, steps=300, batch=16, d_model=64, layers=2, lr=1e-2)
+FULL = dict(seq=512, devices=8, steps=400, batch=16, d_model=64, layers=2, lr=1e-2)
+
+
+class Progress:
+    """A one-line progress bar on stderr: ``label [#####.....] step/total  key value ...  it/s``."""
+
+    def __init__(self, total, label="", width=24, stream=None):
+        self.total, self.label, self.width = total, label, width
+        self.stream = sys.stderr if stream is None else stream
+        self.start = time.perf_counter()
+
+    def update(self, step, **values):
+        done = int(self.width * step / self.total)
+        rate = step / max(time.perf_counter() - self.start, 1e-9)
+        shown = "  ".join(f"{k} {v:.3f}" for k, v in values.items())
+        self.stream.write(f"\r{self.label} [{'#' * done}{'.' * (self.width - done)}] {step}/{self.total}  "
+                          f"{shown}  {rate:.2f} it/s")
+        self.stream.flush()
+
+    def close(self):
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+def layout_batch(batch, perm):
+    """The batch in layout order (``x[:, perm]``) with each token's true position ``perm``."""
+    tokens, targets, weights, distance = (x[:, perm] for x in batch)
+    positions = np.broadcast_to(perm.astype(np.int32)[None], tokens.shape)
+    return tokens, positions, targets, weights, distance
+
+
+def loss_and_accuracy(logits, targets, weights, answer_base, n_values):
+    """Mean cross-entropy over the questions (weights 1) and the fraction whose argmax answer is right."""
+    import jax
+    import jax.numpy as jnp
+    logp = jax.nn.log_softmax(logits, axis=-1)  # (b, s, vocab)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    guess = jnp.argmax(logits[..., answer_base:answer_base + n_values], axis=-1) + answer_base
+    total = weights.sum()
+    return (nll * weights).sum() / total, ((guess == targets) * weights).sum() / total
+
+
+def make_fns(cfg, task, mesh, optimizer):
+    """Jitted ``step(params, opt_state, tokens, positions, targets, weights) -> (params, opt_state,
+    loss, acc)`` and ``predict(params, tokens, positions) -> correct-answer argmax`` on ``mesh``."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from .model import sharded_forward
+
+    def loss_fn(params, tokens, positions, targets, weights):
+        logits = sharded_forward(params, tokens, positions, cfg, mesh)
+        return loss_and_accuracy(logits, targets, weights, task.answer_base, task.n_values)
+
+    @jax.jit
+    def step(params, opt_state, tokens, positions, targets, weights):
+        (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, positions, targets, weights)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, acc
+
+    @jax.jit
+    def predict(params, tokens, positions):
+        logits = sharded_forward(params, tokens, positions, cfg, mesh)
+        return jnp.argmax(logits[..., task.answer_base:task.answer_base + task.n_values], axis=-1) + task.answer_base
+
+    return step, predict
+
+
+def make_optimizer(lr, steps):
+    """AdamW with warmup and cosine decay, gradients clipped to norm 1 (optax)."""
+    import optax
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), max(steps, 2), lr / 10)
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+
+
+def train(task, cfg, *, mesh, layout="contiguous", steps=100, batch_size=16, lr=3e-3, seed=0, label="",
+          progress=True, eval_batches=8):
+    """Train one model; returns a dict: losses, accuracies (per step), eval accuracy, by-distance data.
+
+    The data depend only on ``seed`` (the same batches for every model, ring size and layout); the
+    evaluation uses ``eval_batches`` fresh batches from ``seed + 1``.
+    """
+    import jax
+
+    from ringattn_ref.layouts import layout_permutation
+
+    from .model import init_params
+
+    n = mesh.shape["sp"]
+    perm = layout_permutation(layout, task.seq, n)
+    optimizer = make_optimizer(lr, steps)
+    step, predict = make_fns(cfg, task, mesh, optimizer)
+    shard = jax.sharding.NamedSharding(mesh, jax.P(None, "sp"))
+    put = lambda *xs: [jax.device_put(x, shard) for x in xs]  # noqa: E731
+    params = init_params(jax.random.key(seed), cfg)
+    opt_state = optimizer.init(params)
+    rng = np.random.default_rng(seed)
+    bar = Progress(steps, label) if progress else None
+    losses, accs = [], []
+    for i in range(steps):
+        tokens, positions, targets, weights, _ = layout_batch(task.batch(rng, batch_size), perm)
+        params, opt_state, loss, acc = step(params, opt_state, *put(tokens, positions, targets, weights))
+        losses.append(float(loss))
+        accs.append(float(acc))
+        if bar is not None and (i % 5 == 4 or i == steps - 1):
+            bar.update(i + 1, loss=np.mean(losses[-5:]), acc=np.mean(accs[-5:]))
+    if bar is not None:
+        bar.close()
+    eval_rng = np.random.default_rng(seed + 1)
+    correct, distance, weights = [], [], []
+    for _ in range(eval_batches):
+        tokens, positions, targets, w, dist = layout_batch(task.batch(eval_rng, batch_size), perm)
+        guess = np.asarray(predict(params, *put(tokens, positions)))
+        correct.append(guess == targets), distance.append(dist), weights.append(w)
+    correct, distance, weights = (np.concatenate(x) for x in (correct, distance, weights))
+    accuracy = float((correct * weights).sum() / weights.sum())
+    return dict(losses=losses, accuracies=accs, accuracy=accuracy, correct=correct, distance=distance,
+                weights=weights, params=params)
+
+
+def by_distance(runs, task, n_bins=8):
+    """Eval accuracy per bin of question-fact distance for each run: ``{name: {centers, accuracy, count}}``
+    (lists, for metrics.json; an empty bin's accuracy is None)."""
+    from .tasks import accuracy_by_distance
+
+    edges = np.linspace(task.shard, task.seq, n_bins + 1)
+    out = {}
+    for name, run in runs.items():
+        centers, acc, count = accuracy_by_distance(run["correct"], run["distance"], run["weights"], edges)
+        out[name] = dict(centers=centers.tolist(), accuracy=[None if np.isnan(a) else float(a) for a in acc],
+                         count=count.tolist())
+    return out
+
+
+def draw(metrics, fig):
+    """Draw a metrics dict on ``fig`` (a matplotlib Figure): loss curves of every run; eval accuracy by
+    question-fact distance, with chance and one shard marked. Returns ``fig``."""
+    ax_loss, ax_dist = fig.subplots(1, 2)
+    for name, losses in metrics["losses"].items():
+        ax_loss.plot(losses, label=name, lw=1)
+    ax_loss.axhline(-np.log(metrics["chance_accuracy"]), color="gray", ls=":", lw=1, label="log(n_values): guessing")
+    ax_loss.set(xlabel="step", ylabel="loss (questions)", title="training loss")
+    ax_loss.legend(fontsize=8)
+    for name, d in metrics["accuracy_by_distance"].items():
+        ax_dist.plot(d["centers"], [np.nan if a is None else a for a in d["accuracy"]], "o-", label=name)
+    ax_dist.axhline(metrics["chance_accuracy"], color="gray", ls=":", lw=1, label="chance")
+    ax_dist.axvline(metrics["shard"], color="k", ls="--", lw=1, label="one shard")
+    ax_dist.set(xlabel="distance from question to fact (tokens)", ylabel="eval accuracy", ylim=(0, 1.05),
+                title="accuracy by key distance")
+    ax_dist.legend(fontsize=8)
+    return fig
+
+
+def plot(metrics, path):
+    """:func:`draw` into a PNG file (no pyplot: a bare Figure with the Agg canvas)."""
+    from matplotlib.figure import Figure
+    fig = draw(metrics, Figure(figsize=(11, 4), layout="constrained"))
+    fig.savefig(path, dpi=120)
+
+
+def run_experiment(*, seq, devices, layout, steps, dtype, batch, d_model, layers, lr, seed=0, out=None,
+                   progress=True, compare_dtypes=False):
+    """Ring vs one-shard-window models (and, with ``compare_dtypes``, the ring model in the other dtype);
+    returns the metrics dict, written with the figure to ``out`` when given."""
+    from .mesh import make_mesh
+    from .model import ModelConfig
+    from .tasks import RecallTask
+
+    mesh = make_mesh(devices)
+    task = RecallTask(seq=seq, shard=seq // devices)
+    base = ModelConfig(vocab=task.vocab, d_model=d_model, n_layers=layers, n_heads=4, n_kv_heads=2,
+                       d_ff=2 * d_model, compute_dtype=dtype, ffn_block=min(32, seq // devices))
+    configs = {"ring": base, "local": base.__class__(**{**base.__dict__, "window": (task.shard - 1, 0)})}
+    if compare_dtypes:
+        other = "float32" if dtype == "bfloat16" else "bfloat16"
+        configs[f"ring ({other})"] = base.__class__(**{**base.__dict__, "compute_dtype": other})
+    start = time.perf_counter()
+    runs, seconds = {}, {}
+    for name, cfg in configs.items():
+        t0 = time.perf_counter()
+        runs[name] = train(task, cfg, mesh=mesh, layout=layout, steps=steps, batch_size=batch, lr=lr, seed=seed,
+                           label=f"{name:>16}", progress=progress)
+        seconds[name] = time.perf_counter() - t0
+    metrics = dict(ring_accuracy=runs["ring"]["accuracy"], local_accuracy=runs["local"]["accuracy"],
+                   chance_accuracy=task.chance, seq=seq, devices=devices, layout=layout, steps=steps, batch=batch,
+                   dtype=dtype, d_model=d_model, layers=layers, shard=task.shard, window=[task.shard - 1, 0],
+                   seconds=time.perf_counter() - start, seconds_per_model=seconds,
+                   final_loss={k: float(np.mean(r["losses"][-10:])) for k, r in runs.items()},
+                   eval_accuracy={k: r["accuracy"] for k, r in runs.items()},
+                   losses={k: r["losses"] for k, r in runs.items()}, accuracy_by_distance=by_distance(runs, task))
+    if out is not None:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "metrics.json"), "w") as f:
+            json.dump(metrics, f, indent=1)
+        plot(metrics, os.path.join(out, "training.png"))
+    return metrics
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m ringattn_fast.train", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help=f"the small configuration {QUICK}")
+    parser.add_argument("--seq", type=int, help=f"sequence length (default: {FULL['seq']}, --quick {QUICK['seq']})")
+    parser.add_argument("--devices", type=int, help="ring size (simulated CPU devices)")
+    parser.add_argument("--layout", default="contiguous", choices=("contiguous", "striped", "zigzag"))
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--compare-dtypes", action="store_true", help="also train the ring model in the other dtype")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="runs/train", help="output directory (metrics.json, training.png)")
+    args = parser.parse_args(argv)
+    preset = dict(QUICK if args.quick else FULL)
+    for name in ("seq", "devices", "steps", "batch"):
+        if getattr(args, name) is not None:
+            preset[name] = getattr(args, name)
+    import jax
+    if jax.config.jax_platforms in (None, "", "cpu"):
+        jax.config.update("jax_num_cpu_devices", max(preset["devices"], 1))
+    metrics = run_experiment(layout=args.layout, dtype=args.dtype, out=args.out, seed=args.seed,
+                             compare_dtypes=args.compare_dtypes, **preset)
+    print(json.dumps({k: metrics[k] for k in ("ring_accuracy", "local_accuracy", "chance_accuracy", "seq", "devices",
+                                              "steps", "seconds")}))
+    print(f"wrote {args.out}/metrics.json and {args.out}/training.png")
+
+
+if __name__ == "__main__":
+    main()
