@@ -13,8 +13,8 @@ attention on the rounded K/V), so the forward and the backward agree.
 
 ``grad_comm_dtype`` (default None: the float32/64 accumulators as they are) rounds the dK/dV
 accumulators to that dtype before each send; the receiver keeps accumulating in float32, so the
-rounding happens ``N`` times along the ring (once in the all-gather's reduce-scatter, which then sums
-in that dtype). Errors measured: ``docs/benchmarks.md``, "bfloat16 on the wire".
+rounding happens ``N`` times along the ring (once per contribution in the all-gather, which sums the
+received blocks in float32). Errors measured: ``docs/benchmarks.md``, "bfloat16 on the wire".
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def _scaled(x, dtype):
     return (x.astype(acc) / scale).astype(dtype), scale
 
 
-def _as_bits(x):
+def as_bits(x):
     """x's bits as unsigned ints of its width: XLA CPU moves a float convert that follows a
     collective-permute in front of it (the compiled ring then sent float32 again, measured); it cannot
     move one across a bitcast, so what travels stays 2 (1) bytes per element."""
@@ -82,9 +82,9 @@ def encode(kv, comm_dtype):
         return kv
     if comm_dtype in SCALED:
         (k, k_scale), (v, v_scale) = _scaled(kv.k, comm_dtype), _scaled(kv.v, comm_dtype)
-        return Wire(kv._replace(k=_as_bits(k), v=_as_bits(v)), comm_dtype, k_scale, v_scale)
+        return Wire(kv._replace(k=as_bits(k), v=as_bits(v)), comm_dtype, k_scale, v_scale)
     k, v = kv.k.astype(comm_dtype), kv.v.astype(comm_dtype)
-    return Wire(kv._replace(k=_as_bits(k), v=_as_bits(v)), comm_dtype)
+    return Wire(kv._replace(k=as_bits(k), v=as_bits(v)), comm_dtype)
 
 
 def _unscale(x, scale, dtype):
@@ -111,5 +111,5 @@ def sent_as(send, x, dtype):
     arrival (``dtype`` None: sent as it is). ``send``: a collective, e.g. ``schedule.send_to_next``."""
     if dtype is None:
         return send(x)
-    received = send(jax.tree.map(lambda g: _as_bits(g.astype(dtype)), x))
+    received = send(jax.tree.map(lambda g: as_bits(g.astype(dtype)), x))
     return jax.tree.map(lambda r, g: lax.bitcast_convert_type(r, dtype).astype(g.dtype), received, x)
