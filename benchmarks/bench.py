@@ -3,6 +3,7 @@
     python -m benchmarks.bench                       # 8 CPU devices, b=1, S=8192, h=4, d=64, fp32
     python -m benchmarks.bench --seq 2048 --causal true --out runs.jsonl --plot bench.png
     python -m benchmarks.bench --gpu-kernel [--quick]   # on a GPU: the Pallas Triton kernel vs cuDNN
+    python -m benchmarks.bench --mode strategies        # ring vs all-gather vs Ulysses (strategies.py)
 
 (from the repository root: ``benchmarks`` is a folder of the checkout, not an installed package).
 
@@ -175,6 +176,10 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--gpu-kernel" in argv:  # issue 4's GPU check lives in its own module
         return bench_gpu.main([a for a in argv if a != "--gpu-kernel"])
+    if "--mode" in argv and argv[argv.index("--mode") + 1:][:1] == ["strategies"]:  # issue 11: its own module
+        i = argv.index("--mode")
+        from . import strategies
+        return strategies.main(argv[:i] + argv[i + 2:])
     args = parse_args(argv)
     args.block = min(args.block, args.seq // args.devices)  # a chunk cannot exceed the per-device shard
     import jax
