@@ -8,8 +8,9 @@ For ``ring`` (``ring_attention``), ``allgather`` (``allgather_attention``) and `
 length: the median wall time of the jitted forward+backward (round-robin, compilation excluded), XLA's
 per-device temp bytes (``memory_analysis().temp_size_in_bytes``), the bytes each device sends,
 **measured from the compiled program** (:func:`collective_bytes`), and the bytes a simple model
-predicts (:func:`predicted_bytes`, or the cost model of ``ringattn_ref`` when it has one), and the
-max difference of the output from the ring's. One JSON object per line, a markdown table on stderr.
+predicts: for the forward alone ``ringattn_ref.strategy_cost`` (the reference side's model of all
+three, :func:`reference_model`), for forward+backward :func:`predicted_bytes`; and the max
+difference of the output from the ring's. One JSON object per line, a markdown table on stderr.
 """
 from __future__ import annotations
 
@@ -97,13 +98,14 @@ def predicted_bytes(strategy, *, n, batch, seq, heads, kv_heads, dim, dtype_byte
     return (n - 1) / n * (4 * local * heads * dtype_bytes + 2 * r * kv)
 
 
-def _model(strategy, **shape):
-    """The cost model of ``ringattn_ref`` when it offers one for all three strategies, else ours."""
-    try:
-        from ringattn_ref import strategies as ref_strategies  # noqa: F401  (issue 11, the reference side)
-        return float(ref_strategies.bytes_sent(strategy, **shape)), "ringattn_ref.strategies"
-    except (ImportError, AttributeError, TypeError):
-        return float(predicted_bytes(strategy, **shape)), "benchmarks.strategies.predicted_bytes"
+def reference_model(strategy, *, n, batch, seq, heads, kv_heads, dim, dtype_bytes):
+    """``(bytes sent, peak bytes)`` per device of one **forward** from ``ringattn_ref``'s cost model of
+    the three strategies (``strategy_cost.strategy_costs``), or None where it has none (Ulysses
+    with heads not divisible by the devices)."""
+    from ringattn_ref.strategy_cost import strategy_costs
+    cost = strategy_costs(seq=seq, heads=heads, kv_heads=kv_heads, dim=dim, devices=n, hardware="A100 NVLink",
+                          batch=batch, dtype_bytes=dtype_bytes)[strategy]
+    return (float(cost.bytes_sent), float(cost.peak_bytes)) if cost.feasible else None
 
 
 def parse_args(argv=None):
@@ -125,16 +127,19 @@ def parse_args(argv=None):
 
 
 def table(rows):
-    """A markdown table of the rows."""
-    lines = ["| S | strategy | fwd+bwd s | temp fwd+bwd MiB | sent MiB (measured) | sent MiB (model) | "
-             "max diff vs ring |", "|---|---|---|---|---|---|---|"]
+    """A markdown table of the rows (MiB per device; "model": see :func:`reference_model` and
+    :func:`predicted_bytes`)."""
+    mib = lambda x: f"{x / 2**20:.2f}"  # noqa: E731
+    lines = ["| S | strategy | fwd+bwd s | temp fwd / fwd+bwd MiB | model peak fwd MiB | sent fwd MiB: measured / "
+             "model | sent fwd+bwd MiB: measured / model | max diff vs ring |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("skipped"):
-            lines.append(f"| {r['seq']} | {r['strategy']} | n/a: {r['skipped']} | | | | |")
+            lines.append(f"| {r['seq']} | {r['strategy']} | n/a: {r['skipped']} | | | | | |")
             continue
-        lines.append(f"| {r['seq']} | {r['strategy']} | {r['fwd_bwd_s']:.3f} | {r['temp_fwd_bwd_bytes'] / 2**20:.1f} | "
-                     f"{r['sent_bytes'] / 2**20:.2f} | {r['predicted_bytes'] / 2**20:.2f} | "
-                     f"{r['max_diff_vs_ring']:.1e} |")
+        lines.append(f"| {r['seq']} | {r['strategy']} | {r['fwd_bwd_s']:.3f} | {r['temp_fwd_bytes'] / 2**20:.1f} / "
+                     f"{r['temp_fwd_bwd_bytes'] / 2**20:.1f} | {r['fwd_predicted_peak_bytes'] / 2**20:.1f} | "
+                     f"{mib(r['fwd_sent_bytes'])} / {mib(r['fwd_predicted_bytes'])} | {mib(r['sent_bytes'])} / "
+                     f"{mib(r['predicted_bytes'])} | {r['max_diff_vs_ring']:.1e} |")
     return "\n".join(lines)
 
 
@@ -199,13 +204,18 @@ def main(argv=None):
                 o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, mesh=mesh, causal=causal), q, k, v)
                 return o, vjp(do)
 
+            shape = dict(n=n, batch=args.batch, seq=seq, heads=args.heads, kv_heads=kv_heads, dim=args.dim,
+                         dtype_bytes=jnp.dtype(args.dtype).itemsize)
+            fwd = jax.jit(lambda q, k, v, fn=fns[name]: fn(q, k, v, mesh=mesh, causal=causal)).lower(q, k, v).compile()
             compiled = jax.jit(fwd_bwd).lower(q, k, v, do).compile()
-            sent = collective_bytes(compiled.as_text(), n, loop_trips=n - 1)
-            model, source = _model(name, n=n, batch=args.batch, seq=seq, heads=args.heads, kv_heads=kv_heads,
-                                   dim=args.dim, dtype_bytes=jnp.dtype(args.dtype).itemsize)
+            ref_sent, ref_peak = reference_model(name, **shape)
             outputs[name] = np.asarray(compiled(q, k, v, do)[0], np.float64)  # also the warm-up run
-            found[name] = dict(base, temp_fwd_bwd_bytes=int(compiled.memory_analysis().temp_size_in_bytes),
-                               sent_bytes=sent, predicted_bytes=model, model=source)
+            found[name] = dict(base, temp_fwd_bytes=int(fwd.memory_analysis().temp_size_in_bytes),
+                               temp_fwd_bwd_bytes=int(compiled.memory_analysis().temp_size_in_bytes),
+                               fwd_sent_bytes=collective_bytes(fwd.as_text(), n, loop_trips=n - 1),
+                               fwd_predicted_bytes=ref_sent, fwd_predicted_peak_bytes=ref_peak,
+                               sent_bytes=collective_bytes(compiled.as_text(), n, loop_trips=n - 1),
+                               predicted_bytes=float(predicted_bytes(name, **shape)))
             jobs.append((compiled, (q, k, v, do)))
             progress.step(f"S={seq} {name} compiled")
         medians = time_interleaved(jobs, args.repeats)
