@@ -424,7 +424,7 @@ def check_ulysses_bytes(answer, *, seq=2**17, heads=128, kv_heads=8, dim=128, de
     want = strategy_costs(seq=seq, heads=heads, kv_heads=kv_heads, dim=dim, devices=devices,
                           hardware="A100 NVLink", dtype_bytes=dtype_bytes)["ulysses"].bytes_sent
     got = float(np.asarray(answer).item())
-    if not math.isclose(got, want, rel_tol=1e-6):
+    if abs(got - want) > 0.5:  # a whole number of bytes
         raise AssertionError(f"got {got:.6g}; to each of the N - 1 others a device sends its c tokens of q on "
                              f"their heads/N heads and of k, v on their kv heads, then the same size of o back")
     return _correct(f"{want / 2**20:.0f} MiB, against the ring's "
@@ -437,7 +437,7 @@ def check_allgather_max_seq(answer, *, kv_heads=8, dim=128, dtype_bytes=2, budge
         return False
     want = budget / (2 * kv_heads * dim * dtype_bytes)  # K and V of every token on every device
     got = float(np.asarray(answer).item())
-    if not math.isclose(got, want, rel_tol=1e-2):
+    if not math.isclose(got, want, rel_tol=1e-3):
         raise AssertionError(f"got {got:.6g}; every device holds K and V of all S tokens: "
                              f"2 * S * kv_heads * dim * dtype_bytes bytes")
     return _correct(f"{want / 2**20:.0f}M tokens: the all-gather's limit, whatever the number of devices")
