@@ -62,8 +62,7 @@ class Profile:
 
 def hlo_opcodes(hlo_text):
     """``{instruction name: opcode}`` from compiled HLO text (``%ppermute.41 = f32[..] collective-permute(``)."""
-    pattern = r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][a-z\-]*)\("
-    return {name: op for name, op in re.findall(pattern, hlo_text, flags=re.M)}
+    return {name: op for instructions in _instructions(hlo_text).values() for name, op, _ in instructions}
 
 
 def collective_ops(hlo_text):
@@ -80,14 +79,15 @@ def collective_ops(hlo_text):
 
 def _instructions(hlo_text):
     """``(name, opcode, operand names)`` per instruction, grouped by computation: ``{computation: [...]}``."""
-    computations, current = {}, None
+    computations = {}
+    current = computations.setdefault("", [])  # instructions before any header (a snippet)
     for line in hlo_text.splitlines():
         header = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
         if header and not line.startswith(" "):
             current = computations.setdefault(header.group(1), [])
             continue
         found = re.match(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*.*?\s([a-z][a-z\-]*)\((.*)$", line)
-        if found and current is not None:
+        if found:
             operands = re.findall(r"%([\w.\-]+)", found.group(3).split("), ")[0])
             current.append((found.group(1), found.group(2), operands))
     return computations
