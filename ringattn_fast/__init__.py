@@ -18,7 +18,10 @@ from .packing import positions_from_segment_ids, segment_ids_from_cu_seqlens
 from .padding import pad_for_ring
 from .ring import ring_attention, ring_attention_shard
 from .softmax import merge
+from .allgather import allgather_attention, allgather_attention_shard
+from .ulysses import ulysses_attention, ulysses_attention_shard
 
 __all__ = ["blockwise_feedforward", "dot_product_attention", "flax_attention_fn", "from_layout", "make_mesh",
            "merge", "pad_for_ring", "positions_from_segment_ids", "ring_attention", "ring_attention_shard",
            "segment_ids_from_cu_seqlens", "to_layout"]
+__all__ += ["allgather_attention", "allgather_attention_shard", "ulysses_attention", "ulysses_attention_shard"]
