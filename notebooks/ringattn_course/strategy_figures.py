@@ -65,9 +65,11 @@ def plot_strategies(n_hosts=4, *, step=1):
     return fig
 
 
-def plot_memory_vs_seq(seqs, measured, predicted=None, *, title=None):
+def plot_memory_vs_seq(seqs, measured, predicted=None, *, title=None, xlabel="sequence length S"):
     """Per-device bytes against the sequence length, log-log: ``measured`` (solid, dots) and
     ``predicted`` (dashed) are dicts ``strategy -> bytes per seq``."""
+    from matplotlib.ticker import ScalarFormatter
+
     from ringattn_course.figures import _pyplot
 
     plt = _pyplot()
@@ -79,7 +81,11 @@ def plot_memory_vs_seq(seqs, measured, predicted=None, *, title=None):
                 label=f"{name} (cost model)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("sequence length S (8 devices)")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(ScalarFormatter())
+    ax.set_xticks(seqs)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("MiB per device")
     ax.set_title(title or "per-device memory against the sequence")
     ax.legend(fontsize=8)
