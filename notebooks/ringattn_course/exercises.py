@@ -411,3 +411,33 @@ def check_min_context(answer, *, hardware="TPU v5e", n_hosts=64):
         raise AssertionError(f"got {got:.6g}; Table 2 gives the minimal sequence per host (6 c, c = F / B); "
                              f"the ring has {n_hosts} hosts")
     return _correct(f"{want / 1e3:.0f}K tokens: below that, the hosts wait for K/V")
+
+
+# ---- 13 which sequence parallelism -----------------------------------------------------------------
+
+def check_ulysses_bytes(answer, *, seq=2**17, heads=128, kv_heads=8, dim=128, devices=8, dtype_bytes=2):
+    """13, exercise 1: bytes one device sends in Ulysses's two all-to-alls (one forward, bf16)."""
+    if _pending(answer, "bytes a device sends with Ulysses"):
+        return False
+    from ringattn_ref.strategy_cost import strategy_costs
+
+    want = strategy_costs(seq=seq, heads=heads, kv_heads=kv_heads, dim=dim, devices=devices,
+                          hardware="A100 NVLink", dtype_bytes=dtype_bytes)["ulysses"].bytes_sent
+    got = float(np.asarray(answer).item())
+    if abs(got - want) > 0.5:  # a whole number of bytes
+        raise AssertionError(f"got {got:.6g}; to each of the N - 1 others a device sends its c tokens of q on "
+                             f"their heads/N heads and of k, v on their kv heads, then the same size of o back")
+    return _correct(f"{want / 2**20:.0f} MiB, against the ring's "
+                    f"{(devices - 1) * 2 * (seq // devices) * kv_heads * dim * dtype_bytes / 2**20:.0f} MiB")
+
+
+def check_allgather_max_seq(answer, *, kv_heads=8, dim=128, dtype_bytes=2, budget=16 * 2**30):
+    """13, exercise 2: the sequence at which the all-gathered K/V alone fill 16 GiB per device."""
+    if _pending(answer, "sequence length at which all-gathered K/V take 16 GiB"):
+        return False
+    want = budget / (2 * kv_heads * dim * dtype_bytes)  # K and V of every token on every device
+    got = float(np.asarray(answer).item())
+    if not math.isclose(got, want, rel_tol=1e-3):
+        raise AssertionError(f"got {got:.6g}; every device holds K and V of all S tokens: "
+                             f"2 * S * kv_heads * dim * dtype_bytes bytes")
+    return _correct(f"{want / 2**20:.0f}M tokens: the all-gather's limit, whatever the number of devices")
