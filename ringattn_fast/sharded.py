@@ -4,9 +4,10 @@ all-gather and Ulysses share with the ring.
 ``ring_attention`` does the same for the ring (``ring.py``): validate, pad to a length the axis splits
 (``padding.py``), put the sequence in layout order, shard q/k/v (and segment ids, bias) over the mesh,
 run a per-host function with the keywords of ``ring_attention_shard``, and bring ``o`` (and ``lse``)
-back to true order. Here the per-host function is a parameter, so :func:`~ringattn_fast.allgather.
-allgather_attention` and :func:`~ringattn_fast.ulysses.ulysses_attention` take exactly the inputs,
-shardings and mask semantics of the ring, and differ only in what each host does. Per host,
+back to true order. Here the per-host function is a parameter, so
+:func:`~ringattn_fast.allgather.allgather_attention` and
+:func:`~ringattn_fast.ulysses.ulysses_attention` take exactly the inputs, shardings and mask
+semantics of the ring, and differ only in what each host does. Per host,
 :func:`host_inputs` applies ``ring_attention_shard``'s checks and builds the same ``QShard`` /
 ``KVShard`` / ``RingConfig`` (``schedule.py``), so all three strategies run the same hop code.
 """
