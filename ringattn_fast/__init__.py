@@ -5,7 +5,10 @@ Reading order, following ``q`` from the public function to a kernel and back:
 -> ``schedule`` (what stays, what travels: ``QShard``, ``KVShard``; ``ring_loop``, positions)
 -> ``dispatch`` (``impl=``) -> ``hop`` (one hop in XLA) or ``kernels/`` (Pallas) -> ``masks`` and
 ``softmax.merge`` -> ``backward`` (the backward ring). Beside the ring: ``mesh``, ``layouts``,
-``feedforward``, ``padding`` (any sequence length), ``packing`` (``cu_seqlens``). In a model:
+``feedforward``, ``padding`` (any sequence length), ``packing`` (``cu_seqlens``), ``comm``
+(``comm_dtype``: K/V in bfloat16/float8 on the wire). The two other strategies, on the same hop code:
+``allgather`` (``allgather_attention``) and ``ulysses`` (``ulysses_attention``), with ``sharded``
+(the wrapper they share). In a model:
 ``jax_nn.dot_product_attention`` (``jax.nn``'s twin) and ``flax_adapter.flax_attention_fn`` (an
 ``attention_fn`` for Flax's attention modules).
 """
