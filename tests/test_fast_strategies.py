@@ -188,3 +188,17 @@ def test_float8_scale_keeps_the_error_relative():
         errs.append(max_err(np.asarray(got), np.asarray(want)) / factor)
     assert 1e-3 <= errs[0] <= 0.2 * np.abs(np.asarray(v)).max()
     assert errs[1] == pytest.approx(errs[0], rel=0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["allgather", "ulysses"])
+def test_strategies_run_the_pallas_hop(name):
+    """The strategies' one hop through a Pallas kernel (Triton, in its interpreter on CPU): a query
+    shard against all keys (sq != sk), as the ring's XLA hop computes it."""
+    q, k, v, do = _qkv((1, 32, 4, 8), kv_heads=2, seed=3)
+    want = _fwd_bwd(rf.ring_attention, 2)(q, k, v, do)
+    mesh = rf.make_mesh(2)
+    got = jax.jit(lambda q, k, v, do: (lambda o, vjp: (o,) + vjp(do))(*jax.vjp(lambda q, k, v: STRATEGIES[name](
+        q, k, v, mesh=mesh, causal=True, block_q=8, block_kv=8, impl="pallas_gpu"), q, k, v)))(q, k, v, do)
+    for g, w in zip(got, want):
+        assert max_err(np.asarray(g), np.asarray(w)) <= 2e-5
