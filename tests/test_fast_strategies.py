@@ -164,7 +164,8 @@ def test_gradients_in_bfloat16_on_the_wire(fn):
     q, k, v, do = _qkv((1, 64, 4, 16), kv_heads=2, seed=1)
     f32, g16 = _fwd_bwd(fn, 4), _fwd_bwd(fn, 4, grad_comm_dtype="bfloat16")
     exact, got = f32(q, k, v, do), g16(q, k, v, do)
-    assert max_err(np.asarray(got[0]), np.asarray(exact[0])) == 0.0 and max_err(np.asarray(got[1]), np.asarray(exact[1])) == 0.0
+    for g, e in zip(got[:2], exact[:2]):  # o, dq: nothing of theirs travels
+        assert max_err(np.asarray(g), np.asarray(e)) == 0.0
     for g, e in zip(got[2:], exact[2:]):  # dk, dv
         assert 0 < max_err(np.asarray(g), np.asarray(e)) <= 2**-7 * np.abs(np.asarray(e)).max()
     sent = collective_bytes(g16.lower(q, k, v, do).compile().as_text(), 4, loop_trips=3, by_shape=True)
