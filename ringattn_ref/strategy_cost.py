@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cost import _hardware
+from .blockwise import default_block
+from .cost import _hardware, _positive
 from .strategies import local_kv_index, ulysses_heads
 
 STRATEGIES = ("ring", "allgather", "ulysses")
@@ -113,10 +114,9 @@ def strategy_costs(*, seq, heads, kv_heads, dim, devices, hardware, batch=1, dty
     memory_limit_bytes: a strategy whose peak exceeds it is not feasible.
     """
     hw = _hardware(hardware)
-    c = seq // devices if isinstance(seq, int) and isinstance(devices, int) and devices > 0 else 1
-    block = max(t for t in range(1, min(c, 128) + 1) if c % t == 0) if block is None else block
-    _check_shape(seq, heads, kv_heads, dim, devices, batch, block)
-    e, n = float(dtype_bytes), devices
+    _check_shape(seq, heads, kv_heads, dim, devices, batch, 1 if block is None else block)
+    block = default_block(seq // devices) if block is None else block  # the simulations' default
+    e, n = _positive("dtype_bytes", dtype_bytes), devices
     compute = 4.0 * batch * heads * seq * seq * dim / n / hw.flops_per_s  # same for all three
     costs = {}
     for name, pb in _peaks_and_bytes(seq=seq, heads=heads, kv_heads=kv_heads, dim=dim, devices=devices,
