@@ -88,7 +88,8 @@ def test_profile_ring_on_8_devices(tmp_path):
 
     numbers = summary(prof)
     assert [row["device"] for row in numbers["per_device"]] == list(range(n))
-    assert numbers["permutes_feed_only_next_hop"] is all(u == ["tuple"] for u in tl.collective_users(prof.hlo_text).values())
+    users = tl.collective_users(prof.hlo_text).values()
+    assert numbers["permutes_feed_only_next_hop"] is all(u == ["tuple"] for u in users)
     fig = tl.plot_timeline(prof.spans, title="test")
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == [f"device {d}" for d in range(n)]
 
