@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cost import _hardware
+from .blockwise import default_block
+from .cost import _hardware, _positive
 from .strategies import local_kv_index, ulysses_heads
 
 STRATEGIES = ("ring", "allgather", "ulysses")
@@ -113,10 +114,9 @@ def strategy_costs(*, seq, heads, kv_heads, dim, devices, hardware, batch=1, dty
     memory_limit_bytes: a strategy whose peak exceeds it is not feasible.
     """
     hw = _hardware(hardware)
-    c = seq // devices if isinstance(seq, int) and isinstance(devices, int) and devices > 0 else 1
-    block = max(t for t in range(1, min(c, 128) + 1) if c % t == 0) if block is None else block
-    _check_shape(seq, heads, kv_heads, dim, devices, batch, block)
-    e, n = float(dtype_bytes), devices
+    _check_shape(seq, heads, kv_heads, dim, devices, batch, 1 if block is None else block)
+    block = default_block(seq // devices) if block is None else block  # the simulations' default
+    e, n = _positive("dtype_bytes", dtype_bytes), devices
     compute = 4.0 * batch * heads * seq * seq * dim / n / hw.flops_per_s  # same for all three
     costs = {}
     for name, pb in _peaks_and_bytes(seq=seq, heads=heads, kv_heads=kv_heads, dim=dim, devices=devices,
@@ -134,7 +134,8 @@ def strategy_costs(*, seq, heads, kv_heads, dim, devices, hardware, batch=1, dty
             time, steps, hidden = compute + comm, (n - 1 if name == "allgather" else 2 if n > 1 else 0), n == 1
         why_not = None
         if memory_limit_bytes is not None and peak > memory_limit_bytes:
-            why_not = f"needs {peak / 2**30:.2f} GiB per device, over the limit of {memory_limit_bytes / 2**30:.2f} GiB"
+            why_not = (f"needs {peak / 2**30:.2f} GiB per device, over the limit of "
+                       f"{memory_limit_bytes / 2**30:.2f} GiB")
         costs[name] = StrategyCost(name, why_not is None, why_not, peak, sent, steps, compute, comm,
                                    max(time - compute, 0.0), time, hidden)
     return costs
@@ -153,7 +154,8 @@ def _describe(cost, c, kv_heads, heads, hw, dtype_bytes):
     if cost.strategy == "ring":
         need = kv_heads / heads * dtype_bytes / 2 * hw.flops_per_s / hw.bandwidth_bytes_per_s
         state = "hides its transfers" if cost.overlapped else "cannot hide its transfers"
-        return line + f", {_ms(cost.exposed_comm_s)} exposed), {memory}: {state}, c = {c} vs (hk/h)(e/2)F/B = {need:.0f}"
+        return (line + f", {_ms(cost.exposed_comm_s)} exposed), {memory}: {state}, "
+                f"c = {c} vs (hk/h)(e/2)F/B = {need:.0f}")
     collective = "all-gather" if cost.strategy == "allgather" else "2 all-to-alls"
     return line + f" + {_ms(cost.comm_s)} of {collective}), {memory}"
 

@@ -84,6 +84,12 @@ def test_profile_ring_on_8_devices(tmp_path):
     assert ops.get("collective-permute", 0) + ops.get("collective-permute-start", 0) > 0
     if jax.default_backend() == "cpu":  # the CPU backend runs collectives synchronously
         assert "collective-permute-start" not in ops
+    from benchmarks.timeline import summary  # the benchmark's numbers come from the same profile
+
+    numbers = summary(prof)
+    assert [row["device"] for row in numbers["per_device"]] == list(range(n))
+    users = tl.collective_users(prof.hlo_text).values()
+    assert numbers["permutes_feed_only_next_hop"] is all(u == ["tuple"] for u in users)
     fig = tl.plot_timeline(prof.spans, title="test")
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == [f"device {d}" for d in range(n)]
 

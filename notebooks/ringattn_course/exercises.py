@@ -441,3 +441,20 @@ def check_allgather_max_seq(answer, *, kv_heads=8, dim=128, dtype_bytes=2, budge
         raise AssertionError(f"got {got:.6g}; every device holds K and V of all S tokens: "
                              f"2 * S * kv_heads * dim * dtype_bytes bytes")
     return _correct(f"{want / 2**20:.0f}M tokens: the all-gather's limit, whatever the number of devices")
+
+
+def check_ring_min_seq(ring_min_seq):
+    """13, exercise 3: ``ring_min_seq(heads, kv_heads, devices, hardware)``: the shortest total sequence
+    at which a bf16 ring forward hides every hop's K/V transfer, ``N (hk/h) F/B``, checked on several
+    models and rows of Table 2 (the condition ``strategy_costs`` marks as ``overlapped``)."""
+    if _pending(ring_min_seq, "ring_min_seq(heads, kv_heads, devices, hardware)"):
+        return False
+    for heads, kv_heads, devices, hardware in ((32, 8, 8, "TPU v5e"), (128, 8, 8, "A100 InfiniBand"),
+                                              (128, 128, 8, "A100 InfiniBand"), (16, 16, 4, "A100 NVLink"),
+                                              (8, 2, 64, "TPU v4")):
+        hw = cost.HARDWARE[hardware]
+        want = devices * kv_heads / heads * cost.min_block_size(hw.flops_per_s, hw.bandwidth_bytes_per_s)
+        _close(ring_min_seq(heads, kv_heads, devices, hardware), want, 1e-3,
+               f"{heads} heads, {kv_heads} kv heads, {devices} devices, {hardware} (hint: c >= (hk/h) F/B "
+               f"tokens per device, and the sequence is N blocks)")
+    return _correct("S >= N (hk/h) F/B: only kv heads travel while all query heads compute")

@@ -4,7 +4,8 @@ and when it sat in a collective (notebook 13 and ``benchmarks/strategies.py`` sh
 - :func:`profile` -- run a jitted function once (after a warm-up call that compiles it) inside
   ``jax.profiler.trace(dir, create_perfetto_trace=True)`` and return a :class:`Profile`: the spans of
   the compiled program's ops per device, and its HLO text;
-- :func:`profile_ring` -- that, for one forward+backward of ``ringattn_fast.ring_attention``;
+- :func:`profile_attention` / :func:`profile_ring` -- that, for one forward+backward of an attention
+  function (of ``ringattn_fast.ring_attention``);
 - :func:`spans_from_events` -- the parser: Perfetto/Chrome trace events -> :class:`Span` list;
 - :func:`hlo_opcodes` / :func:`collective_ops` -- what the compiled program says: each instruction's
   opcode, and how many collectives are synchronous (``collective-permute``) or split into an
@@ -178,9 +179,10 @@ def profile(fn, *args, log_dir=None):
     return Profile(spans, hlo_text, module, path)
 
 
-def profile_ring(*, seq=1024, heads=4, kv_heads=2, dim=32, causal=True, layout="contiguous", mesh=None,
-                 log_dir=None, seed=0):
-    """Profile one forward+backward (``jax.grad``) of ``ringattn_fast.ring_attention`` over ``mesh``
+def profile_attention(attention_fn, *, seq=1024, heads=4, kv_heads=2, dim=32, causal=True, mesh=None,
+                      log_dir=None, seed=0, **kwargs):
+    """Profile one forward+backward (``jax.grad``) of ``attention_fn(q, k, v, mesh=, causal=, **kwargs)``
+    (``ringattn_fast.ring_attention``, ``allgather_attention``, ``ulysses_attention``) over ``mesh``
     (default: ``ringattn_fast.make_mesh()`` of all devices) on float32 inputs
     q [1, seq, heads, dim], k, v [1, seq, kv_heads, dim]. Returns a :class:`Profile`."""
     import jax
@@ -194,9 +196,16 @@ def profile_ring(*, seq=1024, heads=4, kv_heads=2, dim=32, causal=True, layout="
     k, v = (jnp.asarray(rng.standard_normal((1, seq, kv_heads, dim)), jnp.float32) for _ in range(2))
 
     def loss(q, k, v):
-        return ringattn_fast.ring_attention(q, k, v, mesh=mesh, causal=causal, layout=layout).sum()
+        return attention_fn(q, k, v, mesh=mesh, causal=causal, **kwargs).sum()
 
     return profile(jax.grad(loss, argnums=(0, 1, 2)), q, k, v, log_dir=log_dir)
+
+
+def profile_ring(*, layout="contiguous", **kwargs):
+    """:func:`profile_attention` of ``ringattn_fast.ring_attention`` (keywords as there, and ``layout``)."""
+    import ringattn_fast
+
+    return profile_attention(ringattn_fast.ring_attention, layout=layout, **kwargs)
 
 
 def _busy(spans):
