@@ -12,9 +12,9 @@ with the compute and no per-step latency; and ``O(S)`` K/V per host while attend
 Backward (``custom_vjp``): the forward saved only its local inputs, ``o`` and ``lse`` (``O(S/N)``, as
 the ring); the backward gathers K/V again (with forward and backward in one jitted program XLA
 reuses the forward's gather instead and keeps the gathered K/V alive: ``docs/benchmarks.md``), runs
-the hop's backward (FA-2, arXiv:2307.08691,
-Algorithm 2) for the local queries against all keys, keeps ``dQ`` and reduce-scatters ``dK, dV`` (and
-a key-only bias's gradient) home: each host receives the sum over all hosts of its keys' gradients.
+the hop's backward (FA-2, arXiv:2307.08691, Algorithm 2) for the local queries against all keys,
+keeps ``dQ`` and reduce-scatters ``dK, dV`` (and a key-only bias's gradient) home: each host
+receives the sum over all hosts of its keys' gradients.
 ``comm_dtype`` gathers K/V in that dtype (``comm.py``: rounded once at home), ``grad_comm_dtype``
 sends dK/dV in it (summed at home in float32: :func:`_scatter`).
 """
