@@ -4,6 +4,7 @@
     python -m benchmarks.bench --seq 2048 --causal true --out runs.jsonl --plot bench.png
     python -m benchmarks.bench --gpu-kernel [--quick]   # on a GPU: the Pallas Triton kernel vs cuDNN
     python -m benchmarks.bench --mode decode            # decoding against a sharded KV cache (decode.py)
+    python -m benchmarks.bench --mode strategies        # ring vs all-gather vs Ulysses (strategies.py)
 
 (from the repository root: ``benchmarks`` is a folder of the checkout, not an installed package).
 
@@ -176,13 +177,16 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--gpu-kernel" in argv:  # issue 4's GPU check lives in its own module
         return bench_gpu.main([a for a in argv if a != "--gpu-kernel"])
-    if "--mode" in argv:  # --mode train (this module, the default) or decode (benchmarks/decode.py)
+    if "--mode" in argv:  # --mode train (this module, the default), decode (decode.py), strategies (strategies.py)
         i = argv.index("--mode")
         mode, argv = (argv[i + 1:i + 2] or [""])[0], argv[:i] + argv[i + 2:]
-        if mode not in ("train", "decode"):
-            raise SystemExit(f"--mode must be train or decode; got {mode!r}")
+        if mode not in ("train", "decode", "strategies"):
+            raise SystemExit(f"--mode must be train, decode or strategies; got {mode!r}")
         if mode == "decode":
             return decode.main(argv)
+        if mode == "strategies":
+            from . import strategies
+            return strategies.main(argv)
     args = parse_args(argv)
     args.block = min(args.block, args.seq // args.devices)  # a chunk cannot exceed the per-device shard
     import jax

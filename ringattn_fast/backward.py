@@ -20,9 +20,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from functools import partial
+
 from jax import lax
 
-from . import masks
+from . import comm, masks
 from .dispatch import kernels_for
 from .hop import acc_dtype
 from .mesh import varying_axes, vary_like
@@ -65,7 +67,8 @@ def ring_backward(cfg, qs, kv, bias, o, lse, do, dlse=None, drop=None):
     hop_bwd = hop_bwd if drop is None else partial(hop_bwd, drop=drop)
     n, my_idx = lax.axis_size(cfg.axis_name), lax.axis_index(cfg.axis_name)
     kv = masks.mark_bad_keys_of(kv)  # as the forward did
-    acc = acc_dtype(qs.q.dtype)
+    acc, kv_dtype = acc_dtype(qs.q.dtype), kv.k.dtype
+    send_grads = partial(comm.sent_as, partial(send_to_next, axis_name=cfg.axis_name), dtype=cfg.grad_comm_dtype)
     sk = kv.k.shape[1]
     skip = cfg.skip_empty_hops and masks.can_be_empty(cfg.hop.causal, cfg.hop.window, qs.seg is not None)
     axes = varying_axes(*qs, *kv, bias, o, lse, do)
@@ -77,7 +80,7 @@ def ring_backward(cfg, qs, kv, bias, o, lse, do, dlse=None, drop=None):
     dq, dbias = zeros(qs.q), zeros(bias)  # both stay here
 
     def hop(step, kv, grads, dq, dbias):
-        kv_idx = kv_index(my_idx, step, n)
+        kv_idx, kv = kv_index(my_idx, step, n), comm.decode(kv, kv_dtype)  # K/V travel as the forward's did
 
         def backward(grads, dq, dbias):
             g = hop_bwd(qs, hop_kv(cfg, kv, bias, kv_idx), cfg.hop, do=do, lse=lse, delta=delta)
@@ -92,11 +95,11 @@ def ring_backward(cfg, qs, kv, bias, o, lse, do, dlse=None, drop=None):
         kv, grads, dq, dbias = carry
         kv_next = send_to_next(kv, cfg.axis_name)  # K/V: issued first, overlaps the hop
         grads, dq, dbias = hop(step, kv, grads, dq, dbias)
-        return kv_next, send_to_next(grads, cfg.axis_name), dq, dbias  # dK/dV follow their K/V shard
+        return kv_next, send_grads(grads), dq, dbias  # dK/dV follow their K/V shard
 
-    carry = (kv,) + vary_like((grads, dq, dbias), axes)
+    carry = (comm.encode(kv, cfg.comm_dtype),) + vary_like((grads, dq, dbias), axes)
     kv, grads, dq, dbias = ring_loop(step_fn, carry, n)
     grads, dq, dbias = hop(n - 1, kv, grads, dq, dbias)
     if n > 1:
-        grads = send_to_next(grads, cfg.axis_name)  # the N-th move: home
+        grads = send_grads(grads)  # the N-th move: home
     return dq, grads, dbias

@@ -43,13 +43,21 @@ def kernels_for(impl):
     return KERNELS[impl]
 
 
-def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False):
+def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, fused_ok=True):
     """The concrete impl for this call, or a ValueError naming what does not fit (bias, dropout, dtype,
-    platform). Attention dropout runs in the XLA hop only: ``"auto"`` picks it."""
+    platform). Attention dropout runs in the XLA hop only: ``"auto"`` picks it.
+
+    ``fused_ok=False``: the caller needs per-hop functions (``comm_dtype`` on the ring, the all-gather
+    and Ulysses strategies), so "auto" picks "pallas_tpu" where it would pick the fused ring.
+    """
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+    if impl == "pallas_tpu_fused" and not fused_ok:
+        raise ValueError("impl='pallas_tpu_fused' runs the whole ring in one kernel that moves K/V itself; "
+                         "comm_dtype, the all-gather and Ulysses need per-hop kernels: use impl='pallas_tpu'")
     if impl == "auto":
         impl = "xla" if has_bias or has_dropout else _AUTO.get(platform, "xla")
+        impl = "pallas_tpu" if impl == "pallas_tpu_fused" and not fused_ok else impl
         if impl != "xla":
             try:
                 check_kernel_dtypes(impl, q, k, v)

@@ -26,7 +26,7 @@ from jax import lax
 from ringattn_ref import dropout as drop_ref
 from ringattn_ref import validation as val
 
-from . import masks, padding
+from . import comm, masks, padding
 from .backward import ring_backward
 from .dispatch import check_impl, kernels_for
 from .hop import acc_dtype
@@ -50,10 +50,12 @@ def ring_forward(cfg, qs, kv, bias, drop=None):
     n, my_idx = lax.axis_size(cfg.axis_name), lax.axis_index(cfg.axis_name)
     b, sq, h, d = qs.q.shape
     kv = masks.mark_bad_keys_of(kv)
-    acc = acc_dtype(qs.q.dtype)
+    acc, kv_dtype = acc_dtype(qs.q.dtype), kv.k.dtype
     skip = cfg.skip_empty_hops and masks.can_be_empty(cfg.hop.causal, cfg.hop.window, qs.seg is not None)
 
     def hop(step, kv, o, lse):
+        kv = comm.decode(kv, kv_dtype)  # what travels is the wire format (comm_dtype)
+
         def attend(o, lse):
             o_hop, lse_hop = hop_fwd(qs, hop_kv(cfg, kv, bias, kv_index(my_idx, step, n)), cfg.hop)
             return merge(o, lse, o_hop.astype(acc), lse_hop.astype(acc))
@@ -72,7 +74,7 @@ def ring_forward(cfg, qs, kv, bias, drop=None):
     o = jnp.zeros((b, sq, h, d), acc)
     lse = jnp.full((b, h, sq), -jnp.inf, acc)
     axes = varying_axes(*qs, *kv, bias)
-    kv, o, lse = ring_loop(step_fn, (kv,) + vary_like((o, lse), axes), n)
+    kv, o, lse = ring_loop(step_fn, (comm.encode(kv, cfg.comm_dtype),) + vary_like((o, lse), axes), n)
     return hop(n - 1, kv, o, lse)  # the last step: nothing left to send
 
 
@@ -163,7 +165,7 @@ def _dropout_seed(key):
 def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=None, bias=None, window=None,
                          scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
                          positions=None, padding_segment=None, return_lse=False, dropout_rate=0.0,
-                         dropout_key=None, dropout_offsets=(0, 0)):
+                         dropout_key=None, dropout_offsets=(0, 0), comm_dtype=None, grad_comm_dtype=None):
     """Ring attention for code already inside ``jax.shard_map``: this host's output shard.
 
     q: [batch, s_local, heads, dim] and k, v: [batch, s_local, kv_heads, dim], this host's shard of the
@@ -177,9 +179,13 @@ def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=N
     ``dropout_offsets = (first batch row, first head)`` of this host (``ring_attention`` sets them when
     it splits the batch or the heads over mesh axes). Differentiable in q, k, v, bias. Returns
     [batch, s_local, heads, dim] in q's dtype, and with ``return_lse`` also lse [batch, heads, s_local]
-    (float32, float64 for float64; -inf on rows that see nothing).
+    (float32, float64 for float64; -inf on rows that see nothing). comm_dtype: K/V travel in this
+    dtype (``"bfloat16"``, ``"float16"``, ``"float8_e4m3fn"``/``"float8_e5m2"`` with a per-block scale;
+    rounded once at home, accumulated in float32); grad_comm_dtype: dK/dV travel in it (``comm.py``).
     """
     b, sq, h, _, d = val.check_qkv(q, k, v)
+    comm_dtype = comm.check_comm_dtype(comm_dtype)
+    grad_comm_dtype = comm.check_comm_dtype(grad_comm_dtype, "grad_comm_dtype", comm.GRAD_COMM_DTYPES)
     n = _axis_size(axis_name)
     scale, causal = val.check_scale(scale, d), val.check_bool(causal, "causal")
     window = val.check_window(window, sq * n if positions is None else None)
@@ -195,7 +201,7 @@ def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=N
     block_kv = val.check_block(default_block(sq) if block_kv is None else block_kv, sq, "block_kv")
     dropout_rate = drop_ref.check_dropout_rate(dropout_rate, dropout_key)
     impl = check_impl(impl, mesh_platform(jax.sharding.get_abstract_mesh()), q, k, v, has_bias=bias is not None,
-                      has_dropout=dropout_rate > 0)
+                      has_dropout=dropout_rate > 0, fused_ok=comm_dtype is None and grad_comm_dtype is None)
     val.check_positions(positions, b, sq)
     pos = local_positions(layout, sq, axis_name, b) if positions is None else positions.astype(jnp.int32)
     seg = None if seg is None else seg.astype(jnp.int32)
@@ -212,7 +218,8 @@ def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=N
         kv = masks.mark_bad_keys_of(kv)
         o, lse = kernels_for(impl).ring(qs, kv, hop, axis_name=axis_name, return_lse=True)
     else:
-        cfg = RingConfig(axis_name, hop, impl, bias_mode, skip_empty_hops=kernels_for(impl).ring_may_skip)
+        cfg = RingConfig(axis_name, hop, impl, bias_mode, skip_empty_hops=kernels_for(impl).ring_may_skip,
+                         comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype)
         o, lse = _ring(cfg, qs, kv, None if bias_mode == "travel" else bias, drop)
     return (o, lse) if return_lse else o
 
@@ -234,7 +241,7 @@ def _first_index(mesh_axes, local_size):
 def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_ids=None, bias=None,
                    window=None, scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
                    padding_segment=None, return_lse=False, batch_axes=None, head_axis=None, dropout_rate=0.0,
-                   dropout_key=None):
+                   dropout_key=None, comm_dtype=None, grad_comm_dtype=None):
     """Ring attention on global arrays: shards them over ``mesh``, runs the ring, returns the output.
 
     - q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim] (heads % kv_heads == 0);
@@ -256,9 +263,12 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
     never gathered. ``mesh=None``: the mesh of ``jax.set_mesh`` or all devices. Returns
     [batch, seq, heads, dim] in q's dtype, in true order, and with ``return_lse`` also lse
     [batch, heads, seq] (float32; float64 for float64; -inf on rows that see nothing). A masked key
-    contributes nothing, whatever its values.
+    contributes nothing, whatever its values. comm_dtype / grad_comm_dtype: what K/V and dK/dV travel
+    in (see :func:`ring_attention_shard`).
     """
     b, s, h, hk, d = val.check_qkv(q, k, v)
+    comm_dtype = comm.check_comm_dtype(comm_dtype)
+    grad_comm_dtype = comm.check_comm_dtype(grad_comm_dtype, "grad_comm_dtype", comm.GRAD_COMM_DTYPES)
     val.check_scale(scale, d)
     causal, return_lse = val.check_bool(causal, "causal"), val.check_bool(return_lse, "return_lse")
     window = val.check_window(window, s)
@@ -270,8 +280,8 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
     axes = check_mesh_axes(mesh, axis_name, batch=b, heads=h, kv_heads=hk, batch_axes=batch_axes,
                            head_axis=head_axis)
     dropout_rate = drop_ref.check_dropout_rate(dropout_rate, dropout_key)
-    check_impl(impl, mesh_platform(mesh), q, k, v, has_bias=bias is not None,
-               has_dropout=dropout_rate > 0)  # errors before tracing
+    check_impl(impl, mesh_platform(mesh), q, k, v, has_bias=bias is not None,  # errors before tracing
+               has_dropout=dropout_rate > 0, fused_ok=comm_dtype is None and grad_comm_dtype is None)
     padded = padding.pad_for_ring(q, k, v, n_hosts=axes.n, layout=layout, segment_ids=segment_ids, bias=bias,
                                   padding_segment=padding_segment)
     layout, s_ring = padded.layout, padded.q.shape[1]
@@ -302,7 +312,8 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
         return ring_attention_shard(**kw, axis_name=axis_name, causal=causal, window=window, scale=scale,
                                     layout=layout, block_q=block_q, block_kv=block_kv, impl=impl,
                                     padding_segment=padded.padding_segment, return_lse=True,
-                                    dropout_rate=dropout_rate)
+                                    dropout_rate=dropout_rate, comm_dtype=comm_dtype,
+                                    grad_comm_dtype=grad_comm_dtype)
 
     o, lse = jax.shard_map(per_host, mesh=mesh, in_specs=tuple(specs[k_] for k_ in names),
                            out_specs=(specs["q"], axes.spec("batch", "heads", "seq")))(*(args[k_] for k_ in names))

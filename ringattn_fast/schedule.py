@@ -79,13 +79,16 @@ class RingConfig:
       per hop); ``"travel"`` (key-only ``[b|1, h|1, 1, sk]``, moves with K/V); ``"static"`` (key
       dim 1);
     - skip_empty_hops: skip a hop whose mask is provably empty with ``lax.cond`` around it; off for
-      a kernel that must run on every host at every step (the TPU interpreter's barrier).
+      a kernel that must run on every host at every step (the TPU interpreter's barrier);
+    - comm_dtype / grad_comm_dtype: what K/V and dK/dV travel in (``comm.py``; None: as they are).
     """
     axis_name: str
     hop: HopConfig
     impl: str = "xla"
     bias_mode: str | None = None
     skip_empty_hops: bool = True
+    comm_dtype: str | None = None
+    grad_comm_dtype: str | None = None
 
 
 def ring_perm(n):

@@ -2,7 +2,8 @@
 
 Reading order: ``attention`` (the oracle) -> ``softmax`` (online softmax, merge) -> ``masks`` ->
 ``blockwise`` (BPT on one device) -> ``layouts`` -> ``ring`` (N virtual hosts) -> ``backward`` ->
-``feedforward`` -> ``cost`` -> ``viz`` -> ``testing``; ``packing`` for packed documents.
+``feedforward`` -> ``cost`` -> ``viz`` -> ``testing``; ``packing`` for packed documents;
+``strategies`` (all-gather and Ulysses beside the ring) -> ``strategy_cost`` (which one to use).
 Serving: ``inference`` (a KV cache over the hosts, ring prefill, decode with a merge tree).
 
 Plain imports: every module needs only numpy (matplotlib and hypothesis are imported inside the
@@ -18,11 +19,15 @@ from .layouts import from_layout, layout_permutation, to_layout
 from .packing import positions_from_segment_ids, segment_ids_from_cu_seqlens
 from .ring import RingTrace, ring_attention
 from .softmax import merge
+from .strategies import StrategyTrace, allgather_attention, ulysses_attention
+from .strategy_cost import StrategyChoice, StrategyCost, choose_strategy, strategy_costs
 from .testing import AttentionProblem, attention_problems
 
 __all__ = ["AttentionProblem", "HARDWARE", "RingTrace", "attention", "attention_problems", "blockwise_attention",
            "blockwise_feedforward", "from_layout", "hop_attention", "hop_attention_vjp", "hop_times",
            "layout_permutation", "merge", "min_block_size", "positions_from_segment_ids", "relu_ffn",
            "ring_attention", "ring_attention_vjp", "segment_ids_from_cu_seqlens", "step_bytes", "step_flops",
-           "table1", "table2", "to_layout"]
+           "table1", "table2", "to_layout",
+           "StrategyChoice", "StrategyCost", "StrategyTrace", "allgather_attention", "choose_strategy",
+           "strategy_costs", "ulysses_attention"]
 __all__ += ["InferenceTrace", "KVCache", "decode_step", "init_cache", "prefill"]

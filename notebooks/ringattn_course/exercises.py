@@ -640,3 +640,50 @@ def check_kept_scale(answer, *, rate=0.2):
     want = float(dropout_mask(np.zeros(2, np.uint32), rate, 1, 1, pos, pos).max())  # what a kept entry gets
     _close(answer, want, 1e-9, "the kept probability's factor (the expectation must not change)")
     return _correct(f"{want}: kept with probability {1 - rate}, so E[factor * p] = p")
+
+
+# ---- 13 which sequence parallelism -----------------------------------------------------------------
+
+def check_ulysses_bytes(answer, *, seq=2**17, heads=128, kv_heads=8, dim=128, devices=8, dtype_bytes=2):
+    """13, exercise 1: bytes one device sends in Ulysses's two all-to-alls (one forward, bf16)."""
+    if _pending(answer, "bytes a device sends with Ulysses"):
+        return False
+    from ringattn_ref.strategy_cost import strategy_costs
+
+    want = strategy_costs(seq=seq, heads=heads, kv_heads=kv_heads, dim=dim, devices=devices,
+                          hardware="A100 NVLink", dtype_bytes=dtype_bytes)["ulysses"].bytes_sent
+    got = float(np.asarray(answer).item())
+    if abs(got - want) > 0.5:  # a whole number of bytes
+        raise AssertionError(f"got {got:.6g}; to each of the N - 1 others a device sends its c tokens of q on "
+                             f"their heads/N heads and of k, v on their kv heads, then the same size of o back")
+    return _correct(f"{want / 2**20:.0f} MiB, against the ring's "
+                    f"{(devices - 1) * 2 * (seq // devices) * kv_heads * dim * dtype_bytes / 2**20:.0f} MiB")
+
+
+def check_allgather_max_seq(answer, *, kv_heads=8, dim=128, dtype_bytes=2, budget=16 * 2**30):
+    """13, exercise 2: the sequence at which the all-gathered K/V alone fill 16 GiB per device."""
+    if _pending(answer, "sequence length at which all-gathered K/V take 16 GiB"):
+        return False
+    want = budget / (2 * kv_heads * dim * dtype_bytes)  # K and V of every token on every device
+    got = float(np.asarray(answer).item())
+    if not math.isclose(got, want, rel_tol=1e-3):
+        raise AssertionError(f"got {got:.6g}; every device holds K and V of all S tokens: "
+                             f"2 * S * kv_heads * dim * dtype_bytes bytes")
+    return _correct(f"{want / 2**20:.0f}M tokens: the all-gather's limit, whatever the number of devices")
+
+
+def check_ring_min_seq(ring_min_seq):
+    """13, exercise 3: ``ring_min_seq(heads, kv_heads, devices, hardware)``: the shortest total sequence
+    at which a bf16 ring forward hides every hop's K/V transfer, ``N (hk/h) F/B``, checked on several
+    models and rows of Table 2 (the condition ``strategy_costs`` marks as ``overlapped``)."""
+    if _pending(ring_min_seq, "ring_min_seq(heads, kv_heads, devices, hardware)"):
+        return False
+    for heads, kv_heads, devices, hardware in ((32, 8, 8, "TPU v5e"), (128, 8, 8, "A100 InfiniBand"),
+                                              (128, 128, 8, "A100 InfiniBand"), (16, 16, 4, "A100 NVLink"),
+                                              (8, 2, 64, "TPU v4")):
+        hw = cost.HARDWARE[hardware]
+        want = devices * kv_heads / heads * cost.min_block_size(hw.flops_per_s, hw.bandwidth_bytes_per_s)
+        _close(ring_min_seq(heads, kv_heads, devices, hardware), want, 1e-3,
+               f"{heads} heads, {kv_heads} kv heads, {devices} devices, {hardware} (hint: c >= (hk/h) F/B "
+               f"tokens per device, and the sequence is N blocks)")
+    return _correct("S >= N (hk/h) F/B: only kv heads travel while all query heads compute")

@@ -1,0 +1,203 @@
+"""The ring's two alternatives for sequence parallelism, simulated on ``n_hosts`` virtual hosts.
+
+Both start where the ring starts (``ring.setup_ring``): host ``my_idx`` holds layout shard ``my_idx``
+of q, k, v (``c = seq / N`` tokens, all heads) and must end with its shard of the output.
+
+- **All-gather** (Llama 3's context parallelism): every host gathers the K/V of the whole sequence
+  (a ring all-gather: ``N - 1`` rounds, each host forwards the shard it received last), then attends
+  its own queries to all of it, in one blockwise pass. Same bytes as the ring's forward, but the K/V
+  of all ``S`` tokens sit on every host: memory grows with ``S``.
+- **Ulysses** (DeepSpeed-Ulysses, arXiv:2309.14509): an all-to-all swaps the sequence split for a
+  head split -- host ``j`` receives, from every host, the q/k/v of its heads group ``j``
+  (``heads / N`` query heads) -- then attends over the full sequence on its heads, and a second
+  all-to-all sends each host its tokens back. Needs ``heads % N == 0``. With GQA, host ``j`` gets
+  the kv heads its query heads use (``kv_head = q_head // (heads // kv_heads)``): ``kv_heads / N``
+  distinct ones when ``kv_heads >= N`` (and divisible); below that one kv head goes to several hosts
+  (K/V repeated on the wire).
+
+Each returns a :class:`StrategyTrace` like the ring's :class:`~ringattn_ref.ring.RingTrace`: bytes
+sent per host per step, the steps, peak live bytes per host.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .blockwise import attend_kv_block
+from .ring import setup_ring
+from .softmax import finalize, init_state
+
+
+@dataclass(frozen=True)
+class StrategyTrace:
+    """What each host sent and held at each step of a sequence-parallel strategy.
+
+    - strategy: ``"allgather"`` or ``"ulysses"``; steps: one name per step (``"gather 1"``, ...,
+      ``"attend"``; ``"all-to-all qkv"``, ``"attend"``, ``"all-to-all o"``);
+    - bytes_sent (int) ``[n_hosts, n_steps]``: float bytes (q/k/v/o) each host sent at that step
+      (positions and segment ids are not counted, as in ``RingTrace.bytes_sent``);
+    - flops (float) ``[n_hosts, n_steps]``: ``4 * batch * heads * block_q * block_kv * dim`` per
+      computed tile;
+    - peak_bytes (int) ``[n_hosts]``: peak live float bytes (see each strategy for what is counted).
+    """
+    strategy: str
+    n_hosts: int
+    steps: tuple
+    bytes_sent: np.ndarray
+    flops: np.ndarray
+    peak_bytes: np.ndarray
+
+    @property
+    def n_steps(self):
+        return len(self.steps)
+
+    def total_bytes_sent(self):
+        """Bytes each host sent over the whole pass, [n_hosts]."""
+        return self.bytes_sent.sum(axis=1)
+
+
+def _setup(q, k, v, **kwargs):
+    """``ring.setup_ring`` with the tile sides it checked (they divide the shard ``c``, hence ``S``)."""
+    problem, hosts = setup_ring(q, k, v, **kwargs)
+    return problem, hosts, dict(scale=problem.scale, causal=problem.causal, window=problem.window,
+                                block_q=problem.block_q, block_kv=problem.block_kv)
+
+
+def _caller_order(problem, shards, axis):
+    """Concatenate per-host results (layout order) and undo the layout permutation."""
+    return np.take(np.concatenate(shards, axis=axis), np.argsort(problem.perm), axis=axis)
+
+
+def _attend(q, k, v, q_pos, k_pos, q_seg, k_seg, bias, tiles):
+    """One blockwise pass (``blockwise.attend_kv_block``) from a fresh state: ``(o, lse, computed)``."""
+    b, sq, h, d = q.shape
+    state = init_state(b, h, sq, d)
+    computed, _ = attend_kv_block(state, q, k, v, q_pos, k_pos, q_seg, k_seg, bias, **tiles)
+    o, lse = finalize(*state)
+    return o, lse, computed
+
+
+def allgather_attention(q, k, v, *, n_hosts, causal=False, segment_ids=None, bias=None, window=None,
+                        scale=None, layout="contiguous", block_q=None, block_kv=None, return_trace=False):
+    """Attention by all-gathering K/V on ``n_hosts`` simulated hosts (Llama 3 context parallelism).
+
+    Arguments as in :func:`ringattn_ref.ring_attention` (q: [batch, seq, heads, dim]; k, v:
+    [batch, seq, kv_heads, dim]; masks, layout, tile sides). Steps ``0 .. N-2`` are the ring
+    all-gather: at step ``s`` host ``i`` forwards the shard ``(i - s) % N`` it got last (its own at
+    step 0); the last step attends. Peak per host: q shard, the K/V of all ``S`` tokens, o, m, l and
+    one score tile. Returns o [batch, seq, heads, dim] float64 (and the trace if ``return_trace``).
+    """
+    problem, hosts, tiles = _setup(q, k, v, n_hosts=n_hosts, causal=causal, segment_ids=segment_ids,
+                                   bias=bias, window=window, scale=scale, layout=layout,
+                                   block_q=block_q, block_kv=block_kv)
+    n, e = problem.n_hosts, problem.itemsize
+    b, c, h, d = hosts[0].q.shape
+    bytes_sent, flops = np.zeros((n, n), np.int64), np.zeros((n, n))
+    gathered = [[host.held] for host in hosts]  # the K/V blocks each host holds so far
+    for step in range(n - 1):  # the ring all-gather: each host forwards what arrived last
+        outgoing = [blocks[-1] for blocks in gathered]  # all sends of a step happen at once
+        for host in hosts:
+            assert outgoing[host.my_idx].kv_idx == (host.my_idx - step) % n  # the ring's index arithmetic
+            bytes_sent[host.my_idx, step] = outgoing[host.my_idx].payload_elements() * e
+            gathered[(host.my_idx + 1) % n].append(outgoing[host.my_idx])  # to the next host
+    tile_flops = 4 * b * h * problem.block_q * problem.block_kv * d
+    outs, peak = [], np.zeros(n, np.int64)
+    for host in hosts:
+        blocks = sorted(gathered[host.my_idx], key=lambda blk: blk.kv_idx)  # all N shards
+        assert [blk.kv_idx for blk in blocks] == list(range(n))
+        k_all, v_all = (np.concatenate([getattr(blk, name) for blk in blocks], axis=1) for name in "kv")
+        k_pos = np.concatenate([blk.k_pos for blk in blocks], axis=1)  # (1, S) true positions
+        k_seg = None if host.q_seg is None else np.concatenate([blk.k_seg for blk in blocks], axis=1)
+        o, lse, computed = _attend(host.q, k_all, v_all, host.q_pos, k_pos, host.q_seg, k_seg,
+                                   problem.bias, tiles)
+        flops[host.my_idx, n - 1] = computed * tile_flops
+        tile = b * h * problem.block_q * problem.block_kv
+        peak[host.my_idx] = (host.q.size + k_all.size + v_all.size + o.size + 2 * lse.size + tile) * e
+        outs.append((o, lse))
+    o = _caller_order(problem, [o for o, _ in outs], axis=1)  # (b, s, h, d)
+    trace = StrategyTrace("allgather", n, tuple(f"gather {s + 1}" for s in range(n - 1)) + ("attend",),
+                          bytes_sent, flops, peak)
+    return (o, trace) if return_trace else o
+
+
+def ulysses_heads(heads, kv_heads, n_hosts, j):
+    """Host ``j``'s query heads and the kv heads they use: ``(slice(q), slice(kv))``.
+
+    Query heads are cut into ``N`` contiguous groups of ``heads / N``; query head ``t`` uses kv head
+    ``t // (heads // kv_heads)`` (``attention.repeat_kv``). Example: 8 heads, 2 kv heads, 4 hosts:
+    host 1 gets query heads 2, 3 and kv head 0, host 2 gets 4, 5 and kv head 1.
+    """
+    hq, group = heads // n_hosts, heads // kv_heads
+    return slice(j * hq, (j + 1) * hq), slice(j * hq // group, ((j + 1) * hq - 1) // group + 1)
+
+
+def local_kv_index(heads, kv_heads, n_hosts, j):
+    """Which of host ``j``'s received kv heads each of its query heads uses, or None when
+    ``repeat_kv``'s uniform map already pairs them right (``kv_heads`` a multiple or a divisor of
+    the group count). Example: 12 heads, 3 kv heads, 4 hosts: host 1 holds query heads 3, 4, 5 and
+    kv heads 0, 1 -> ``[0, 1, 1]``, a local repeat (no extra bytes on the wire)."""
+    qh, kvh = ulysses_heads(heads, kv_heads, n_hosts, j)
+    want = np.arange(qh.start, qh.stop) // (heads // kv_heads) - kvh.start  # local kv head per q head
+    hq, n_kv = len(want), kvh.stop - kvh.start
+    if hq % n_kv == 0 and np.array_equal(want, np.arange(hq) // (hq // n_kv)):
+        return None
+    return want
+
+
+def ulysses_attention(q, k, v, *, n_hosts, causal=False, segment_ids=None, bias=None, window=None,
+                      scale=None, layout="contiguous", block_q=None, block_kv=None, return_trace=False):
+    """Attention by DeepSpeed-Ulysses on ``n_hosts`` simulated hosts: sequence -> heads -> sequence.
+
+    Arguments as in :func:`ringattn_ref.ring_attention`; ``heads`` must be divisible by ``n_hosts``.
+    Step 0, all-to-all: host ``i`` sends host ``j`` its ``c`` tokens of q on heads group ``j`` and
+    of k, v on the kv heads that group uses (:func:`ulysses_heads`). Step 1: host ``j`` attends
+    over all ``S`` tokens (layout order, true positions) on its ``heads / N`` heads. Step 2,
+    all-to-all back: host ``j`` sends host ``i`` the output of ``i``'s tokens on group ``j``.
+    Peak per host: the largest of (inputs + received q/k/v), (received q/k/v + o, m, l, one score
+    tile), (o of all tokens + the received output shard). Returns o [batch, seq, heads, dim] float64
+    (and the trace if ``return_trace``).
+    """
+    problem, hosts, tiles = _setup(q, k, v, n_hosts=n_hosts, causal=causal, segment_ids=segment_ids,
+                                   bias=bias, window=window, scale=scale, layout=layout,
+                                   block_q=block_q, block_kv=block_kv)
+    n, e = problem.n_hosts, problem.itemsize
+    b, c, h, d = hosts[0].q.shape
+    hk = hosts[0].held.k.shape[2]
+    if h % n:
+        raise ValueError(f"ulysses_attention splits the heads over the hosts: heads ({h}) must be divisible "
+                         f"by n_hosts ({n}); got q {tuple(q.shape)}")
+    heads = [ulysses_heads(h, hk, n, j) for j in range(n)]
+    bytes_sent, flops, peak = np.zeros((n, 3), np.int64), np.zeros((n, 3)), np.zeros(n, np.int64)
+    pos = problem.perm[None]  # (1, S) true positions in layout order
+    seg = None if hosts[0].q_seg is None else np.concatenate([hst.q_seg for hst in hosts], axis=1)
+    o_heads = []  # o_heads[j]: host j's output, all S tokens on its heads, (b, S, h/N, d)
+    for j, (qh, kvh) in enumerate(heads):
+        # step 0: host j receives from every host i its tokens on j's heads (its own part stays)
+        q_j = np.concatenate([hst.q[:, :, qh] for hst in hosts], axis=1)  # (b, S, h/N, d)
+        k_j, v_j = (np.concatenate([getattr(hst.held, name)[:, :, kvh] for hst in hosts], axis=1)
+                    for name in "kv")  # (b, S, kv heads of group j, d)
+        for i, hst in enumerate(hosts):
+            if i != j:
+                bytes_sent[i, 0] += (hst.q[:, :, qh].size + 2 * hst.held.k[:, :, kvh].size) * e
+        idx = local_kv_index(h, hk, n, j)
+        k_loc, v_loc = (k_j, v_j) if idx is None else (k_j[:, :, idx], v_j[:, :, idx])
+        bias_j = problem.bias
+        if bias_j is not None and bias_j.shape[1] > 1:
+            bias_j = bias_j[:, qh]  # (b|1, h/N, s|1, s|1): this group's heads
+        # step 1: full-sequence attention on h/N heads
+        o_j, lse_j, computed = _attend(q_j, k_loc, v_loc, pos, pos, seg, seg, bias_j, tiles)
+        flops[j, 1] = computed * 4 * b * q_j.shape[2] * problem.block_q * problem.block_kv * d
+        tile = b * q_j.shape[2] * problem.block_q * problem.block_kv
+        inputs = hosts[j].q.size + hosts[j].held.payload_elements()
+        received = q_j.size + k_j.size + v_j.size
+        extra = 0 if k_loc is k_j else k_loc.size + v_loc.size  # a local repeat of kv heads
+        peak[j] = max(inputs + received, received + extra + o_j.size + 2 * lse_j.size + tile,
+                      o_j.size + b * c * h * d) * e
+        bytes_sent[j, 2] = (n - 1) * b * c * q_j.shape[2] * d * e  # step 2: every other host's tokens
+        o_heads.append(o_j)
+    shards = [np.concatenate([o_j[:, i * c:(i + 1) * c] for o_j in o_heads], axis=2)  # (b, c, h, d)
+              for i in range(n)]
+    o = _caller_order(problem, shards, axis=1)  # (b, s, h, d)
+    trace = StrategyTrace("ulysses", n, ("all-to-all qkv", "attend", "all-to-all o"), bytes_sent, flops, peak)
+    return (o, trace) if return_trace else o
