@@ -642,6 +642,25 @@ def check_kept_scale(answer, *, rate=0.2):
     return _correct(f"{want}: kept with probability {1 - rate}, so E[factor * p] = p")
 
 
+def check_guess_loss(guess_loss):
+    """12, exercise 3: ``guess_loss(n_values)``: the lowest loss of a model that can only guess the answer,
+    checked against ``train.loss_and_accuracy`` on logits uniform over the answer tokens."""
+    if _pending(guess_loss, "guess_loss(n_values)"):
+        return False
+    from ringattn_fast.tasks import RecallTask
+    from ringattn_fast.train import loss_and_accuracy
+    for n_values in (2, 5, 16, 64):
+        task = RecallTask(seq=64, shard=16, n_values=n_values)
+        logits = np.full((1, 4, task.vocab), -1e9, np.float32)
+        logits[..., task.answer_base:] = 0.0                    # every answer equally likely, nothing else
+        targets = np.full((1, 4), task.answer_base + 1, np.int32)
+        want = float(loss_and_accuracy(logits, targets, np.ones((1, 4), np.float32), task.answer_base,
+                                       n_values)[0])
+        _close(guess_loss(n_values), want, 1e-5, f"the loss of a uniform guess over {n_values} answers "
+               f"(hint: the cross-entropy when the right answer gets probability 1 / n_values)")
+    return _correct("log(n_values): 2.77 for 16 answers, the flat line of the local model in the figure")
+
+
 # ---- 13 which sequence parallelism -----------------------------------------------------------------
 
 def check_ulysses_bytes(answer, *, seq=2**17, heads=128, kv_heads=8, dim=128, devices=8, dtype_bytes=2):
