@@ -163,6 +163,9 @@ def profile(fn, *args, log_dir=None):
 
     Returns a :class:`Profile` of that second run. log_dir: where the trace goes (default: a fresh
     temporary directory); the file is ``log_dir/plugins/profile/<run>/perfetto_trace.json.gz``.
+    Profile in a process of its own (a notebook's kernel, ``benchmarks/timeline.py``): on JAX 0.12's
+    CPU backend, a multi-device program with an all-reduce run *after* ``jax.profiler.trace`` in the
+    same process was seen to stall in its rendezvous and abort (``tests/test_timeline.py``).
     """
     import jax
 
