@@ -30,10 +30,10 @@ from . import comm, masks, padding
 from .backward import ring_backward
 from .dispatch import check_impl, kernels_for
 from .hop import acc_dtype
-from .layouts import permute_axis
-from .mesh import check_mesh_axes, mesh_platform, resolve_mesh, varying_axes, vary_like
+from .mesh import mesh_platform, varying_axes, vary_like
 from .schedule import (Dropout, HopConfig, KVShard, QShard, RingConfig, hop_kv, kv_index, local_positions, ring_loop,
                        send_to_next)
+from .sharded import _axis_size, _bias_mode, default_block, on_mesh
 from .softmax import merge
 
 
@@ -106,46 +106,7 @@ def _ring_bwd(cfg, res, cotangents):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def default_block(shard, target=128):
-    """The largest divisor of ``shard`` that is at most ``target`` (the tile side when not given).
 
-    128 x 128 tiles keep a tile of float32 logits per kv head at 64 KiB, cache-sized on CPU: measured
-    at 8 devices, S=8192, 4 heads, dim 64, fwd+bwd was faster and used less temp memory than with
-    256 or 512 tiles (``python -m benchmarks.bench --ours-block-q ... --ours-block-kv ...``).
-    """
-    return max(c for c in range(1, min(shard, target) + 1) if shard % c == 0)
-
-
-def _bias_mode(bias, batch, heads, sq, n):
-    """Classify a bias (see :class:`~ringattn_fast.schedule.RingConfig`); raise if it fits no mode.
-
-    One rule for the global array (``sq = seq, n = 1``: how ``ring_attention`` shards it) and for a
-    host's shard (``sq = s_local, n = axis_size``: how the ring uses it): ``[.., sq|1, 1]`` "static",
-    key-only ``[.., 1, sq]`` "travel", ``[.., sq|1, n * sq]`` "columns".
-    """
-    if bias is None:
-        return None
-    shape = tuple(bias.shape)
-    ok = len(shape) == 4 and shape[0] in (1, batch) and shape[1] in (1, heads) and shape[2] in (1, sq)
-    if ok and shape[3] == 1:
-        return "static"
-    if ok and shape[2] == 1 and shape[3] == sq:
-        return "travel"
-    if ok and shape[3] == n * sq:
-        return "columns"
-    raise ValueError(f"bias (per host) must be [batch|1, heads|1, {sq}|1, {n * sq}] (local query rows, all "
-                     f"key columns in layout order) or key-only [batch|1, heads|1, 1, {sq}] (this host's "
-                     f"keys; it travels with K/V); got shape {shape}")
-
-
-def _axis_size(axis_name):
-    """The size of mesh axis ``axis_name`` of the enclosing ``shard_map``, or a ValueError saying so."""
-    try:
-        return lax.axis_size(axis_name)
-    except NameError:
-        raise ValueError(f"axis_name {axis_name!r} must name a mesh axis of an enclosing jax.shard_map: "
-                         f"call ring_attention_shard on per-device shards inside shard_map(..., mesh=...) "
-                         f"whose mesh has that axis, or call ring_attention on global arrays") from None
 
 
 def _dropout_seed(key):
@@ -224,12 +185,6 @@ def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=N
     return (o, lse) if return_lse else o
 
 
-def _int32_segment_ids(segment_ids):
-    """Traced ids wider than int32 (x64) become int32 ranks: equal ids stay equal, whatever their size."""
-    if segment_ids is None or not isinstance(segment_ids, jax.core.Tracer) or segment_ids.dtype.itemsize <= 4:
-        return segment_ids
-    return jnp.searchsorted(jnp.sort(segment_ids.ravel()), segment_ids).astype(jnp.int32)
-
 
 def _first_index(mesh_axes, local_size):
     """Global index of this host's first row along a dim split over ``mesh_axes`` (None: not split)."""
@@ -266,58 +221,21 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
     contributes nothing, whatever its values. comm_dtype / grad_comm_dtype: what K/V and dK/dV travel
     in (see :func:`ring_attention_shard`).
     """
-    b, s, h, hk, d = val.check_qkv(q, k, v)
     comm_dtype = comm.check_comm_dtype(comm_dtype)
     grad_comm_dtype = comm.check_comm_dtype(grad_comm_dtype, "grad_comm_dtype", comm.GRAD_COMM_DTYPES)
-    val.check_scale(scale, d)
-    causal, return_lse = val.check_bool(causal, "causal"), val.check_bool(return_lse, "return_lse")
-    window = val.check_window(window, s)
-    segment_ids = val.check_segment_ids(_int32_segment_ids(segment_ids), b, s)
-    padding_segment = padding.check_padding_segment(padding_segment, segment_ids)
-    val.check_bias(bias, b, h, s)
-    layout = val.check_layout(layout, s)
-    mesh = resolve_mesh(mesh)
-    axes = check_mesh_axes(mesh, axis_name, batch=b, heads=h, kv_heads=hk, batch_axes=batch_axes,
-                           head_axis=head_axis)
     dropout_rate = drop_ref.check_dropout_rate(dropout_rate, dropout_key)
-    check_impl(impl, mesh_platform(mesh), q, k, v, has_bias=bias is not None,  # errors before tracing
-               has_dropout=dropout_rate > 0, fused_ok=comm_dtype is None and grad_comm_dtype is None)
-    padded = padding.pad_for_ring(q, k, v, n_hosts=axes.n, layout=layout, segment_ids=segment_ids, bias=bias,
-                                  padding_segment=padding_segment)
-    layout, s_ring = padded.layout, padded.q.shape[1]
-    perm = partial(permute_axis, layout=layout, n_hosts=axes.n)
-    args = {"q": perm(padded.q), "k": perm(padded.k), "v": perm(padded.v)}
-    specs = {name: axes.spec("batch", "seq", "heads", None) for name in args}
-    if padded.segment_ids is not None:
-        args["segment_ids"] = perm(jnp.asarray(padded.segment_ids).astype(jnp.int32))
-        specs["segment_ids"] = axes.spec("batch", "seq")
-    if padded.bias is not None:  # where the bias lives follows its mode (the same rule the host applies)
-        bias = padded.bias
-        mode = _bias_mode(bias, b, h, s_ring, 1)
-        rows = "seq" if bias.shape[2] > 1 else None  # query rows: this host's
-        cols = "seq" if mode == "travel" else None  # key-only: sharded like the keys
-        args["bias"] = perm(bias, axis=2) if rows else bias
-        args["bias"] = perm(args["bias"], axis=3) if bias.shape[3] > 1 else args["bias"]
-        specs["bias"] = axes.spec("batch" if bias.shape[0] > 1 else None, "heads" if bias.shape[1] > 1 else None,
-                                  rows, cols)
-    if dropout_rate > 0:  # replicated; each host adds the global index of its first batch row and head
-        args["dropout_key"], specs["dropout_key"] = _dropout_seed(dropout_key), jax.P()
-    names = tuple(args)
+    extra_args, host_kwargs = {}, None
+    if dropout_rate > 0:  # the key is replicated; each host adds the global index of its first batch row and head
+        extra_args["dropout_key"] = (_dropout_seed(dropout_key), jax.P())
 
-    def per_host(*xs):
-        kw = dict(zip(names, xs))
-        if dropout_rate > 0:
+        def host_kwargs(kw, axes):
             b_local, h_local = kw["q"].shape[0], kw["q"].shape[2]
-            kw["dropout_offsets"] = (_first_index(axes.batch, b_local), _first_index(axes.heads, h_local))
-        return ring_attention_shard(**kw, axis_name=axis_name, causal=causal, window=window, scale=scale,
-                                    layout=layout, block_q=block_q, block_kv=block_kv, impl=impl,
-                                    padding_segment=padded.padding_segment, return_lse=True,
-                                    dropout_rate=dropout_rate, comm_dtype=comm_dtype,
-                                    grad_comm_dtype=grad_comm_dtype)
+            return {"dropout_offsets": (_first_index(axes.batch, b_local), _first_index(axes.heads, h_local))}
 
-    o, lse = jax.shard_map(per_host, mesh=mesh, in_specs=tuple(specs[k_] for k_ in names),
-                           out_specs=(specs["q"], axes.spec("batch", "heads", "seq")))(*(args[k_] for k_ in names))
-    o = padded.unpad(permute_axis(o, layout, axes.n, inverse=True))
-    if not return_lse:
-        return o
-    return o, padded.unpad(permute_axis(lse, layout, axes.n, axis=2, inverse=True), axis=2)
+    return on_mesh(ring_attention_shard, q, k, v, mesh=mesh, axis_name=axis_name, causal=causal,
+                   segment_ids=segment_ids, bias=bias, window=window, scale=scale, layout=layout, impl=impl,
+                   padding_segment=padding_segment, return_lse=return_lse, batch_axes=batch_axes,
+                   head_axis=head_axis, fused_ok=comm_dtype is None and grad_comm_dtype is None,
+                   has_dropout=dropout_rate > 0, extra_args=extra_args, host_kwargs=host_kwargs,
+                   block_q=block_q, block_kv=block_kv, dropout_rate=dropout_rate, comm_dtype=comm_dtype,
+                   grad_comm_dtype=grad_comm_dtype)

@@ -1,15 +1,16 @@
 """Global arrays in, global arrays out: the ``shard_map`` wrapper and the per-host checks that the
-all-gather and Ulysses share with the ring.
+ring, the all-gather and Ulysses share.
 
-``ring_attention`` does the same for the ring (``ring.py``): validate, pad to a length the axis splits
-(``padding.py``), put the sequence in layout order, shard q/k/v (and segment ids, bias) over the mesh,
-run a per-host function with the keywords of ``ring_attention_shard``, and bring ``o`` (and ``lse``)
-back to true order. Here the per-host function is a parameter, so
-:func:`~ringattn_fast.allgather.allgather_attention` and
+:func:`on_mesh` is what ``ring_attention`` (``ring.py``) and the two other strategies do with global
+arrays: validate, pad to a length the axis splits (``padding.py``), put the sequence in layout order,
+shard q/k/v (and segment ids, bias) over the mesh, run a per-host function with the keywords of
+``ring_attention_shard``, and bring ``o`` (and ``lse``) back to true order. The per-host function is
+a parameter, so :func:`~ringattn_fast.allgather.allgather_attention` and
 :func:`~ringattn_fast.ulysses.ulysses_attention` take exactly the inputs, shardings and mask
-semantics of the ring, and differ only in what each host does. Per host,
-:func:`host_inputs` applies ``ring_attention_shard``'s checks and builds the same ``QShard`` /
-``KVShard`` / ``RingConfig`` (``schedule.py``), so all three strategies run the same hop code.
+semantics of the ring, and differ only in what each host does. Per host, :func:`host_inputs`
+applies ``ring_attention_shard``'s checks and builds the same ``QShard`` / ``KVShard`` /
+``RingConfig`` (``schedule.py``), so all three strategies run the same hop code. The small helpers
+all of them use live here too (``default_block``, the bias modes, the axis size).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from ringattn_ref import validation as val
 
@@ -25,19 +27,68 @@ from . import comm, padding
 from .dispatch import check_impl
 from .layouts import permute_axis
 from .mesh import check_mesh_axes, mesh_platform, resolve_mesh, varying_axes, vary_like
-from .ring import _axis_size, _bias_mode, _int32_segment_ids, default_block
 from .schedule import HopConfig, KVShard, QShard, RingConfig, local_positions
+
+
+def default_block(shard, target=128):
+    """The largest divisor of ``shard`` that is at most ``target`` (the tile side when not given).
+
+    128 x 128 tiles keep a tile of float32 logits per kv head at 64 KiB, cache-sized on CPU: measured
+    at 8 devices, S=8192, 4 heads, dim 64, fwd+bwd was faster and used less temp memory than with
+    256 or 512 tiles (``python -m benchmarks.bench --ours-block-q ... --ours-block-kv ...``).
+    """
+    return max(c for c in range(1, min(shard, target) + 1) if shard % c == 0)
+
+def _bias_mode(bias, batch, heads, sq, n):
+    """Classify a bias (see :class:`~ringattn_fast.schedule.RingConfig`); raise if it fits no mode.
+
+    One rule for the global array (``sq = seq, n = 1``: how ``ring_attention`` shards it) and for a
+    host's shard (``sq = s_local, n = axis_size``: how the ring uses it): ``[.., sq|1, 1]`` "static",
+    key-only ``[.., 1, sq]`` "travel", ``[.., sq|1, n * sq]`` "columns".
+    """
+    if bias is None:
+        return None
+    shape = tuple(bias.shape)
+    ok = len(shape) == 4 and shape[0] in (1, batch) and shape[1] in (1, heads) and shape[2] in (1, sq)
+    if ok and shape[3] == 1:
+        return "static"
+    if ok and shape[2] == 1 and shape[3] == sq:
+        return "travel"
+    if ok and shape[3] == n * sq:
+        return "columns"
+    raise ValueError(f"bias (per host) must be [batch|1, heads|1, {sq}|1, {n * sq}] (local query rows, all "
+                     f"key columns in layout order) or key-only [batch|1, heads|1, 1, {sq}] (this host's "
+                     f"keys; it travels with K/V); got shape {shape}")
+
+def _axis_size(axis_name):
+    """The size of mesh axis ``axis_name`` of the enclosing ``shard_map``, or a ValueError saying so."""
+    try:
+        return lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(f"axis_name {axis_name!r} must name a mesh axis of an enclosing jax.shard_map: "
+                         f"call ring_attention_shard on per-device shards inside shard_map(..., mesh=...) "
+                         f"whose mesh has that axis, or call ring_attention on global arrays") from None
+
+def _int32_segment_ids(segment_ids):
+    """Traced ids wider than int32 (x64) become int32 ranks: equal ids stay equal, whatever their size."""
+    if segment_ids is None or not isinstance(segment_ids, jax.core.Tracer) or segment_ids.dtype.itemsize <= 4:
+        return segment_ids
+    return jnp.searchsorted(jnp.sort(segment_ids.ravel()), segment_ids).astype(jnp.int32)
 
 
 def on_mesh(shard_fn, q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_ids=None, bias=None,
             window=None, scale=None, layout="contiguous", impl="auto", padding_segment=None, return_lse=False,
-            batch_axes=None, head_axis=None, check_heads=None, **shard_kwargs):
+            batch_axes=None, head_axis=None, check_heads=None, fused_ok=False, has_dropout=False, extra_args=None,
+            host_kwargs=None, **shard_kwargs):
     """``shard_fn`` (per host, the keywords of ``ring_attention_shard``) applied to global q, k, v.
 
     Arguments as ``ring_attention``'s; ``shard_kwargs`` go to ``shard_fn`` unchanged;
     ``check_heads(heads, kv_heads, n)``, if given, raises before anything is traced (Ulysses: heads
-    must split over the axis). Returns [batch, seq, heads, dim] in q's dtype, in true order (and lse
-    [batch, heads, seq] with ``return_lse``).
+    must split over the axis). ``fused_ok`` / ``has_dropout`` go to ``dispatch.check_impl``;
+    ``extra_args``: ``{name: (array, PartitionSpec)}`` passed to ``shard_fn`` as keyword ``name``;
+    ``host_kwargs(kw, axes)``: more keywords computed per host from its shards ``kw`` and the
+    :class:`~ringattn_fast.mesh.MeshAxes` (the ring's dropout offsets). Returns [batch, seq, heads, dim]
+    in q's dtype, in true order (and lse [batch, heads, seq] with ``return_lse``).
     """
     b, s, h, hk, d = val.check_qkv(q, k, v)
     val.check_scale(scale, d)
@@ -53,7 +104,8 @@ def on_mesh(shard_fn, q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
     if check_heads is not None:
         tp = 1 if head_axis is None else mesh.shape[head_axis]
         check_heads(h // tp, hk // tp, axes.n)
-    check_impl(impl, mesh_platform(mesh), q, k, v, has_bias=bias is not None, fused_ok=False)
+    check_impl(impl, mesh_platform(mesh), q, k, v, has_bias=bias is not None, has_dropout=has_dropout,
+               fused_ok=fused_ok)  # errors before tracing
     padded = padding.pad_for_ring(q, k, v, n_hosts=axes.n, layout=layout, segment_ids=segment_ids, bias=bias,
                                   padding_segment=padding_segment)
     layout, s_ring = padded.layout, padded.q.shape[1]
@@ -71,12 +123,15 @@ def on_mesh(shard_fn, q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
         args["bias"] = perm(args["bias"], axis=3) if bias.shape[3] > 1 else args["bias"]
         specs["bias"] = axes.spec("batch" if bias.shape[0] > 1 else None, "heads" if bias.shape[1] > 1 else None,
                                   rows, cols)
+    for name, (x, spec) in (extra_args or {}).items():
+        args[name], specs[name] = x, spec
     names = tuple(args)
 
     def per_host(*xs):
-        return shard_fn(**dict(zip(names, xs)), axis_name=axis_name, causal=causal, window=window, scale=scale,
-                        layout=layout, impl=impl, padding_segment=padded.padding_segment, return_lse=True,
-                        **shard_kwargs)
+        kw = dict(zip(names, xs))
+        kw.update(host_kwargs(kw, axes) if host_kwargs else {})
+        return shard_fn(**kw, axis_name=axis_name, causal=causal, window=window, scale=scale, layout=layout,
+                        impl=impl, padding_segment=padded.padding_segment, return_lse=True, **shard_kwargs)
 
     o, lse = jax.shard_map(per_host, mesh=mesh, in_specs=tuple(specs[k_] for k_ in names),
                            out_specs=(specs["q"], axes.spec("batch", "heads", "seq")))(*(args[k_] for k_ in names))

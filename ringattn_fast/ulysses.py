@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .allgather import attend_whole
-from .ring import _axis_size
+from .sharded import _axis_size
 from .schedule import KVShard, QShard
 from .sharded import host_inputs, on_mesh
 
