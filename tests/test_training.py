@@ -3,6 +3,7 @@ and the recall task puts every answer more than one shard away."""
 import jax
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 from ringattn_fast.mesh import make_mesh
 from ringattn_fast.model import ModelConfig
@@ -17,11 +18,16 @@ STEPS = 20
 @pytest.fixture(scope="module", autouse=True)
 def no_persistent_cache():
     """Compile these steps afresh: on the 8-device CPU mesh, a training step loaded from the persistent
-    compilation cache (tests/conftest.py) was seen to stall in its all-reduce rendezvous and abort."""
+    compilation cache (tests/conftest.py) stalls in its all-reduce rendezvous and aborts the process
+    (JAX 0.12; the 8-device zigzag run loads the program the contiguous run wrote). JAX decides once per
+    process whether the cache is used, so turning it off needs ``reset_cache()`` too, or an earlier test
+    module that already used the cache keeps it on."""
     old = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     yield
     jax.config.update("jax_enable_compilation_cache", old)
+    compilation_cache.reset_cache()
 
 
 def test_every_fact_is_more_than_one_shard_before_its_question():
