@@ -23,7 +23,6 @@ needs (``jax.lib.xla_bridge.get_backend``, empty ``flax`` modules).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ from functools import partial
 
 import numpy as np
 
-from . import bench_gpu, decode
+from . import bench_gpu, decode, report
 from .authors import import_ring_attention
 
 
@@ -154,9 +153,7 @@ def table(rows):
 
 
 def plot(rows, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = report.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     labels = [f"{r['impl']}\n{'causal' if r['causal'] else 'full'}" for r in rows]
     x = np.arange(len(rows))
@@ -203,7 +200,7 @@ def main(argv=None):
     shape = (args.batch, args.seq, args.heads, args.dim)
     q64, k64, v64, do64 = (rng.standard_normal(shape) for _ in range(4))
     progress = Progress(len(causals) * (2 + 2 * len(impls)))
-    out = open(args.out, "w") if args.out else sys.stdout
+    out = report.open_rows(args.out)
     rows = []
     for causal in causals:
         want_o, want_grads = oracle(q64, k64, v64, do64, causal, args.block)
@@ -236,13 +233,8 @@ def main(argv=None):
                        block=args.block if name == "authors" else None,
                        fwd_s=medians[2 * n], fwd_bwd_s=medians[2 * n + 1], **results[name])
             rows.append(row)
-            print(json.dumps(row), file=out, flush=True)
-    if args.out:
-        out.close()
-    print(table(rows), file=sys.stderr)
-    if args.plot:
-        plot(rows, args.plot)
-        print(f"plot saved to {args.plot}", file=sys.stderr)
+            report.emit(row, out)
+    report.finish(rows, out, args, table, plot)
     return rows
 
 

@@ -18,13 +18,14 @@ One JSON object per line to stdout (or ``--out``), a markdown table to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
 import time
 
 import numpy as np
+
+from . import report
 
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 
@@ -142,9 +143,7 @@ def table(rows):
 
 
 def plot(rows, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = report.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     for name in ("sharded", "dense"):
         rs = sorted((r for r in rows if r["impl"] == name), key=lambda r: r["seq"])
@@ -169,17 +168,12 @@ def main(argv=None):
     import ringattn_fast as rf
 
     mesh = rf.make_mesh(args.devices)
-    out = open(args.out, "w") if args.out else sys.stdout
+    out = report.open_rows(args.out)
     rows = []
     for s in (int(x) for x in args.lengths.split(",")):
         for row in measure(args, s, mesh):
             rows.append(row)
-            print(json.dumps(row), file=out, flush=True)
+            report.emit(row, out)
         sys.stderr.write(f"S={s} done\n")
-    if args.out:
-        out.close()
-    print(table(rows), file=sys.stderr)
-    if args.plot:
-        plot(rows, args.plot)
-        print(f"plot saved to {args.plot}", file=sys.stderr)
+    report.finish(rows, out, args, table, plot)
     return rows

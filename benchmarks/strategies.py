@@ -15,12 +15,13 @@ difference of the output from the ring's. One JSON object per line, a markdown t
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from collections import defaultdict
 
 import numpy as np
+
+from . import report
 
 STRATEGIES = ("ring", "allgather", "ulysses")
 ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -144,9 +145,7 @@ def table(rows):
 
 
 def plot(rows, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = report.pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for name in STRATEGIES:
         rs = [r for r in rows if r["strategy"] == name and not r.get("skipped")]
@@ -185,7 +184,7 @@ def main(argv=None):
     mesh, n, causal = rf.make_mesh(args.devices), args.devices, args.causal == "true"
     sharded = jax.sharding.NamedSharding(mesh, jax.P(None, "sp"))
     progress = Progress(len(seqs) * (len(names) + 1))
-    out = open(args.out, "w") if args.out else sys.stdout
+    out = report.open_rows(args.out)
     rows = []
     for seq in seqs:
         rng = np.random.default_rng(0)
@@ -225,13 +224,8 @@ def main(argv=None):
             diff = float("nan") if ref_o is None else float(np.abs(outputs[name] - ref_o).max())
             rows.append(dict(found[name], fwd_bwd_s=t, max_diff_vs_ring=diff))
         for r in rows[-len(names):]:
-            print(json.dumps(r), file=out, flush=True)
-    if args.out:
-        out.close()
-    print(table(rows), file=sys.stderr)
-    if args.plot:
-        plot(rows, args.plot)
-        print(f"plot saved to {args.plot}", file=sys.stderr)
+            report.emit(r, out)
+    report.finish(rows, out, args, table, plot)
     return rows
 
 
