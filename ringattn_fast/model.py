@@ -60,25 +60,34 @@ class ModelConfig:
 
 
 def init_params(key, cfg):
-    """float32 parameters: a dict of arrays, layer weights stacked on a leading ``n_layers`` axis."""
-    d, hd, L = cfg.d_model, cfg.head_dim, cfg.n_layers
+    """float32 parameters: a dict of arrays, layer weights stacked on a leading ``n_layers`` axis.
+
+    Jitted on the shapes alone (not the window or dtype): the ring and the one-shard model of a run
+    share one compile (drawing ten normal arrays op by op would compile each op, seconds on a CPU).
+    """
+    return _init_params(key, cfg.vocab, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                        cfg.d_ff)
+
+
+@partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7))
+def _init_params(key, vocab, d, L, n_heads, n_kv_heads, hd, d_ff):
     ks = jax.random.split(key, 8)
     normal = lambda k, shape, fan_in: jax.random.normal(k, shape, jnp.float32) * fan_in ** -0.5  # noqa: E731
     return {
-        "embed": jax.random.normal(ks[0], (cfg.vocab, d), jnp.float32),
+        "embed": jax.random.normal(ks[0], (vocab, d), jnp.float32),
         "layers": {
             "attn_norm": jnp.ones((L, d), jnp.float32),
-            "wq": normal(ks[1], (L, d, cfg.n_heads, hd), d),
-            "wk": normal(ks[2], (L, d, cfg.n_kv_heads, hd), d),
-            "wv": normal(ks[3], (L, d, cfg.n_kv_heads, hd), d),
-            "wo": normal(ks[4], (L, cfg.n_heads, hd, d), cfg.n_heads * hd),
+            "wq": normal(ks[1], (L, d, n_heads, hd), d),
+            "wk": normal(ks[2], (L, d, n_kv_heads, hd), d),
+            "wv": normal(ks[3], (L, d, n_kv_heads, hd), d),
+            "wo": normal(ks[4], (L, n_heads, hd, d), n_heads * hd),
             "ffn_norm": jnp.ones((L, d), jnp.float32),
-            "w_gate": normal(ks[5], (L, d, cfg.d_ff), d),
-            "w_up": normal(ks[6], (L, d, cfg.d_ff), d),
-            "w_down": normal(ks[7], (L, cfg.d_ff, d), cfg.d_ff),
+            "w_gate": normal(ks[5], (L, d, d_ff), d),
+            "w_up": normal(ks[6], (L, d, d_ff), d),
+            "w_down": normal(ks[7], (L, d_ff, d), d_ff),
         },
         "final_norm": jnp.ones((d,), jnp.float32),
-        "unembed": normal(jax.random.fold_in(key, 99), (d, cfg.vocab), d),
+        "unembed": normal(jax.random.fold_in(key, 99), (d, vocab), d),
     }
 
 

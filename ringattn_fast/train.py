@@ -53,21 +53,23 @@ def layout_batch(batch, perm):
 
 
 def loss_and_accuracy(logits, targets, weights, answer_base, n_values):
-    """Mean cross-entropy over the questions (weights 1) and the fraction whose argmax answer is right."""
+    """Mean cross-entropy over the questions (weights 1), the fraction whose argmax answer is right,
+    and that argmax answer at every position (int [b, s])."""
     import jax
     import jax.numpy as jnp
     logp = jax.nn.log_softmax(logits, axis=-1)  # (b, s, vocab)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     guess = jnp.argmax(logits[..., answer_base:answer_base + n_values], axis=-1) + answer_base
     total = weights.sum()
-    return (nll * weights).sum() / total, ((guess == targets) * weights).sum() / total
+    return (nll * weights).sum() / total, (((guess == targets) * weights).sum() / total, guess)
 
 
-def make_fns(cfg, task, mesh, optimizer):
-    """Jitted ``step(params, opt_state, tokens, positions, targets, weights) -> (params, opt_state,
-    loss, acc)`` and ``predict(params, tokens, positions) -> correct-answer argmax`` on ``mesh``."""
+def make_step(cfg, task, mesh, optimizer):
+    """The jitted ``step(params, opt_state, tokens, positions, targets, weights) -> (params, opt_state,
+    loss, acc, guess)`` on ``mesh``: one AdamW update, and the loss, accuracy and argmax answers of the
+    parameters *before* it. Evaluation calls the same step and drops the update: one compile per model
+    (a separate forward-only function would be a second one, seconds on a CPU)."""
     import jax
-    import jax.numpy as jnp
     import optax
 
     from .model import sharded_forward
@@ -78,16 +80,12 @@ def make_fns(cfg, task, mesh, optimizer):
 
     @jax.jit
     def step(params, opt_state, tokens, positions, targets, weights):
-        (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, positions, targets, weights)
+        (loss, (acc, guess)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, tokens, positions, targets, weights)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, acc
+        return optax.apply_updates(params, updates), opt_state, loss, acc, guess
 
-    @jax.jit
-    def predict(params, tokens, positions):
-        logits = sharded_forward(params, tokens, positions, cfg, mesh)
-        return jnp.argmax(logits[..., task.answer_base:task.answer_base + task.n_values], axis=-1) + task.answer_base
-
-    return step, predict
+    return step
 
 
 def make_optimizer(lr, steps):
@@ -113,29 +111,33 @@ def train(task, cfg, *, mesh, layout="contiguous", steps=100, batch_size=16, lr=
     n = mesh.shape["sp"]
     perm = layout_permutation(layout, task.seq, n)
     optimizer = make_optimizer(lr, steps)
-    step, predict = make_fns(cfg, task, mesh, optimizer)
+    step = make_step(cfg, task, mesh, optimizer)
     shard = jax.sharding.NamedSharding(mesh, jax.P(None, "sp"))
     put = lambda *xs: [jax.device_put(x, shard) for x in xs]  # noqa: E731
-    params = init_params(jax.random.key(seed), cfg)
-    opt_state = optimizer.init(params)
+    # Replicated on the mesh, as the step's outputs are: the second step then hits the first one's
+    # compile (arrays on device 0 alone would compile the step twice).
+    replicated = jax.sharding.NamedSharding(mesh, jax.P())
+    params = jax.device_put(init_params(jax.random.key(seed), cfg), replicated)
+    opt_state = jax.jit(optimizer.init, out_shardings=replicated)(params)
     rng = np.random.default_rng(seed)
     bar = Progress(steps, label) if progress else None
-    losses, accs = [], []
+    losses, accs = [], []  # device scalars, read at the end: the host never waits on a step
     for i in range(steps):
         tokens, positions, targets, weights, _ = layout_batch(task.batch(rng, batch_size), perm)
-        params, opt_state, loss, acc = step(params, opt_state, *put(tokens, positions, targets, weights))
-        losses.append(float(loss))
-        accs.append(float(acc))
+        params, opt_state, loss, acc, _ = step(params, opt_state, *put(tokens, positions, targets, weights))
+        losses.append(loss)
+        accs.append(acc)
         if bar is not None and (i % 5 == 4 or i == steps - 1):
-            bar.update(i + 1, loss=np.mean(losses[-5:]), acc=np.mean(accs[-5:]))
+            bar.update(i + 1, loss=float(np.mean(losses[-5:])), acc=float(np.mean(accs[-5:])))
     if bar is not None:
         bar.close()
+    losses, accs = np.asarray(losses, np.float64).tolist(), np.asarray(accs, np.float64).tolist()
     eval_rng = np.random.default_rng(seed + 1)
     correct, distance, weights = [], [], []
     for _ in range(eval_batches):
         tokens, positions, targets, w, dist = layout_batch(task.batch(eval_rng, batch_size), perm)
-        guess = np.asarray(predict(params, *put(tokens, positions)))
-        correct.append(guess == targets), distance.append(dist), weights.append(w)
+        *_, guess = step(params, opt_state, *put(tokens, positions, targets, w))  # the update is dropped
+        correct.append(np.asarray(guess) == targets), distance.append(dist), weights.append(w)
     correct, distance, weights = (np.concatenate(x) for x in (correct, distance, weights))
     accuracy = float((correct * weights).sum() / weights.sum())
     return dict(losses=losses, accuracies=accs, accuracy=accuracy, correct=correct, distance=distance,
