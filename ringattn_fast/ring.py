@@ -106,9 +106,6 @@ def _ring_bwd(cfg, res, cotangents):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-
-
-
 def _dropout_seed(key):
     """The two uint32 words of a dropout key: a typed ``jax.random.key``, a raw ``PRNGKey`` (uint32 [2])
     or an int seed in ``[0, 2**64)`` (``ringattn_ref.dropout``: the same words give the same mask)."""
@@ -193,6 +190,12 @@ def _first_index(mesh_axes, local_size):
     return lax.axis_index(mesh_axes) * local_size
 
 
+def _dropout_offsets(kw, axes):
+    """Per host: the global index of its first batch row and first head (the dropout hash's offsets)."""
+    b_local, h_local = kw["q"].shape[0], kw["q"].shape[2]
+    return {"dropout_offsets": (_first_index(axes.batch, b_local), _first_index(axes.heads, h_local))}
+
+
 def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_ids=None, bias=None,
                    window=None, scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
                    padding_segment=None, return_lse=False, batch_axes=None, head_axis=None, dropout_rate=0.0,
@@ -227,10 +230,7 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
     extra_args, host_kwargs = {}, None
     if dropout_rate > 0:  # the key is replicated; each host adds the global index of its first batch row and head
         extra_args["dropout_key"] = (_dropout_seed(dropout_key), jax.P())
-
-        def host_kwargs(kw, axes):
-            b_local, h_local = kw["q"].shape[0], kw["q"].shape[2]
-            return {"dropout_offsets": (_first_index(axes.batch, b_local), _first_index(axes.heads, h_local))}
+        host_kwargs = _dropout_offsets
 
     return on_mesh(ring_attention_shard, q, k, v, mesh=mesh, axis_name=axis_name, causal=causal,
                    segment_ids=segment_ids, bias=bias, window=window, scale=scale, layout=layout, impl=impl,

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ringattn_ref import validation as val
@@ -76,6 +77,38 @@ def _int32_segment_ids(segment_ids):
     return jnp.searchsorted(jnp.sort(segment_ids.ravel()), segment_ids).astype(jnp.int32)
 
 
+_MAPPED = {}  # key of the static arguments -> the jitted shard_map (at most _MAPPED_MAX, oldest dropped)
+_MAPPED_MAX = 256
+
+
+def _hashable(static):
+    """The static keywords as a cache key: arrays (a layout permutation) by value; None if unhashable."""
+    items = tuple((k, ("array", x.dtype.str, tuple(x.tolist())) if isinstance(x, np.ndarray) else x)
+                  for k, x in sorted(static.items()))
+    try:
+        hash(items)
+    except TypeError:
+        return None
+    return items
+
+
+def _cached(key, build):
+    """``build()`` once per ``key``: one jitted shard_map per static configuration.
+
+    Called outside ``jit`` a ``shard_map`` runs its body op by op, every op compiled again on every
+    call (a 64-token ring took seconds per call); jitted, a repeated eager call costs microseconds,
+    and under an outer ``jit`` the inner one is inlined. A key holding something unhashable builds
+    afresh (compiled once per call, still not op by op).
+    """
+    if key[-1] is None:
+        return build()
+    fn = _MAPPED.pop(key, None)
+    _MAPPED[key] = fn = build() if fn is None else fn  # most recently used last
+    while len(_MAPPED) > _MAPPED_MAX:
+        _MAPPED.pop(next(iter(_MAPPED)))
+    return fn
+
+
 def on_mesh(shard_fn, q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_ids=None, bias=None,
             window=None, scale=None, layout="contiguous", impl="auto", padding_segment=None, return_lse=False,
             batch_axes=None, head_axis=None, check_heads=None, fused_ok=False, has_dropout=False, extra_args=None,
@@ -127,14 +160,20 @@ def on_mesh(shard_fn, q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
         args[name], specs[name] = x, spec
     names = tuple(args)
 
-    def per_host(*xs):
-        kw = dict(zip(names, xs))
-        kw.update(host_kwargs(kw, axes) if host_kwargs else {})
-        return shard_fn(**kw, axis_name=axis_name, causal=causal, window=window, scale=scale, layout=layout,
-                        impl=impl, padding_segment=padded.padding_segment, return_lse=True, **shard_kwargs)
+    static = dict(axis_name=axis_name, causal=causal, window=window, scale=scale, layout=layout, impl=impl,
+                  padding_segment=padded.padding_segment, return_lse=True, **shard_kwargs)
 
-    o, lse = jax.shard_map(per_host, mesh=mesh, in_specs=tuple(specs[k_] for k_ in names),
-                           out_specs=(specs["q"], axes.spec("batch", "heads", "seq")))(*(args[k_] for k_ in names))
+    def build():
+        def per_host(*xs):
+            kw = dict(zip(names, xs))
+            kw.update(host_kwargs(kw, axes) if host_kwargs else {})
+            return shard_fn(**kw, **static)
+
+        return jax.jit(jax.shard_map(per_host, mesh=mesh, in_specs=tuple(specs[k_] for k_ in names),
+                                     out_specs=(specs["q"], axes.spec("batch", "heads", "seq"))))
+
+    key = (shard_fn, host_kwargs, mesh, axes, names, tuple(specs.items()), _hashable(static))
+    o, lse = _cached(key, build)(*(args[k_] for k_ in names))
     o = padded.unpad(permute_axis(o, layout, axes.n, inverse=True))
     if not return_lse:
         return o
