@@ -1,5 +1,8 @@
 """Training through the ring (issue 12): the loss curve does not depend on the ring size or the layout,
 and the recall task puts every answer more than one shard away."""
+import json
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -63,3 +66,28 @@ def test_first_steps_losses_do_not_depend_on_ring_size_or_layout(dense_losses, d
                             progress=False, eval_batches=1)["losses"])
     assert dense_losses[0] > dense_losses[-1]  # it trains
     np.testing.assert_allclose(losses, dense_losses, rtol=1e-4)
+
+
+def test_quoted_numbers_are_those_of_the_committed_runs():
+    """docs/training.md, README.md and notebook 12 quote the runs whose metrics.json are committed
+    (docs/_static/training_{quick,full}.json): re-running a run means updating every quote."""
+    root = Path(__file__).resolve().parents[1]
+    runs = {name: json.loads((root / "docs" / "_static" / f"training_{name}.json").read_text())
+            for name in ("quick", "full")}
+    pct = lambda x: f"{100 * x:.1f} %"  # noqa: E731
+    doc, readme = (root / "docs" / "training.md").read_text(), (root / "README.md").read_text()
+    notebook = (root / "notebooks" / "12_training_long_context.md").read_text()
+    for name, m in runs.items():
+        row = next(line for line in doc.splitlines() if line.startswith(f"| {name} |"))
+        assert f"| {m['seq']} | {m['steps']} | **{pct(m['ring_accuracy'])}**" in row, row
+        assert f"| {pct(m['local_accuracy'])} | {100 * m['chance_accuracy']:g} % | {round(m['seconds'])} |" in row, row
+    quick, full = runs["quick"], runs["full"]
+    bf16 = full["eval_accuracy"]["ring (bfloat16)"]
+    assert f"(bfloat16: {pct(bf16)})" in doc
+    assert (f"ring {pct(quick['ring_accuracy'])} accuracy, one-shard model {pct(quick['local_accuracy'])}"
+            f" (chance {100 * quick['chance_accuracy']:g} %), {round(quick['seconds'])} s") in " ".join(readme.split())
+    assert (f"({full['seq']} tokens: {pct(full['ring_accuracy'])}, bfloat16 {pct(bf16)}, local "
+            f"{pct(full['local_accuracy'])})") in " ".join(readme.split())
+    for key, value in (("ring_accuracy", full["ring_accuracy"]), ("ring_accuracy_bfloat16", bf16),
+                       ("local_accuracy", full["local_accuracy"])):
+        assert f'"{key}": {value:.3f}' in notebook, key
