@@ -140,3 +140,28 @@ def test_composed_mesh_without_gathering_qkv(shape, names, batch_axes, head_axis
     assert o.sharding.spec == spec and rel_err(o, ref.attention(q, k, v, causal=True)) <= TOL
     want = ref.ring_attention_vjp(q, k, v, q, n_hosts=2, causal=True)
     assert max(rel_err(g, w) for g, w in zip(f(*args), want)) <= TOL
+
+
+def test_a_repeated_eager_call_traces_nothing():
+    """Called outside jit, ring_attention / allgather / Ulysses run one jitted shard_map cached per static
+    configuration: the second identical call traces and compiles nothing (op-by-op eager shard_map
+    compiled its whole body again on every call), and a permutation layout is keyed by value."""
+    q, k, v, _, _ = arrays(1, 32, 4, 2, 8, seed=3)
+    mesh = rf.make_mesh(4)
+    perm = np.random.default_rng(0).permutation(32)
+    calls = [lambda: rf.ring_attention(q, k, v, mesh=mesh, causal=True, layout=perm.copy(), dropout_rate=0.1,
+                                       dropout_key=7),
+             lambda: rf.allgather_attention(q, k, v, mesh=mesh, causal=True),
+             lambda: rf.ulysses_attention(q, k, v, mesh=mesh, causal=True)]
+    traces = []
+    listener = lambda event, secs, **kw: traces.append(event)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for call in calls:
+            first = np.asarray(call())
+            traces.clear()
+            again = np.asarray(call())
+            assert not [e for e in traces if "jaxpr_trace" in e or "backend_compile" in e], traces
+            np.testing.assert_array_equal(again, first)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
