@@ -121,7 +121,7 @@ def train(task, cfg, *, mesh, layout="contiguous", steps=100, batch_size=16, lr=
     opt_state = jax.jit(optimizer.init, out_shardings=replicated)(params)
     rng = np.random.default_rng(seed)
     bar = Progress(steps, label) if progress else None
-    losses, accs = [], []  # device scalars, read at the end: the host never waits on a step
+    losses, accs = [], []  # device scalars: the host reads them at the end (and every 5 steps for the bar)
     for i in range(steps):
         tokens, positions, targets, weights, _ = layout_batch(task.batch(rng, batch_size), perm)
         params, opt_state, loss, acc, _ = step(params, opt_state, *put(tokens, positions, targets, weights))
