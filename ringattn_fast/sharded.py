@@ -14,6 +14,7 @@ all of them use live here too (``default_block``, the bias modes, the axis size)
 """
 from __future__ import annotations
 
+import threading
 from functools import partial
 from typing import NamedTuple
 
@@ -79,13 +80,19 @@ def _int32_segment_ids(segment_ids):
 
 _MAPPED = {}  # key of the static arguments -> the jitted shard_map (at most _MAPPED_MAX, oldest dropped)
 _MAPPED_MAX = 256
+_MAPPED_LOCK = threading.Lock()
 
 
 def _hashable(static):
-    """The static keywords as a cache key: arrays (a layout permutation) by value; None if unhashable."""
-    items = tuple((k, ("array", x.dtype.str, tuple(x.tolist())) if isinstance(x, np.ndarray) else x)
-                  for k, x in sorted(static.items()))
+    """The static keywords as a cache key, each by type and value (``True``, ``1`` and ``1.0`` are equal
+    in Python but not to the checks); arrays (a layout permutation) by value; None if unhashable."""
+    def item(x):
+        if isinstance(x, np.ndarray):
+            return ("array", x.dtype.str, x.shape, tuple(x.ravel().tolist()))
+        return type(x), x
+
     try:
+        items = tuple((k, item(x)) for k, x in sorted(static.items()))
         hash(items)
     except TypeError:
         return None
@@ -97,15 +104,20 @@ def _cached(key, build):
 
     Called outside ``jit`` a ``shard_map`` runs its body op by op, every op compiled again on every
     call (a 64-token ring took seconds per call); jitted, a repeated eager call costs microseconds,
-    and under an outer ``jit`` the inner one is inlined. A key holding something unhashable builds
-    afresh (compiled once per call, still not op by op).
+    and under an outer ``jit`` it is one nested call of the outer program. A key holding something
+    unhashable builds afresh (compiled once per call, still not op by op).
     """
+    try:
+        hash(key)
+    except TypeError:
+        return build()
     if key[-1] is None:
         return build()
-    fn = _MAPPED.pop(key, None)
-    _MAPPED[key] = fn = build() if fn is None else fn  # most recently used last
-    while len(_MAPPED) > _MAPPED_MAX:
-        _MAPPED.pop(next(iter(_MAPPED)))
+    with _MAPPED_LOCK:
+        fn = _MAPPED.pop(key, None)
+        _MAPPED[key] = fn = build() if fn is None else fn  # most recently used last
+        while len(_MAPPED) > _MAPPED_MAX:
+            _MAPPED.pop(next(iter(_MAPPED)))
     return fn
 
 
