@@ -109,6 +109,19 @@ def for_all(strategy, prop, *, examples, shrink=True):
         raise
 
 
+def for_all_rings(prop, *, examples, min_hosts):
+    """``prop(problem)`` on plain ring problems of ``min_hosts``..8 hosts with even shards (drawn as
+    zigzag; no segment ids, bias, window or masked rows; the default scale): ``examples - 1`` causal,
+    where the layout matters, and one not. No shrinking: every new shape costs a compile."""
+    from ringattn_ref.testing import attention_problems
+
+    for causal, n in ((True, examples - 1), (False, 1)):
+        problems = attention_problems(min_hosts=min_hosts, max_hosts=8, max_shard=4, layouts=("zigzag",),
+                                      causal=causal, segment_ids=False, bias=False, window=False,
+                                      masked_rows=False)
+        for_all(problems.filter(lambda p: p.scale is None), prop, examples=n, shrink=False)
+
+
 def forbid(solution, *modules, allow=()):
     """Fail if the solution's module holds a function of ``modules`` (the answer) under any name, or
     the module itself; objects named in ``allow`` (e.g. classes the lab hands over) are fine."""
