@@ -1,14 +1,15 @@
 """ringattn_fast — Ring Attention for real: jax.shard_map + lax.ppermute, custom VJP, Pallas kernels.
 
 Reading order, following ``q`` from the public function to a kernel and back:
-``ring`` (``ring_attention`` -> ``ring_attention_shard`` -> the ``custom_vjp`` and the forward ring)
--> ``schedule`` (what stays, what travels: ``QShard``, ``KVShard``; ``ring_loop``, positions)
--> ``dispatch`` (``impl=``) -> ``hop`` (one hop in XLA) or ``kernels/`` (Pallas) -> ``masks`` and
-``softmax.merge`` -> ``backward`` (the backward ring). Beside the ring: ``mesh``, ``layouts``,
-``feedforward``, ``padding`` (any sequence length), ``packing`` (``cu_seqlens``), ``comm``
-(``comm_dtype``: K/V in bfloat16/float8 on the wire). The two other strategies, on the same hop code:
-``allgather`` (``allgather_attention``) and ``ulysses`` (``ulysses_attention``), with ``sharded``
-(the wrapper they share). In a model:
+``ring`` (``ring_attention`` / ``ring_attention_shard``) -> ``front`` (the front door: every call is
+validated once and becomes a ``HostInputs``; global arrays are padded, laid out and sharded) -> ``ring``
+(``attend``: the ``custom_vjp`` and the forward ring) -> ``schedule`` (what stays, what travels:
+``QShard``, ``KVShard``; ``ring_loop``, positions) -> ``dispatch`` (``impl=``) -> ``kernels/`` (``xla``,
+``pallas_gpu``, ``pallas_tpu``, ``pallas_tpu_fused``) -> ``masks`` and ``softmax.merge`` -> ``backward``
+(the backward ring). Beside the ring: ``mesh``, ``layouts``, ``feedforward``, ``padding`` (any sequence
+length), ``packing`` (``cu_seqlens``), ``comm`` (``comm_dtype``: K/V in bfloat16/float8 on the wire).
+The two other strategies, on the same front door and hop code: ``allgather`` (``allgather_attention``)
+and ``ulysses`` (``ulysses_attention``). In a model:
 ``jax_nn.dot_product_attention`` (``jax.nn``'s twin) and ``flax_adapter.flax_attention_fn`` (an
 ``attention_fn`` for Flax's attention modules).
 Serving: ``inference`` (a sequence-sharded KV cache, ring prefill, decode with an all-reduce merge).

@@ -26,11 +26,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ringattn_ref import validation as val
+
 from . import comm, masks
+from .comm import gather
 from .dispatch import kernels_for
-from .hop import acc_dtype
+from .front import Strategy, check_shard_call, host_inputs, on_mesh
 from .schedule import KVShard, QShard
-from .sharded import host_inputs, on_mesh
+from .softmax import acc_dtype
 
 
 def _gather_kv(kv, axis_name):
@@ -38,14 +41,9 @@ def _gather_kv(kv, axis_name):
     if kv is None:
         return None
     if isinstance(kv, comm.Wire):
-        g = partial(_gather_kv, axis_name=axis_name)
-        return comm.Wire(g(kv.kv), kv.dtype, *(None if s is None else _gather(s, axis_name, 1)
-                                                 for s in (kv.k_scale, kv.v_scale)))
-    return KVShard(*(_gather(x, axis_name, 1) for x in kv[:4]), _gather(kv.bias, axis_name, 3))
-
-
-def _gather(x, axis_name, axis):
-    return None if x is None else lax.all_gather(x, axis_name, axis=axis, tiled=True)
+        return comm.Wire(_gather_kv(kv.kv, axis_name), kv.dtype,
+                         *(gather(s, axis_name, 1) for s in (kv.k_scale, kv.v_scale)))
+    return KVShard(*(gather(x, axis_name, 1) for x in kv[:4]), gather(kv.bias, axis_name, 3))
 
 
 def _scatter(x, cfg, axis):
@@ -115,6 +113,14 @@ def _attend_bwd(cfg, gather, res, cotangents):
 attend_whole.defvjp(_attend_fwd, _attend_bwd)
 
 
+def attend(inp):
+    """One host's all-gather attention on validated :class:`~ringattn_fast.front.HostInputs`: ``(o, lse)``."""
+    return attend_whole(inp.cfg, True, inp.qs, inp.kv, inp.bias)
+
+
+ALLGATHER = Strategy("allgather_attention", attend, kv_whole=True, comm=True)
+
+
 def allgather_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=None, bias=None, window=None,
                               scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
                               positions=None, padding_segment=None, return_lse=False, comm_dtype=None,
@@ -126,11 +132,12 @@ def allgather_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_
     the whole sequence ``N * s_local`` (the hop holds all keys), and ``impl="pallas_tpu_fused"`` (a
     whole ring in one kernel) does not apply ("auto" picks "pallas_tpu" on TPU).
     """
-    inp = host_inputs(q, k, v, axis_name=axis_name, causal=causal, segment_ids=segment_ids, bias=bias,
-                      window=window, scale=scale, layout=layout, block_q=block_q, block_kv=block_kv, impl=impl,
-                      positions=positions, padding_segment=padding_segment, q_len=lambda sq, n: sq,
-                      comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype)
-    o, lse = attend_whole(inp.cfg, True, inp.qs, inp.kv, inp.bias)
+    return_lse = val.check_bool(return_lse, "return_lse")
+    settings, _ = check_shard_call(
+        ALLGATHER, q, k, v, axis_name=axis_name, segment_ids=segment_ids, bias=bias, positions=positions,
+        padding_segment=padding_segment, layout=layout, causal=causal, window=window, scale=scale,
+        block_q=block_q, block_kv=block_kv, impl=impl, comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype)
+    o, lse = attend(host_inputs(settings, q, k, v, segment_ids=segment_ids, bias=bias, positions=positions))
     return (o, lse) if return_lse else o
 
 
@@ -147,9 +154,7 @@ def allgather_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, seg
     grad_comm_dtype: what K/V and dK/dV travel in (``comm.py``). Returns [batch, seq, heads, dim] in
     q's dtype (and lse [batch, heads, seq] with ``return_lse``).
     """
-    return on_mesh(allgather_attention_shard, q, k, v, mesh=mesh, axis_name=axis_name, causal=causal,
-                   segment_ids=segment_ids, bias=bias, window=window, scale=scale, layout=layout, impl=impl,
-                   padding_segment=padding_segment, return_lse=return_lse, batch_axes=batch_axes,
-                   head_axis=head_axis, block_q=block_q, block_kv=block_kv,
-                   comm_dtype=comm.check_comm_dtype(comm_dtype),
-                   grad_comm_dtype=comm.check_comm_dtype(grad_comm_dtype, "grad_comm_dtype", comm.GRAD_COMM_DTYPES))
+    return on_mesh(ALLGATHER, q, k, v, mesh=mesh, axis_name=axis_name, causal=causal, segment_ids=segment_ids,
+                   bias=bias, window=window, scale=scale, layout=layout, block_q=block_q, block_kv=block_kv,
+                   impl=impl, padding_segment=padding_segment, return_lse=return_lse, batch_axes=batch_axes,
+                   head_axis=head_axis, comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype)

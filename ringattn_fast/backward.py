@@ -16,42 +16,33 @@ Mirrors ``ringattn_ref.backward``.
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
-from functools import partial
-
 from jax import lax
 
 from . import comm, masks
 from .dispatch import kernels_for
-from .hop import acc_dtype
 from .mesh import varying_axes, vary_like
-from .schedule import hop_kv, kv_index, ring_loop, send_to_next
+from .schedule import KVGrads, hop_kv, kv_index, ring_loop, send_to_next
+from .softmax import acc_dtype
 
 
-class KVGrads(NamedTuple):
-    """The gradient accumulators that travel with a K/V shard: dk, dv [b, sk, hk, d] and the gradient
-    of a key-only (travelling) bias, or None."""
-    dk: jax.Array
-    dv: jax.Array
-    dbias: jax.Array | None = None
-
-
-def _add_hop(cfg, grads, dq, dbias, g, kv_idx, sk):
-    """Fold one hop's :class:`~ringattn_fast.schedule.HopGrads` ``g`` into the accumulators."""
+def _add_hop(cfg, hop_grads, *, grads, dq, dbias, kv_idx):
+    """Fold one hop's :class:`~ringattn_fast.schedule.HopGrads` into the accumulators: the travelling
+    ``grads`` (:class:`~ringattn_fast.schedule.KVGrads`), this host's ``dq`` and its non-travelling
+    ``dbias``; ``kv_idx``: the shard the hop attended (a "columns" bias's block)."""
     dbias_t = grads.dbias
     if cfg.bias_mode == "travel":
-        dbias_t = dbias_t + g.dbias
+        dbias_t = dbias_t + hop_grads.dbias
     elif cfg.bias_mode == "columns":  # each block of key columns is visited exactly once
-        dbias = lax.dynamic_update_slice_in_dim(dbias, g.dbias.astype(dbias.dtype), kv_idx * sk, axis=3)
+        sk = hop_grads.dk.shape[1]
+        dbias = lax.dynamic_update_slice_in_dim(dbias, hop_grads.dbias.astype(dbias.dtype), kv_idx * sk, axis=3)
     elif cfg.bias_mode == "static":
-        dbias = dbias + g.dbias
-    return KVGrads(grads.dk + g.dk, grads.dv + g.dv, dbias_t), dq + g.dq, dbias
+        dbias = dbias + hop_grads.dbias
+    return KVGrads(grads.dk + hop_grads.dk, grads.dv + hop_grads.dv, dbias_t), dq + hop_grads.dq, dbias
 
 
-def ring_backward(cfg, qs, kv, bias, o, lse, do, dlse=None, drop=None):
+def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None):
     """The backward ring on this host: ``(dq, KVGrads, dbias)`` in float32/64, dK/dV home.
 
     - qs, kv, bias: as given to ``ring.ring_forward``; o [b, sq, h, d] and lse [b, h, sq]: its
@@ -69,7 +60,6 @@ def ring_backward(cfg, qs, kv, bias, o, lse, do, dlse=None, drop=None):
     kv = masks.mark_bad_keys_of(kv)  # as the forward did
     acc, kv_dtype = acc_dtype(qs.q.dtype), kv.k.dtype
     send_grads = partial(comm.sent_as, partial(send_to_next, axis_name=cfg.axis_name), dtype=cfg.grad_comm_dtype)
-    sk = kv.k.shape[1]
     skip = cfg.skip_empty_hops and masks.can_be_empty(cfg.hop.causal, cfg.hop.window, qs.seg is not None)
     axes = varying_axes(*qs, *kv, bias, o, lse, do)
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(acc), o.astype(acc))  # FA-2's D, (b, h, sq)
@@ -83,8 +73,8 @@ def ring_backward(cfg, qs, kv, bias, o, lse, do, dlse=None, drop=None):
         kv_idx, kv = kv_index(my_idx, step, n), comm.decode(kv, kv_dtype)  # K/V travel as the forward's did
 
         def backward(grads, dq, dbias):
-            g = hop_bwd(qs, hop_kv(cfg, kv, bias, kv_idx), cfg.hop, do=do, lse=lse, delta=delta)
-            return _add_hop(cfg, grads, dq, dbias, g, kv_idx, sk)
+            hop_grads = hop_bwd(qs, hop_kv(cfg, kv, bias, kv_idx), cfg.hop, do=do, lse=lse, delta=delta)
+            return _add_hop(cfg, hop_grads, grads=grads, dq=dq, dbias=dbias, kv_idx=kv_idx)
 
         if skip:
             empty = masks.tile_is_empty(qs.pos, kv.pos, qs.seg, kv.seg, causal=cfg.hop.causal, window=cfg.hop.window)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .hop import acc_dtype
+from .softmax import acc_dtype
 
 COMM_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
 GRAD_COMM_DTYPES = ("bfloat16", "float16", "float32")
@@ -44,6 +44,11 @@ class Wire:
     dtype: str
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
+
+
+def gather(x, axis_name, axis):
+    """``x`` of every host concatenated along ``axis`` (a tiled all-gather); None stays None."""
+    return None if x is None else lax.all_gather(x, axis_name, axis=axis, tiled=True)
 
 
 def check_comm_dtype(comm_dtype, name="comm_dtype", allowed=COMM_DTYPES):

@@ -2,45 +2,54 @@
 
 ``"auto"`` picks, for the platform of the mesh's devices: TPU -> ``"pallas_tpu_fused"`` (one kernel
 runs the whole ring, moving K/V by remote DMA), GPU -> ``"pallas_gpu"`` (a Triton flash kernel per
-hop), CPU -> ``"xla"`` (``hop.py``). The Pallas kernels take no ``bias`` and compute in float32: with
-a bias ``"auto"`` falls back to ``"xla"``, and asking for a Pallas impl explicitly with a bias, with
-float64 or with mixed q/k/v dtypes is an error (``kernels.tiles.check_kernel_dtypes``). On CPU the
-Pallas impls run in their interpreters (slow; for tests). The per-hop TPU kernel must run on every
-host at every step (the TPU interpreter puts a barrier before each kernel), so the ring never skips
-its hops with ``lax.cond``: it skips tiles inside the kernel, from its prefetched tile schedule.
+hop), CPU -> ``"xla"`` (``kernels/xla.py``). The Pallas kernels take no ``bias`` and compute in
+float32: with a bias ``"auto"`` falls back to ``"xla"``, and asking for a Pallas impl explicitly with a
+bias, with float64 or with mixed q/k/v dtypes is an error (``kernels.tiles.check_kernel_dtypes``). On
+CPU the Pallas impls run in their interpreters (slow; for tests). Where each impl runs is the table
+``kernels.IMPLS``; its modules are imported here when first used.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Callable, NamedTuple
 
-from . import hop
-from .kernels import pallas_gpu, pallas_tpu, tpu_ring_fused
-from .kernels.tiles import check_kernel_dtypes
+import jax.numpy as jnp
+
+from .kernels import GPU_PLATFORMS, IMPLS
+
+KERNEL_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+_AUTO = {"tpu": "pallas_tpu_fused", **{p: "pallas_gpu" for p in GPU_PLATFORMS}}
 
 
 class Kernels(NamedTuple):
-    """What one impl provides: per-hop functions (the contract of ``docs/design.md``), or a whole
-    ring; where it runs (``"cpu"`` = interpret mode); whether the ring may skip empty hops around it."""
+    """What one impl provides: per-hop functions (the contract of ``docs/design.md``) or a whole ring,
+    and whether the ring may skip empty hops around it (``kernels.Impl.skip_empty_hops``)."""
     hop_fwd: Callable | None
     hop_bwd: Callable | None
     ring: Callable | None
-    runs_on: tuple
-    ring_may_skip: bool
-
-
-KERNELS = {
-    "xla": Kernels(hop.hop_fwd, hop.hop_bwd, None, ("cpu", "gpu", "cuda", "rocm", "tpu"), True),
-    "pallas_gpu": Kernels(pallas_gpu.hop_fwd, pallas_gpu.hop_bwd, None, ("gpu", "cuda", "rocm", "cpu"), True),
-    "pallas_tpu": Kernels(pallas_tpu.hop_fwd, pallas_tpu.hop_bwd, None, ("tpu", "cpu"), False),
-    "pallas_tpu_fused": Kernels(None, None, tpu_ring_fused.fused_ring_attention_shard, ("tpu", "cpu"), False),
-}
-IMPLS = ("auto",) + tuple(KERNELS)
-_AUTO = {"tpu": "pallas_tpu_fused", "gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu"}
+    skip_empty_hops: bool
 
 
 def kernels_for(impl):
-    """The :class:`Kernels` of a resolved impl (``"xla"``, ``"pallas_gpu"``, ...)."""
-    return KERNELS[impl]
+    """The :class:`Kernels` of a resolved impl (``"xla"``, ``"pallas_gpu"``, ...); imports its module."""
+    row = IMPLS[impl]
+    module = importlib.import_module(f"{__package__}.kernels.{row.module}")
+    if row.per_hop:
+        return Kernels(module.hop_fwd, module.hop_bwd, None, row.skip_empty_hops)
+    return Kernels(None, None, module.fused_ring_attention_shard, row.skip_empty_hops)
+
+
+def check_kernel_dtypes(impl, q, k, v):
+    """The Pallas kernels compute in float32 and take float16, bfloat16 or float32; q, k, v alike."""
+    dtypes = [jnp.dtype(x.dtype) for x in (q, k, v)]
+    bad = [dt for dt in dtypes if dt not in KERNEL_DTYPES]
+    if bad:
+        hint = ": use impl='xla' for float64" if jnp.dtype(jnp.float64) in bad else ""
+        raise ValueError(f"impl={impl!r} computes in float32 and takes float16, bfloat16 or float32 "
+                         f"inputs; got {bad[0]}{hint}")
+    if len(set(dtypes)) > 1:
+        raise ValueError(f"impl={impl!r} needs q, k, v of one dtype; got q {dtypes[0]}, k {dtypes[1]}, "
+                         f"v {dtypes[2]} (cast them first, or use impl='xla')")
 
 
 def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, fused_ok=True):
@@ -50,8 +59,9 @@ def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, fu
     ``fused_ok=False``: the caller needs per-hop functions (``comm_dtype`` on the ring, the all-gather
     and Ulysses strategies), so "auto" picks "pallas_tpu" where it would pick the fused ring.
     """
-    if not isinstance(impl, str) or impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+    impls = ("auto",) + tuple(IMPLS)
+    if not isinstance(impl, str) or impl not in impls:
+        raise ValueError(f"impl must be one of {impls}; got {impl!r}")
     if impl == "pallas_tpu_fused" and not fused_ok:
         raise ValueError("impl='pallas_tpu_fused' runs the whole ring in one kernel that moves K/V itself; "
                          "comm_dtype, the all-gather and Ulysses need per-hop kernels: use impl='pallas_tpu'")
@@ -71,8 +81,9 @@ def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, fu
     if has_bias:
         raise ValueError(f"impl={impl!r} does not support bias (the Pallas kernels take none); "
                          f"use impl='xla' or impl='auto' with a bias")
-    if platform not in KERNELS[impl].runs_on:
-        raise ValueError(f"impl={impl!r} cannot run on {platform!r} devices; it runs on "
-                         f"{KERNELS[impl].runs_on} (cpu = interpret mode)")
+    row = IMPLS[impl]
+    if platform not in row.compiled + row.interpreted:
+        raise ValueError(f"impl={impl!r} cannot run on {platform!r} devices; it runs on {row.compiled} "
+                         f"(and in its interpreter on {row.interpreted})")
     check_kernel_dtypes(impl, q, k, v)
     return impl

@@ -44,28 +44,32 @@ from jax import lax
 
 from ringattn_ref import validation as val
 from ringattn_ref.inference import EMPTY_SLOT, PADDING_QUERY, VALID
+from ringattn_ref.shards import default_block
 
 from . import masks
-from .hop import acc_dtype
+from .front import cached, hashable
 from .layouts import permute_axis
-from .mesh import check_mesh_axes, resolve_mesh, varying_axes, vary_like
-from .ring import default_block, ring_forward
+from .mesh import auto_mesh, call_auto, check_mesh_axes, resolve_mesh, spec_of, varying_axes, vary_like
+from .ring import ring_forward
 from .schedule import HopConfig, KVShard, QShard, RingConfig, ring_loop, send_to_next
+from .softmax import acc_dtype
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "lengths", "overflow"],
-         meta_fields=["n_hosts", "axis_name"])
+         meta_fields=["n_hosts", "axis_name", "mesh"])
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     """k, v: [batch, max_seq, kv_heads, dim], global index ``r * max_seq / N + i`` = position ``i * N + r``
     (striped), sharded ``P(data, axis_name)``; lengths: int32 [batch]; overflow: bool [batch], True once
-    a traced request did not fit (see the module docstring). n_hosts, axis_name: static."""
+    a traced request did not fit (see the module docstring). n_hosts, axis_name and the mesh the cache
+    lives on: static (``prefill`` / ``decode_step`` with ``mesh=None`` use it)."""
     k: jax.Array
     v: jax.Array
     lengths: jax.Array
     overflow: jax.Array
     n_hosts: int
     axis_name: str
+    mesh: object = None
 
     max_seq = property(lambda self: self.k.shape[1])
 
@@ -89,7 +93,7 @@ def init_cache(batch, max_seq, kv_heads, dim, *, mesh=None, axis_name="sp", dtyp
     zeros = jax.jit(lambda: (jnp.zeros((batch, max_seq, kv_heads, dim), dtype),) * 2
                     + (jnp.zeros(batch, jnp.int32), jnp.zeros(batch, bool)),
                     out_shardings=(shard(kv_spec),) * 2 + (shard(row_spec),) * 2)()
-    return KVCache(*zeros, n_hosts=axes.n, axis_name=axis_name)
+    return KVCache(*zeros, n_hosts=axes.n, axis_name=axis_name, mesh=mesh)
 
 
 def _check(q, k, v, cache, mesh):
@@ -103,7 +107,10 @@ def _check(q, k, v, cache, mesh):
         raise ValueError(f"q, k, v must have the cache's batch {bc}; got q {tuple(q.shape)}")
     if (hk, d) != (hkc, dc):
         raise ValueError(f"k/v must have the cache's kv_heads = {hkc} and dim = {dc}; got k {tuple(k.shape)}")
-    mesh = resolve_mesh(mesh)
+    if mesh is not None and cache.mesh is not None and mesh != cache.mesh:
+        raise ValueError(f"mesh must be the mesh the cache lives on (init_cache's), or None to use it; got "
+                         f"{mesh}, the cache is on {cache.mesh}")
+    mesh = resolve_mesh(cache.mesh if mesh is None else mesh)
     axes = check_mesh_axes(mesh, cache.axis_name, batch=b, heads=h, kv_heads=hk)
     if axes.n != cache.n_hosts:
         raise ValueError(f"mesh axis {cache.axis_name!r} has size {axes.n} but the cache was made for "
@@ -113,14 +120,14 @@ def _check(q, k, v, cache, mesh):
 
 def _check_lengths(lengths, m):
     """``lengths`` values outside [0, m], when they are known now (not traced)."""
-    values = val._concrete(lengths)
+    values = val.concrete_values(lengths)
     if values is not None and (values.min() < 0 or values.max() > m):
         raise ValueError(f"lengths must lie in [0, m = {m}]; got {values.tolist()}")
 
 
 def _check_room(cache, need, what):
     """A row without room for ``need[row]`` more tokens, when the cache's lengths are known now."""
-    held, need = val._concrete(cache.lengths), val._concrete(need)
+    held, need = val.concrete_values(cache.lengths), val.concrete_values(need)
     if held is None or need is None:
         return
     room = cache.max_seq - held.astype(np.int64)
@@ -205,17 +212,22 @@ def prefill(q, k, v, cache, *, lengths=None, window=None, scale=None, mesh=None)
                          f"{tuple(lengths.shape)}, dtype {lengths.dtype}")
     _check_lengths(lengths, m)
     _check_room(cache, lengths, "q: the prompt")
-    n = axes.n
-    pad = -m % n
-    striped = lambda x: permute_axis(jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))), "striped", n)  # noqa: E731
     kv_spec, row_spec = axes.spec("batch", "seq", None, None), axes.spec("batch")
-    per_host = partial(_prefill_shard, axis_name=cache.axis_name, m=m, scale=scale, window=window)
-    o, ck, cv, new_len, overflow = jax.shard_map(
-        per_host, mesh=mesh, in_specs=(kv_spec,) * 5 + (row_spec,) * 3,
-        out_specs=(kv_spec,) * 3 + (row_spec,) * 2)(
-        striped(q), striped(k), striped(v), cache.k, cache.v, cache.lengths, cache.overflow,
-        lengths.astype(jnp.int32))
-    o = permute_axis(o, "striped", n, inverse=True)[:, :m]
+    static = dict(axis_name=cache.axis_name, m=m, scale=scale, window=window)
+
+    def run(q, k, v, ck, cv, held, overflow, lengths):
+        n = axes.n
+        striped = lambda x: permute_axis(jnp.pad(x, ((0, 0), (0, -m % n), (0, 0), (0, 0))), "striped", n)  # noqa: E731
+        build = lambda: jax.jit(jax.shard_map(  # noqa: E731
+            partial(_prefill_shard, **static), mesh=auto_mesh(mesh), in_specs=(kv_spec,) * 5 + (row_spec,) * 3,
+            out_specs=(kv_spec,) * 3 + (row_spec,) * 2))
+        per_host = cached(("prefill", auto_mesh(mesh), axes, hashable(static)), build)
+        o, *new = per_host(striped(q), striped(k), striped(v), ck, cv, held, overflow, lengths.astype(jnp.int32))
+        return (permute_axis(o, "striped", n, inverse=True)[:, :m], *new)
+
+    out_specs = (jax.P(*spec_of(q, 4)),) + (kv_spec,) * 2 + (row_spec,) * 2
+    o, ck, cv, new_len, overflow = call_auto(mesh, run, q, k, v, cache.k, cache.v, cache.lengths, cache.overflow,
+                                             lengths, out_specs=out_specs)
     return o, dataclasses.replace(cache, k=ck, v=cv, lengths=new_len, overflow=overflow)
 
 
@@ -283,9 +295,12 @@ def decode_step(q, k, v, cache, *, window=None, scale=None, mesh=None):
     scale, window = val.check_scale(scale, q.shape[-1]), val.check_window(window)
     _check_room(cache, np.ones(b, np.int64), "cache: the decode step")
     kv_spec, row_spec, tok_spec = axes.spec("batch", "seq", None, None), axes.spec("batch"), axes.spec("batch")
-    per_host = partial(_decode_shard, axis_name=cache.axis_name, scale=scale, window=window)
-    o, ck, cv, new_len, overflow = jax.shard_map(
-        per_host, mesh=mesh, in_specs=(tok_spec,) * 3 + (kv_spec,) * 2 + (row_spec,) * 2,
-        out_specs=(tok_spec,) + (kv_spec,) * 2 + (row_spec,) * 2)(q, k, v, cache.k, cache.v, cache.lengths,
-                                                                  cache.overflow)
+    static = dict(axis_name=cache.axis_name, scale=scale, window=window)
+    build = lambda: jax.jit(jax.shard_map(  # noqa: E731
+        partial(_decode_shard, **static), mesh=auto_mesh(mesh), in_specs=(tok_spec,) * 3 + (kv_spec,) * 2 + (row_spec,) * 2,
+        out_specs=(tok_spec,) + (kv_spec,) * 2 + (row_spec,) * 2))
+    per_host = cached(("decode", auto_mesh(mesh), axes, hashable(static)), build)
+    out_specs = (jax.P(*spec_of(q, 4)),) + (kv_spec,) * 2 + (row_spec,) * 2
+    o, ck, cv, new_len, overflow = call_auto(mesh, per_host, q, k, v, cache.k, cache.v, cache.lengths,
+                                             cache.overflow, out_specs=out_specs)
     return o, dataclasses.replace(cache, k=ck, v=cv, lengths=new_len, overflow=overflow)

@@ -10,6 +10,7 @@ the axes of the values they will be combined with; :func:`vary_like` does that.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import jax
@@ -63,6 +64,47 @@ def mesh_platform(mesh):
     device = getattr(mesh, "abstract_device", None)
     platform = getattr(device, "platform", None)
     return platform if platform is not None else jax.default_backend()
+
+
+def has_explicit_axes(mesh):
+    """True if any axis of ``mesh`` is Explicit (``jax.make_mesh``'s default; ``make_mesh`` here gives Auto)."""
+    return any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+
+def auto_mesh(mesh):
+    """``mesh`` with every axis Auto: the mesh the ``shard_map``s here run on (``mesh`` itself if it is).
+
+    With Explicit axes, ``shard_map`` wants each input already sharded as its ``in_specs`` say and every
+    op around it to name its output sharding; the layouts' reshapes and the padding would each need one.
+    So a call on such a mesh runs in Auto mode inside (:func:`call_auto`) and reshards only its outputs.
+    """
+    if not has_explicit_axes(mesh):
+        return mesh
+    auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    if isinstance(mesh, jax.sharding.Mesh):
+        return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+    return mesh.update_axis_types(dict(zip(mesh.axis_names, auto)))
+
+
+def spec_of(x, ndim):
+    """The PartitionSpec of ``x``'s type (Explicit sharding), padded to ``ndim`` entries; P() -> all None."""
+    spec = tuple(getattr(getattr(jax.typeof(x), "sharding", None), "spec", ()) or ())
+    return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def call_auto(mesh, fn, *args, out_specs):
+    """``fn(*args)``, run with ``mesh``'s axes Auto when some are Explicit; outputs resharded to ``out_specs``.
+
+    ``fn`` must build its ``shard_map`` over :func:`auto_mesh` ``(mesh)``. On an Auto mesh this is
+    ``fn(*args)``. ``out_specs``: a pytree of PartitionSpecs like ``fn``'s output (Explicit mode names
+    every output's sharding; the callers give q's own sharding to o).
+    """
+    if not has_explicit_axes(mesh):
+        return fn(*args)
+    context = jax.sharding.get_abstract_mesh()
+    enter = jax.sharding.use_abstract_mesh(mesh.abstract_mesh if isinstance(mesh, jax.sharding.Mesh) else mesh)
+    with enter if context.empty else contextlib.nullcontext():
+        return jax.sharding.auto_axes(fn, out_sharding=out_specs)(*args)
 
 
 class MeshAxes(NamedTuple):

@@ -34,6 +34,20 @@ def ring_length(seq, n_hosts, layout="contiguous"):
     return -(-seq // parts) * parts
 
 
+def pad_layout(layout, seq, total):
+    """``layout`` for the padded sequence: a permutation gets the padding tokens at the end (in place); a
+    named layout is its own name. Idempotent: a permutation already ``total`` long is returned as is."""
+    if isinstance(layout, str) or len(layout) == total:
+        return layout
+    return np.concatenate([np.asarray(layout), np.arange(seq, total)])
+
+
+def padded_bias_shape(shape, seq, total):
+    """The shape :func:`pad_for_ring` gives a bias of ``shape``: its query/key dims of length ``seq`` grow
+    to ``total`` (broadcast dims stay 1)."""
+    return tuple(total if axis in (2, 3) and n == seq else n for axis, n in enumerate(shape))
+
+
 def padding_queries(segment_ids, padding_segment):
     """The query-side segment ids: a query of the padding segment gets ``NO_KEY`` and so sees no key."""
     if padding_segment is None:
@@ -98,6 +112,5 @@ def pad_for_ring(q, k, v, *, n_hosts, layout="contiguous", segment_ids=None, bia
     if bias is not None:
         for axis in (2, 3):
             bias = pad_seq(bias, axis) if bias.shape[axis] == seq else bias
-    if not isinstance(layout, str):
-        layout = np.concatenate([np.asarray(layout), np.arange(seq, total)])
+    layout = pad_layout(layout, seq, total)
     return RingPadding(pad_seq(q), pad_seq(k), pad_seq(v), ids, bias, padding_segment, layout, seq)

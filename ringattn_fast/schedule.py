@@ -5,8 +5,9 @@ query shard (a :class:`QShard`) and, at ring step ``step``, holds K/V shard
 ``kv_idx = (my_idx - step) % N`` (the authors' index arithmetic): with 4 hosts, at step 1 host 0 holds
 K/V shard 3. A :class:`KVShard` (K, V, their true positions, segment ids and a key-only bias) moves
 to host ``my_idx + 1`` with one ``lax.ppermute`` of the whole named tuple, as ``ringattn_ref.ring``
-moves its ``KVBlock``. The per-hop functions (``hop.py`` and the Pallas kernels) all take
-``(QShard, KVShard, HopConfig)``.
+moves its ``KVShard``. The per-hop functions (``kernels/``) all take ``(QShard, KVShard, HopConfig)``;
+those three (and ``HopGrads``, ``KVGrads``) are defined once, in ``ringattn_ref.shards``, so the float64
+oracles take the very objects the kernels do.
 """
 from __future__ import annotations
 
@@ -17,49 +18,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ringattn_ref.shards import HopConfig, HopGrads, KVGrads, KVShard, QShard
 
-class QShard(NamedTuple):
-    """What stays on a host: q [b, sq, h, d], its true positions int32 [b, sq], segment ids or None."""
-    q: jax.Array
-    pos: jax.Array
-    seg: jax.Array | None = None
-
-
-class KVShard(NamedTuple):
-    """What travels: k, v [b, sk, hk, d], true positions int32 [b, sk], segment ids or None, and a
-    bias for these keys ``[b|1, h|1, sq|1, sk|1]`` or None (in the ring only a key-only bias travels;
-    the ring hands each hop the bias block of the keys it holds)."""
-    k: jax.Array
-    v: jax.Array
-    pos: jax.Array
-    seg: jax.Array | None = None
-    bias: jax.Array | None = None
-
-
-class HopGrads(NamedTuple):
-    """One hop's gradients: dq [b, sq, h, d]; dk, dv [b, sk, hk, d] (summed over the GQA group);
-    dbias shaped like the hop's bias, or None."""
-    dq: jax.Array
-    dk: jax.Array
-    dv: jax.Array
-    dbias: jax.Array | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class HopConfig:
-    """Static settings of one hop (hashable, so kernels can take it as a static argument).
-
-    - scale: logit scale;
-    - causal / window: the mask (window normalised, -1 = unbounded, int32-safe);
-    - block_q / block_kv: the tile sides Br / Bc, dividing the shard;
-    - dropout_rate: attention dropout (its key travels as a :class:`Dropout`; XLA hop only).
-    """
-    scale: float
-    causal: bool = False
-    window: tuple | None = None
-    block_q: int = 128
-    block_kv: int = 128
-    dropout_rate: float = 0.0
+__all__ = ["Dropout", "HopConfig", "HopGrads", "KVGrads", "KVShard", "QShard", "RingConfig", "hop_kv", "kv_index",
+           "local_positions", "ring_loop", "ring_perm", "send_to_next"]
 
 
 class Dropout(NamedTuple):
@@ -79,7 +41,8 @@ class RingConfig:
       per hop); ``"travel"`` (key-only ``[b|1, h|1, 1, sk]``, moves with K/V); ``"static"`` (key
       dim 1);
     - skip_empty_hops: skip a hop whose mask is provably empty with ``lax.cond`` around it; off for
-      a kernel that must run on every host at every step (the TPU interpreter's barrier);
+      a kernel that must run on every host at every step (the TPU interpreter's barrier;
+      ``kernels.IMPLS``);
     - comm_dtype / grad_comm_dtype: what K/V and dK/dV travel in (``comm.py``; None: as they are).
     """
     axis_name: str

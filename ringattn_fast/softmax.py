@@ -1,4 +1,4 @@
-"""Merging partial attention results, safe when a part saw no key (``lse = -inf``).
+"""Merging partial attention results, safe when a part saw no key (``lse = -inf``); the accumulation dtype.
 
 Mirrors ``ringattn_ref.softmax.merge``. Two results over disjoint key sets, each normalised within its
 part, combine exactly (FlashAttention-2, arXiv:2307.08691, the rescaling of §3.1.1):
@@ -8,6 +8,11 @@ part, combine exactly (FlashAttention-2, arXiv:2307.08691, the rescaling of §3.
 from __future__ import annotations
 
 import jax.numpy as jnp
+
+
+def acc_dtype(dtype):
+    """The dtype a hop accumulates in: float64 stays float64; every other float accumulates in float32."""
+    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
 
 def merge(o1, lse1, o2, lse2):

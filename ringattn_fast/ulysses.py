@@ -27,10 +27,12 @@ from math import gcd
 import jax.numpy as jnp
 from jax import lax
 
+from ringattn_ref import validation as val
+
 from .allgather import attend_whole
-from .sharded import _axis_size
+from .comm import gather
+from .front import Strategy, check_shard_call, host_inputs, on_mesh
 from .schedule import KVShard, QShard
-from .sharded import host_inputs, on_mesh
 
 
 def check_heads(heads, kv_heads, n, axis_name="sp"):
@@ -45,10 +47,6 @@ def check_heads(heads, kv_heads, n, axis_name="sp"):
 def _seq_to_heads(x, axis_name):
     """[b, s_local, heads, d] -> [b, seq, heads/N, d]: one all-to-all."""
     return lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
-
-
-def _gather(x, axis_name, axis=1):
-    return None if x is None else lax.all_gather(x, axis_name, axis=axis, tiled=True)
 
 
 def _bias_to_heads(bias, travels, axis_name):
@@ -69,8 +67,33 @@ def _bias_to_heads(bias, travels, axis_name):
             bb, hh, n, k = bias.shape
             return jnp.reshape(bias, (bb, hh, 1, n * k)) if travels else bias[:, :, :1]
         return bias
-    bias = _gather(bias, axis_name, 2) if rows else bias
-    return _gather(bias, axis_name, 3) if travels else bias
+    bias = gather(bias, axis_name, 2) if rows else bias
+    return gather(bias, axis_name, 3) if travels else bias
+
+
+def attend(inp):
+    """One host's Ulysses attention on validated :class:`~ringattn_fast.front.HostInputs`: ``(o, lse)``.
+
+    All-to-all sequence -> heads (K/V repeated first where ``kv_heads`` does not split, see the module),
+    one hop against the whole sequence (``allgather.attend_whole`` without a gather), all-to-all back.
+    """
+    (q, pos, q_seg), (k, v, _, k_seg, kv_bias), axis_name = inp.qs, inp.kv, inp.cfg.axis_name
+    n = lax.axis_size(axis_name)
+    r = n // gcd(k.shape[2], n)  # how often each kv head is repeated
+    k, v = (jnp.repeat(x, r, axis=2) if r > 1 else x for x in (k, v))  # kv head i -> i*r .. i*r + r - 1
+    travels = inp.cfg.bias_mode == "travel"
+    bias = _bias_to_heads(kv_bias if travels else inp.bias, travels, axis_name)
+    pos = gather(pos, axis_name, 1)  # (b, seq): true positions of the whole sequence, in layout order
+    qs = QShard(_seq_to_heads(q, axis_name), pos, gather(q_seg, axis_name, 1))
+    kv = KVShard(_seq_to_heads(k, axis_name), _seq_to_heads(v, axis_name), pos, gather(k_seg, axis_name, 1), bias)
+    cfg = dataclasses.replace(inp.cfg, bias_mode=None if bias is None else "travel")  # the bias is in kv
+    o, lse = attend_whole(cfg, False, qs, kv, None)  # (b, seq, h/N, d), (b, h/N, seq)
+    o = lax.all_to_all(o, axis_name, split_axis=1, concat_axis=2, tiled=True)  # (b, s_local, h, d)
+    lse = lax.all_to_all(lse, axis_name, split_axis=2, concat_axis=1, tiled=True)  # (b, h, s_local)
+    return o, lse
+
+
+ULYSSES = Strategy("ulysses_attention", attend, q_whole=True, kv_whole=True, check_heads=check_heads)
 
 
 def ulysses_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=None, bias=None, window=None,
@@ -82,22 +105,12 @@ def ulysses_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_id
     [b, s_local, kv_heads, d] in layout order), with ``h`` divisible by the axis size ``N``;
     ``block_q`` and ``block_kv`` divide the whole sequence ``N * s_local`` (a host attends all of it).
     """
-    h, hk = q.shape[2], k.shape[2]
-    r = check_heads(h, hk, _axis_size(axis_name), axis_name)
-    inp = host_inputs(q, k, v, axis_name=axis_name, causal=causal, segment_ids=segment_ids, bias=bias,
-                      window=window, scale=scale, layout=layout, block_q=block_q, block_kv=block_kv, impl=impl,
-                      positions=positions, padding_segment=padding_segment, q_len=lambda sq, n: sq * n)
-    (q, pos, q_seg), (k, v, _, k_seg, kv_bias) = inp.qs, inp.kv
-    k, v = (jnp.repeat(x, r, axis=2) if r > 1 else x for x in (k, v))  # kv head i -> i*r .. i*r + r - 1
-    travels = inp.cfg.bias_mode == "travel"
-    bias = _bias_to_heads(kv_bias if travels else inp.bias, travels, axis_name)
-    pos = _gather(pos, axis_name)  # (b, seq): true positions of the whole sequence, in layout order
-    qs = QShard(_seq_to_heads(q, axis_name), pos, _gather(q_seg, axis_name))
-    kv = KVShard(_seq_to_heads(k, axis_name), _seq_to_heads(v, axis_name), pos, _gather(k_seg, axis_name), bias)
-    cfg = dataclasses.replace(inp.cfg, bias_mode=None if bias is None else "travel")  # the bias is in kv
-    o, lse = attend_whole(cfg, False, qs, kv, None)  # (b, seq, h/N, d), (b, h/N, seq)
-    o = lax.all_to_all(o, axis_name, split_axis=1, concat_axis=2, tiled=True)  # (b, s_local, h, d)
-    lse = lax.all_to_all(lse, axis_name, split_axis=2, concat_axis=1, tiled=True)  # (b, h, s_local)
+    return_lse = val.check_bool(return_lse, "return_lse")
+    settings, _ = check_shard_call(
+        ULYSSES, q, k, v, axis_name=axis_name, segment_ids=segment_ids, bias=bias, positions=positions,
+        padding_segment=padding_segment, layout=layout, causal=causal, window=window, scale=scale,
+        block_q=block_q, block_kv=block_kv, impl=impl)
+    o, lse = attend(host_inputs(settings, q, k, v, segment_ids=segment_ids, bias=bias, positions=positions))
     return (o, lse) if return_lse else o
 
 
@@ -113,8 +126,7 @@ def ulysses_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
     the whole sequence, so causal load balance does not arise). Returns [batch, seq, heads, dim] in
     q's dtype (and lse [batch, heads, seq] with ``return_lse``).
     """
-    return on_mesh(ulysses_attention_shard, q, k, v, mesh=mesh, axis_name=axis_name, causal=causal,
-                   segment_ids=segment_ids, bias=bias, window=window, scale=scale, layout=layout, impl=impl,
-                   padding_segment=padding_segment, return_lse=return_lse, batch_axes=batch_axes,
-                   head_axis=head_axis, block_q=block_q, block_kv=block_kv,
-                   check_heads=lambda h, hk, n: check_heads(h, hk, n, axis_name))
+    return on_mesh(ULYSSES, q, k, v, mesh=mesh, axis_name=axis_name, causal=causal, segment_ids=segment_ids,
+                   bias=bias, window=window, scale=scale, layout=layout, block_q=block_q, block_kv=block_kv,
+                   impl=impl, padding_segment=padding_segment, return_lse=return_lse, batch_axes=batch_axes,
+                   head_axis=head_axis)

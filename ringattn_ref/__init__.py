@@ -1,7 +1,7 @@
 """ringattn_ref — a readable float64 numpy simulation of Ring Attention (arXiv:2310.01889).
 
 Reading order: ``attention`` (the oracle) -> ``softmax`` (online softmax, merge) -> ``masks`` ->
-``blockwise`` (BPT on one device) -> ``layouts`` -> ``ring`` (N virtual hosts) -> ``backward`` ->
+``shards`` (what stays, what travels: ``QShard``, ``KVShard``, ``HopConfig``) -> ``blockwise`` (BPT on one device) -> ``layouts`` -> ``ring`` (N virtual hosts) -> ``backward`` ->
 ``feedforward`` -> ``cost`` -> ``viz`` -> ``testing``; ``packing`` for packed documents;
 ``strategies`` (all-gather and Ulysses beside the ring) -> ``strategy_cost`` (which one to use).
 Serving: ``inference`` (a KV cache over the hosts, ring prefill, decode with a merge tree).
@@ -18,6 +18,7 @@ from .inference import InferenceTrace, KVCache, decode_step, init_cache, prefill
 from .layouts import from_layout, layout_permutation, to_layout
 from .packing import positions_from_segment_ids, segment_ids_from_cu_seqlens
 from .ring import RingTrace, ring_attention
+from .shards import HopConfig, HopGrads, KVShard, QShard
 from .softmax import merge
 from .strategies import StrategyTrace, allgather_attention, ulysses_attention
 from .strategy_cost import StrategyChoice, StrategyCost, choose_strategy, strategy_costs
@@ -31,3 +32,4 @@ __all__ = ["AttentionProblem", "HARDWARE", "RingTrace", "attention", "attention_
            "StrategyChoice", "StrategyCost", "StrategyTrace", "allgather_attention", "choose_strategy",
            "strategy_costs", "ulysses_attention"]
 __all__ += ["InferenceTrace", "KVCache", "decode_step", "init_cache", "prefill"]
+__all__ += ["HopConfig", "HopGrads", "KVShard", "QShard"]

@@ -5,30 +5,24 @@ The query is cut into ``block_q`` rows and the keys into ``block_kv`` columns (F
 folded into the running ``(m, l, o)`` with :func:`ringattn_ref.softmax.online_update`; the full
 ``seq x seq`` score matrix never exists, only one ``block_q x block_kv`` tile at a time.
 
-:func:`attend_kv_block` is the unit of work a ring host performs per hop (``ring.py``): the same
-loop, run against the K/V block the host holds at that step.
+:func:`attend_kv_shard` is the unit of work a ring host performs per hop (``ring.py``): the same
+loop, run against the K/V shard the host holds at that step. :func:`hop_attention` is that hop on its
+own, on the per-hop contract of ``ringattn_fast``'s kernels (``QShard``, ``KVShard``, ``HopConfig``
+of ``shards.py``): the oracle to test a kernel against.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
 from .attention import repeat_kv
 from .dropout import dropout_mask
 from .masks import allowed, as_rows, mark_bad_keys, tile_is_empty
+from .shards import DEFAULT_BLOCK, HopConfig, KVShard, QShard, default_block  # noqa: F401  (re-exported)
 from .softmax import finalize, init_state, online_update
 from .validation import (check_bias, check_block, check_bool, check_positions, check_qkv, check_scale,
                          check_segment_ids, check_window)
-
-DEFAULT_BLOCK = 128
-
-
-def default_block(shard, target=DEFAULT_BLOCK):
-    """The default tile size: the largest divisor of ``shard`` that is ``<= target`` (128).
-
-    128 keeps one float64 score tile at ``128 * 128 * 8 B = 128 KiB`` per (batch, head) while leaving
-    several tiles per shard at realistic lengths, so tile skipping has something to skip.
-    """
-    return max(c for c in range(1, min(shard, target) + 1) if shard % c == 0)
 
 
 def bias_tile(bias, q_pos, k_pos):
@@ -48,27 +42,46 @@ def bias_tile(bias, q_pos, k_pos):
     return np.stack(rows_per_example)
 
 
-def tile_logits(q, k, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window):
-    """Masked logits of one tile: ``scale * q k^T + bias`` with -inf where the mask forbids.
+def _rows(x, rows, axis=1):
+    """``x[rows]`` along ``axis`` (a broadcast axis of size 1, or None, stays as it is)."""
+    if x is None or x.shape[axis] == 1:
+        return x
+    return np.take(x, np.arange(rows.start, rows.stop), axis=axis)
 
-    q: [b, tq, h, d]; k: [b, tk, hk, d]; q_pos [b|1, tq], k_pos [b|1, tk] true positions;
-    q_seg [b, tq], k_seg [b, tk] or None; bias: full bias in true order or None. Returns [b, h, tq, tk].
+
+def q_tile(qs, rows):
+    """The tile ``rows`` (a slice) of a :class:`QShard`."""
+    return QShard(qs.q[:, rows], _rows(qs.pos, rows), _rows(qs.seg, rows))
+
+
+def kv_tile(kv, cols, rows):
+    """The tile of a :class:`KVShard` for keys ``cols`` and (its bias block's) queries ``rows``."""
+    bias = None if kv.bias is None else _rows(_rows(kv.bias, rows, 2), cols, 3)
+    return KVShard(kv.k[:, cols], kv.v[:, cols], _rows(kv.pos, cols), _rows(kv.seg, cols), bias)
+
+
+def tile_logits(qs, kv, cfg):
+    """Masked logits of one tile: ``scale * q k^T + bias`` with -inf where the mask forbids: [b, h, tq, tk].
+
+    qs: the tile's queries (q [b, tq, h, d], positions [b|1, tq], segment ids or None); kv: its keys
+    (k [b, tk, hk, d], positions [b|1, tk], segment ids, and the bias block of this tile
+    ``[b|1, h|1, tq|1, tk|1]`` or None); cfg: a resolved :class:`HopConfig` (scale, causal, window).
     """
-    s = scale * np.einsum("bqhd,bkhd->bhqk", q, repeat_kv(k, q.shape[2]))  # (b, h, tq, tk)
-    if bias is not None:
-        b_t = bias_tile(bias, q_pos, k_pos)
-        s = np.where(b_t == -np.inf, -np.inf, s + b_t)  # -inf masks even a NaN logit
-    seg = (None, None) if q_seg is None else (q_seg[:, :, None], k_seg[:, None, :])
-    mask = allowed(q_pos[:, :, None], k_pos[:, None, :], *seg, causal=causal, window=window)  # (b|1, tq, tk)
+    s = cfg.scale * np.einsum("bqhd,bkhd->bhqk", qs.q, repeat_kv(kv.k, qs.q.shape[2]))  # (b, h, tq, tk)
+    if kv.bias is not None:
+        s = np.where(kv.bias == -np.inf, -np.inf, s + kv.bias)  # -inf masks even a NaN logit
+    seg = (None, None) if qs.seg is None else (qs.seg[:, :, None], kv.seg[:, None, :])
+    mask = allowed(qs.pos[:, :, None], kv.pos[:, None, :], *seg, causal=cfg.causal, window=cfg.window)  # (b|1, tq, tk)
     return np.where(mask[:, None], s, -np.inf)
 
 
-def attend_kv_block(state, q, k, v, q_pos, k_pos, q_seg, k_seg, bias, *, scale, causal, window,
-                    block_q, block_kv, dropout=None):
-    """Fold the attention of ``q`` over one K/V block into ``state = (m, l, o)``, in place.
+def attend_kv_shard(state, qs, kv, cfg, *, dropout=None):
+    """Fold the attention of ``qs`` over one K/V shard into ``state = (m, l, o)``, in place.
 
-    - q: [b, sq, h, d]; k, v: [b, sk, hk, d]; q_pos [b|1, sq], k_pos [b|1, sk] true positions;
-    - segments [b, sq] / [b, sk] or None; bias: full bias in true order or None;
+    - qs: :class:`QShard` (q [b, sq, h, d], true positions [b|1, sq], segment ids [b, sq] or None);
+    - kv: :class:`KVShard` (k, v [b, sk, hk, d], positions [b|1, sk], segment ids, and the bias of
+      this hop ``[b|1, h|1, sq|1, sk|1]`` or None);
+    - cfg: a resolved :class:`HopConfig` (every field set; tile sides dividing the shards);
     - m, l: [b, h, sq]; o: [b, sq, h, d] unnormalised;
     - dropout: ``(seed, rate)`` or None: each tile's ``P V`` uses the mask of ``dropout.dropout_mask``
       at the tile's true positions (the same entries whatever the tiling).
@@ -77,52 +90,56 @@ def attend_kv_block(state, q, k, v, q_pos, k_pos, q_seg, k_seg, bias, *, scale, 
     Returns ``(tiles_computed, tiles_skipped)``.
     """
     m, l, o = state
+    b, sq, h, _ = qs.q.shape
     computed = skipped = 0
-    for qi in range(q.shape[1] // block_q):  # FA-2: outer loop over query blocks (B_r rows)
-        qs = slice(qi * block_q, (qi + 1) * block_q)
-        for kj in range(k.shape[1] // block_kv):  # inner loop over key blocks (B_c columns)
-            ks = slice(kj * block_kv, (kj + 1) * block_kv)
-            q_seg_t, k_seg_t = (None, None) if q_seg is None else (q_seg[:, qs], k_seg[:, ks])
-            if tile_is_empty(q_pos[:, qs], k_pos[:, ks], q_seg_t, k_seg_t, causal=causal, window=window):
+    for qi in range(sq // cfg.block_q):  # FA-2: outer loop over query blocks (B_r rows)
+        rows = slice(qi * cfg.block_q, (qi + 1) * cfg.block_q)
+        qt = q_tile(qs, rows)
+        for kj in range(kv.k.shape[1] // cfg.block_kv):  # inner loop over key blocks (B_c columns)
+            kt = kv_tile(kv, slice(kj * cfg.block_kv, (kj + 1) * cfg.block_kv), rows)
+            if tile_is_empty(qt.pos, kt.pos, qt.seg, kt.seg, causal=cfg.causal, window=cfg.window):
                 skipped += 1
                 continue
-            s = tile_logits(q[:, qs], k[:, ks], q_pos[:, qs], k_pos[:, ks], q_seg_t, k_seg_t, bias,
-                            scale=scale, causal=causal, window=window)  # (b, h, tq, tk)
-            v_tile = repeat_kv(v[:, ks], q.shape[2])  # (b, tk, h, d)
-            keep = None if dropout is None else dropout_mask(*dropout, q.shape[0], q.shape[2], q_pos[:, qs],
-                                                             k_pos[:, ks])  # (b, h, tq, tk)
-            m[:, :, qs], l[:, :, qs], o[:, qs] = online_update(m[:, :, qs], l[:, :, qs], o[:, qs],
-                                                               s, v_tile, keep)
+            s = tile_logits(qt, kt, cfg)  # (b, h, tq, tk)
+            keep = None if dropout is None else dropout_mask(*dropout, b, h, qt.pos, kt.pos)  # (b, h, tq, tk)
+            m[:, :, rows], l[:, :, rows], o[:, rows] = online_update(m[:, :, rows], l[:, :, rows], o[:, rows],
+                                                                     s, repeat_kv(kt.v, h), keep)
             computed += 1
     return computed, skipped
 
 
-def hop_attention(q, k, v, q_pos, k_pos, q_seg=None, k_seg=None, bias=None, *, scale=None,
-                  causal=False, window=None, block_q=None, block_kv=None):
-    """One hop's normalised partial result: ``(o, lse)`` of ``q`` over one K/V block, float64.
+def check_hop(qs, kv, cfg):
+    """Validate a per-hop call; returns ``(qs, kv, cfg)`` in float64 with per-example position rows, K/V
+    marked (``masks.mark_bad_keys``) and ``cfg`` resolved (scale, tile sides)."""
+    b, sq, h, d = qs.q.shape
+    sk = kv.k.shape[1]
+    q_pos, k_pos = as_rows(qs.pos, b), as_rows(kv.pos, b)
+    check_positions(q_pos, b, sq, "qs.pos"), check_positions(k_pos, b, sk, "kv.pos")
+    cfg = cfg.resolve(d, sq, sk)
+    cfg = dataclasses.replace(cfg, scale=check_scale(cfg.scale, d), causal=check_bool(cfg.causal, "causal"),
+                              window=check_window(cfg.window), block_q=check_block(cfg.block_q, sq, "block_q"),
+                              block_kv=check_block(cfg.block_kv, sk, "block_kv"))
+    f64 = lambda x: None if x is None else np.asarray(x, np.float64)  # noqa: E731
+    k, v = mark_bad_keys(kv.k, kv.v)
+    return QShard(f64(qs.q), q_pos, qs.seg), KVShard(k, v, k_pos, kv.seg, f64(kv.bias)), cfg
 
-    The per-hop oracle (the contract of ``ringattn_fast.hop`` and the Pallas kernels; test your own
-    kernel against it).
 
-    - q: [b, sq, h, d]; k, v: [b, sk, hk, d];
-    - q_pos [b, sq] / k_pos [b, sk] true positions, one row per example (or ``[sq]`` / ``[sk]`` for
-      all); q_seg [b, sq], k_seg [b, sk] or None;
-    - bias: full bias ``[b|1, h|1, S|1, S|1]`` indexed by true positions, or None;
-    - block_q / block_kv: tile sides (default: the whole block).
+def hop_attention(qs, kv, cfg=HopConfig()):
+    """One hop's normalised partial result: ``(o, lse)`` of ``qs`` over one K/V shard, float64.
 
-    Returns o [b, sq, h, d] and lse [b, h, sq] (-inf where the row saw nothing in this block).
-    Partials over disjoint blocks combine with ``softmax.merge`` in any order.
+    The per-hop oracle, on the contract of ``ringattn_fast``'s per-hop functions and kernels (test your
+    own kernel against it): qs = ``QShard(q [b, sq, h, d], pos [b, sq] (or [sq]: one row for all),
+    seg [b, sq] or None)``; kv = ``KVShard(k, v [b, sk, hk, d], pos [b, sk], seg or None, bias
+    [b|1, h|1, sq|1, sk|1] or None)``; cfg: :class:`HopConfig` (scale None = ``dim ** -0.5``, tile sides
+    None = :func:`default_block`).
+
+    Returns o [b, sq, h, d] and lse [b, h, sq] (-inf where the row saw nothing in this shard).
+    Partials over disjoint shards combine with ``softmax.merge`` in any order.
     """
-    b, sq, h, d = q.shape
-    sk = k.shape[1]
-    q_pos, k_pos = as_rows(q_pos, b), as_rows(k_pos, b)
-    check_positions(q_pos, b, sq, "q_pos"), check_positions(k_pos, b, sk, "k_pos")
+    qs, kv, cfg = check_hop(qs, kv, cfg)
+    b, sq, h, d = qs.q.shape
     state = init_state(b, h, sq, d)
-    attend_kv_block(state, np.asarray(q, np.float64), *mark_bad_keys(k, v), q_pos, k_pos, q_seg, k_seg,
-                    None if bias is None else np.asarray(bias, np.float64),
-                    scale=check_scale(scale, d), causal=check_bool(causal, "causal"),
-                    window=check_window(window), block_q=check_block(block_q, sq, "block_q"),
-                    block_kv=check_block(block_kv, sk, "block_kv"))
+    attend_kv_shard(state, qs, kv, cfg)
     return finalize(*state)
 
 
@@ -135,14 +152,11 @@ def blockwise_attention(q, k, v, *, block_q=None, block_kv=None, causal=False, s
     ``n_hosts=1`` path of the ring.
     """
     b, s, h, hk, d = check_qkv(q, k, v)
-    block_q = check_block(default_block(s) if block_q is None else block_q, s, "block_q")
-    block_kv = check_block(default_block(s) if block_kv is None else block_kv, s, "block_kv")
-    scale = check_scale(scale, d)
-    causal = check_bool(causal, "causal")
-    window = check_window(window, s)
+    cfg = HopConfig(scale=check_scale(scale, d), causal=check_bool(causal, "causal"), window=check_window(window, s),
+                    block_q=check_block(default_block(s) if block_q is None else block_q, s, "block_q"),
+                    block_kv=check_block(default_block(s) if block_kv is None else block_kv, s, "block_kv"))
     segment_ids = check_segment_ids(segment_ids, b, s)
-    bias = None if check_bias(bias, b, h, s) is None else np.asarray(bias, np.float64)
+    bias = check_bias(bias, b, h, s)  # in true order, all queries x all keys: the whole hop's bias block
     pos = np.arange(s)[None]  # (1, s)
-    o, lse = hop_attention(q, k, v, pos, pos, segment_ids, segment_ids, bias, scale=scale,
-                           causal=causal, window=window, block_q=block_q, block_kv=block_kv)
+    o, lse = hop_attention(QShard(q, pos, segment_ids), KVShard(k, v, pos, segment_ids, bias), cfg)
     return (o, lse) if return_lse else o

@@ -46,10 +46,10 @@ def _args(argv):
 
 def schedule_table(trace):
     """The schedule as text: row = host, column = step, entry = K/V block held ('.' = hop skipped)."""
-    n_hosts, n_steps = trace.kv_block.shape
+    n_hosts, n_steps = trace.kv_idx.shape
     lines = ["         " + " ".join(f"s{s:<2}" for s in range(n_steps))]
     for i in range(n_hosts):
-        cells = (f"{trace.kv_block[i, s]:>2}{'.' if trace.hop_skipped[i, s] else ' '}" for s in range(n_steps))
+        cells = (f"{trace.kv_idx[i, s]:>2}{'.' if trace.hop_skipped[i, s] else ' '}" for s in range(n_steps))
         lines.append(f"host {i:<3} " + " ".join(cells))
     return "\n".join(lines)
 

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .blockwise import attend_kv_block, hop_attention
-from .ring import Host, KVBlock, send_to_next, swap_buffers
+from .blockwise import attend_kv_shard, hop_attention
+from .ring import Host, Message, send_to_next, swap_buffers
+from .shards import HopConfig, KVShard, QShard
 from .softmax import finalize, init_state, merge
 from .validation import check_qkv, check_scale, check_window
 
@@ -157,9 +158,9 @@ def ring(q, q_pos, q_seg, cache, *, scale, window):
     """
     n, (b, m, h, d) = cache.n_hosts, q.shape
     mine = [np.arange(r, m, n) for r in range(n)]  # prompt indices each host keeps (striped)
-    hosts = [Host(my_idx=r, q=q[:, mine[r]], q_pos=q_pos[:, mine[r]], q_seg=q_seg[:, mine[r]],
-                  held=KVBlock(kv_idx=r, k=cache.k[r], v=cache.v[r], k_pos=cache.positions(r)[None],
-                               k_seg=cache.key_segments(r))) for r in range(n)]
+    hosts = [Host(my_idx=r, qs=QShard(q[:, mine[r]], q_pos[:, mine[r]], q_seg[:, mine[r]]),
+                  held=Message(r, KVShard(cache.k[r], cache.v[r], cache.positions(r)[None], cache.key_segments(r))))
+             for r in range(n)]
     sends = []
     for host in hosts:
         host.m, host.l, host.o = init_state(b, h, len(mine[host.my_idx]), d)
@@ -170,9 +171,9 @@ def ring(q, q_pos, q_seg, cache, *, scale, window):
                       for r in range(n)]
         for host in hosts:
             assert host.held.kv_idx == (host.my_idx - step) % n  # the authors' index arithmetic
-            attend_kv_block((host.m, host.l, host.o), host.q, host.held.k, host.held.v, host.q_pos,
-                            host.held.k_pos, host.q_seg, host.held.k_seg, None, scale=scale, causal=True,
-                            window=window, block_q=max(host.q.shape[1], 1), block_kv=cache.slots)
+            hop = HopConfig(scale=scale, causal=True, window=window, block_q=max(host.qs.q.shape[1], 1),
+                            block_kv=cache.slots)
+            attend_kv_shard((host.m, host.l, host.o), host.qs, host.held.kv, hop)
         if step < n - 1:
             swap_buffers(hosts)
     o = np.zeros((b, m, h, d))
@@ -242,8 +243,9 @@ def decode_step(q, k, v, cache, *, window=None, scale=None, schedule="tree", ret
     scale, window = check_scale(scale, q.shape[-1]), check_window(window)
     new = write(cache, np.asarray(k, np.float64), np.asarray(v, np.float64), np.ones(b, np.int64))
     q_pos, q_seg = cache.lengths[:, None], np.full((b, 1), VALID)  # (b, 1): the new token's position
-    parts = [hop_attention(q, new.k[r], new.v[r], q_pos, new.positions(r), q_seg, new.key_segments(r),
-                           scale=scale, causal=True, window=window) for r in range(new.n_hosts)]
+    hop = HopConfig(scale=scale, causal=True, window=window)
+    parts = [hop_attention(QShard(q, q_pos, q_seg), KVShard(new.k[r], new.v[r], new.positions(r), new.key_segments(r)),
+                           hop) for r in range(new.n_hosts)]
     (o, _), trace = tree_merge(parts, new.k.itemsize)
     return (o, new, trace) if return_trace else (o, new)
 

@@ -21,22 +21,22 @@ from __future__ import annotations
 import numpy as np
 
 
-def bounds_empty(q_lo, q_hi, k_lo, k_hi, qs_lo=None, qs_hi=None, ks_lo=None, ks_hi=None, *,
-                 causal=False, window=None):
+def bounds_empty(q, k, *, causal=False, window=None):
     """True where no (query, key) pair can attend, from position (and segment id) bounds.
 
-    - q_lo/q_hi: min/max query position; k_lo/k_hi: min/max key position;
-    - ``qs_*`` / ``ks_*``: min/max segment ids or None;
-    - any broadcasting arrays (numpy, jax.numpy) or scalars;
+    - q, k: the bounds of the queries and of the keys, ``(pos_lo, pos_hi)`` or, with segment ids,
+      ``(pos_lo, pos_hi, seg_lo, seg_hi)`` (both sides alike); each entry any broadcasting array
+      (numpy, jax.numpy) or a scalar (a kernel's prefetched bounds);
     - window: ``(left, right)`` normalised by ``validation.check_window`` (-1 = unbounded) or None.
 
-    Every allowed pair has
-    ``-left <= k - q <= right`` (``right = 0`` when causal) and equal segment ids, so the tile is
-    empty when ``k_lo - q_hi > right``, ``q_lo - k_hi > left`` or the id ranges do not overlap.
-    Returns None when nothing can be masked (no causal, window or segments).
+    Every allowed pair has ``-left <= k - q <= right`` (``right = 0`` when causal) and equal segment
+    ids, so the tile is empty when ``k_lo - q_hi > right``, ``q_lo - k_hi > left`` or the id ranges do
+    not overlap. Returns None when nothing can be masked (no causal, window or segments).
 
-    Example, causal: queries [0, 1] against keys [2, 3] give ``2 - 1 > 0``: empty.
+    Example, causal: queries [0, 1] against keys [2, 3], ``bounds_empty((0, 1), (2, 3), causal=True)``:
+    ``2 - 1 > 0``, empty.
     """
+    (q_lo, q_hi, *q_seg), (k_lo, k_hi, *k_seg) = q, k
     left, right = window if window is not None else (-1, -1)
     if causal:
         right = 0 if right < 0 else min(right, 0)
@@ -45,7 +45,8 @@ def bounds_empty(q_lo, q_hi, k_lo, k_hi, qs_lo=None, qs_hi=None, ks_lo=None, ks_
         empty.append(k_lo - q_hi > right)
     if left >= 0:
         empty.append(q_lo - k_hi > left)
-    if qs_lo is not None:
+    if q_seg:
+        (qs_lo, qs_hi), (ks_lo, ks_hi) = q_seg, k_seg
         empty.append((qs_hi < ks_lo) | (ks_hi < qs_lo))
     if not empty:
         return None
@@ -55,8 +56,13 @@ def bounds_empty(q_lo, q_hi, k_lo, k_hi, qs_lo=None, qs_hi=None, ks_lo=None, ks_
     return out
 
 
+def _bounds(pos, seg, lo, hi):
+    """``(lo(pos), hi(pos))`` or, with segment ids, ``(lo(pos), hi(pos), lo(seg), hi(seg))``."""
+    return (lo(pos), hi(pos)) if seg is None else (lo(pos), hi(pos), lo(seg), hi(seg))
+
+
 def allowed(q_pos, k_pos, q_seg=None, k_seg=None, *, causal=False, window=None):
-    """Which (query, key) pairs may attend: bool, the broadcast shape of the inputs, or None.
+    """Which (query, key) pairs may attend: bool, the broadcast shape of the inputs.
 
     q_pos, k_pos: int arrays that broadcast against each other, a column of queries against a row of
     keys: ``[b, sq, 1]`` and ``[b, 1, sk]`` give ``[b, sq, sk]`` (a kernel passes ``(bq, 1)`` and
@@ -64,8 +70,9 @@ def allowed(q_pos, k_pos, q_seg=None, k_seg=None, *, causal=False, window=None):
     this is ``~bounds_empty`` on points. Example, causal: ``allowed(pos[:, None], pos[None, :],
     causal=True)`` is the lower triangle.
     """
-    empty = bounds_empty(q_pos, q_pos, k_pos, k_pos, q_seg, q_seg, k_seg, k_seg, causal=causal,
-                         window=window)
+    point = lambda x: x  # noqa: E731  a pair's min and max are its own position (and id)
+    empty = bounds_empty(_bounds(q_pos, q_seg, point, point), _bounds(k_pos, k_seg, point, point),
+                         causal=causal, window=window)
     if empty is None:  # nothing is masked: all True, in the broadcast shape
         offset = k_pos - q_pos
         return offset == offset
@@ -73,17 +80,16 @@ def allowed(q_pos, k_pos, q_seg=None, k_seg=None, *, causal=False, window=None):
 
 
 def tile_is_empty(q_pos, k_pos, q_seg=None, k_seg=None, *, causal=False, window=None):
-    """True when the mask is provably empty for every (query, key) pair of a tile or a hop.
+    """True when the mask is provably empty for every (query, key) pair of a tile (a hop is one tile).
 
     q_pos: int [b, sq], k_pos: int [b, sk] true positions (one row per example); q_seg/k_seg the
     same shapes or None. Only each row's min/max are used, so the test is cheap, works for any layout,
-    and is conservative: it never skips a pair that the mask allows. Works on numpy and jnp arrays;
-    returns a bool scalar (False when nothing can be masked).
+    and is conservative: it never calls a tile empty that holds a pair the mask allows. Works on numpy
+    and jnp arrays; returns a bool scalar (False when nothing can be masked).
     """
-    seg = () if q_seg is None else (q_seg.min(axis=-1), q_seg.max(axis=-1),
-                                    k_seg.min(axis=-1), k_seg.max(axis=-1))
-    empty = bounds_empty(q_pos.min(axis=-1), q_pos.max(axis=-1), k_pos.min(axis=-1),
-                         k_pos.max(axis=-1), *seg, causal=causal, window=window)  # (b,)
+    lo, hi = (lambda x: x.min(axis=-1)), (lambda x: x.max(axis=-1))
+    empty = bounds_empty(_bounds(q_pos, q_seg, lo, hi), _bounds(k_pos, k_seg, lo, hi),
+                         causal=causal, window=window)  # (b,)
     return False if empty is None else empty.all()
 
 

@@ -1,73 +1,67 @@
 """Ring Attention (arXiv:2310.01889, Algorithm 1) simulated on ``n_hosts`` explicit virtual hosts.
 
 The sequence is cut into ``N = n_hosts`` shards of ``c = seq / N`` tokens (after the layout's
-permutation). Host ``my_idx`` keeps its query shard for the whole computation; the K/V shards travel
-around the ring, host ``i -> i + 1``. At step ``step`` host ``my_idx`` holds K/V shard
-``kv_idx = (my_idx - step) % N``: with 4 hosts, at step 1 host 0 holds K/V block 3. Each host
-runs blockwise attention (``blockwise.attend_kv_block``) of its queries against the block it holds,
-folding tiles into its running ``(m, l, o)``, while the block is being sent on to the next host
-(on real hardware the send overlaps the compute, paper §3). After ``N`` steps every host has seen
-every block; there is no send after the last step.
+permutation). Host ``my_idx`` keeps its query shard (a :class:`~ringattn_ref.shards.QShard`) for the
+whole computation; the K/V shards (:class:`~ringattn_ref.shards.KVShard`) travel around the ring,
+host ``i -> i + 1``. At step ``step`` host ``my_idx`` holds K/V shard ``kv_idx = (my_idx - step) % N``:
+with 4 hosts, at step 1 host 0 holds K/V shard 3. Each host runs blockwise attention
+(``blockwise.attend_kv_shard``) of its queries against the shard it holds, folding tiles into its
+running ``(m, l, o)``, while the shard is being sent on to the next host (on real hardware the send
+overlaps the compute, paper §3). After ``N`` steps every host has seen every shard; there is no send
+after the last step.
 
-Segment ids and true positions travel with their K/V block, so masks are exact for every layout.
+Segment ids and true positions travel with their K/V shard, so masks are exact for every layout.
 A full bias ``[b, h|1, s, s]`` is indexed by the host with its query rows and the key columns of the
-block it holds (by true positions); in this simulation the bias is not sent around the ring.
+shard it holds (by true positions); in this simulation the bias is not sent around the ring.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
-from .blockwise import attend_kv_block, default_block
+from .blockwise import attend_kv_shard, bias_tile
 from .dropout import check_dropout
 from .layouts import layout_permutation
 from .masks import mark_bad_keys, tile_is_empty
+from .shards import HopConfig, KVGrads, KVShard, QShard, default_block
 from .softmax import finalize, init_state
 from .validation import (check_bias, check_block, check_bool, check_layout, check_n_hosts, check_qkv,
                          check_scale, check_segment_ids, check_window)
 
 
-@dataclass
-class KVBlock:
-    """What travels around the ring: one K/V shard with its true positions and segment ids.
-
-    k, v: [b, c, kv_heads, d]; k_pos: int [1, c] (the same for every example);
-    k_seg: int [b, c] or None. In the backward pass the block's gradients dk, dv
-    ([b, c, kv_heads, d]) travel with it.
-    """
+class Message(NamedTuple):
+    """What one host sends its right neighbour at a step: K/V shard number ``kv_idx`` (``kv``, with
+    its true positions and segment ids) and, in the backward, its gradient accumulators ``grads``."""
     kv_idx: int
-    k: np.ndarray
-    v: np.ndarray
-    k_pos: np.ndarray
-    k_seg: np.ndarray | None
-    dk: np.ndarray | None = None
-    dv: np.ndarray | None = None
+    kv: KVShard
+    grads: KVGrads | None = None
 
     def payload_elements(self):
         """Number of float elements sent: K and V (and dK, dV in the backward)."""
-        return sum(x.size for x in (self.k, self.v, self.dk, self.dv) if x is not None)
+        grads = () if self.grads is None else (self.grads.dk, self.grads.dv)
+        return sum(x.size for x in (self.kv.k, self.kv.v) + grads)
 
     def meta_bytes(self):
         """Bytes of the positions and segment ids sent alongside."""
-        return self.k_pos.nbytes + (0 if self.k_seg is None else self.k_seg.nbytes)
+        return self.kv.pos.nbytes + (0 if self.kv.seg is None else self.kv.seg.nbytes)
 
 
 @dataclass
 class Host:
-    """One virtual device: its query shard (stays), the K/V block it holds, its receive buffer,
-    and its online-softmax state.
+    """One virtual device: its query shard (stays), the message it holds, its receive buffer, and its
+    online-softmax state.
 
-    - q: [b, c, h, d]; q_pos: int [1, c] true positions; q_seg: int [b, c] or None;
+    - qs: QShard(q [b, c, h, d], pos int [1, c] true positions, seg int [b, c] or None);
+    - held / recv: :class:`Message` (the K/V shard held now / being received), recv None between steps;
     - m, l: [b, h, c]; o: [b, c, h, d] (unnormalised until the end);
     - backward only (``backward.py``): do: [b, c, h, d]; lse, delta: [b, h, c]; dq: [b, c, h, d].
     """
     my_idx: int
-    q: np.ndarray
-    q_pos: np.ndarray
-    q_seg: np.ndarray | None
-    held: KVBlock
-    recv: KVBlock | None = None
+    qs: QShard
+    held: Message
+    recv: Message | None = None
     m: np.ndarray | None = None
     l: np.ndarray | None = None
     o: np.ndarray | None = None
@@ -79,7 +73,7 @@ class Host:
     def live_elements(self, tile_elements):
         """Float elements live during compute: q, held K/V, receive buffer, o, m, l, one score tile."""
         recv = 0 if self.recv is None else self.recv.payload_elements()
-        return (self.q.size + self.held.payload_elements() + recv + self.o.size + self.m.size
+        return (self.qs.q.size + self.held.payload_elements() + recv + self.o.size + self.m.size
                 + self.l.size + tile_elements)
 
 
@@ -89,7 +83,7 @@ class RingTrace:
 
     layout: the layout name, or ``"custom"`` for a permutation array. Arrays ``[n_hosts, n_steps]``:
 
-    - kv_block (int): the K/V shard host i holds at step s, ``(i - s) % n_hosts``;
+    - kv_idx (int): the K/V shard host i holds at step s, ``(i - s) % n_hosts``;
     - tiles_computed / tiles_skipped (int): ``block_q x block_kv`` tiles computed / left out because
       the mask is provably empty; hop_skipped (bool): the whole hop was empty;
     - flops (float): ``4 * batch * heads * block_q * block_kv * dim`` per computed tile (QK^T and
@@ -105,7 +99,7 @@ class RingTrace:
     layout: str
     block_q: int
     block_kv: int
-    kv_block: np.ndarray
+    kv_idx: np.ndarray
     tiles_computed: np.ndarray
     tiles_skipped: np.ndarray
     hop_skipped: np.ndarray
@@ -116,7 +110,7 @@ class RingTrace:
 
     @property
     def n_steps(self):
-        return self.kv_block.shape[1]
+        return self.kv_idx.shape[1]
 
     def critical_path(self):
         """Sum over steps of the max over hosts of flops: hosts synchronise at every hop."""
@@ -134,12 +128,8 @@ class RingProblem:
     shard: int
     perm: np.ndarray  # (s,) perm[p] = true position of the token at layout position p
     layout_name: str
-    scale: float
-    causal: bool
-    window: tuple | None
+    hop: HopConfig  # scale, mask, tile sides: every field set
     bias: np.ndarray | None
-    block_q: int
-    block_kv: int
     itemsize: int
     dropout: tuple | None = None  # (seed uint32 [2], rate) or None
 
@@ -151,16 +141,15 @@ def setup_ring(q, k, v, *, n_hosts, causal, segment_ids, bias, window, scale, la
     layout = check_layout(layout, s)
     n_hosts = check_n_hosts(n_hosts, s, layout)
     c = s // n_hosts
-    block_q = check_block(default_block(c) if block_q is None else block_q, c, "block_q")
-    block_kv = check_block(default_block(c) if block_kv is None else block_kv, c, "block_kv")
+    hop = HopConfig(scale=check_scale(scale, d), causal=check_bool(causal, "causal"), window=check_window(window, s),
+                    block_q=check_block(default_block(c) if block_q is None else block_q, c, "block_q"),
+                    block_kv=check_block(default_block(c) if block_kv is None else block_kv, c, "block_kv"))
     rate, seed = check_dropout(dropout_rate, dropout_key)
     problem = RingProblem(
         n_hosts=n_hosts, shard=c, perm=layout_permutation(layout, s, n_hosts),
-        layout_name=layout if isinstance(layout, str) else "custom", scale=check_scale(scale, d),
-        causal=check_bool(causal, "causal"), window=check_window(window, s),
+        layout_name=layout if isinstance(layout, str) else "custom", hop=hop,
         bias=None if check_bias(bias, b, h, s) is None else np.asarray(bias, np.float64),
-        block_q=block_q, block_kv=block_kv, itemsize=np.dtype(q.dtype).itemsize,
-        dropout=None if seed is None else (seed, rate))
+        itemsize=np.dtype(q.dtype).itemsize, dropout=None if seed is None else (seed, rate))
     segment_ids = check_segment_ids(segment_ids, b, s)
     perm = problem.perm
     k, v = mark_bad_keys(k, v)  # a key holding a nan/inf: NaN for whoever sees it, nothing for the rest
@@ -171,26 +160,26 @@ def setup_ring(q, k, v, *, n_hosts, causal, segment_ids, bias, window, scale, la
         sl = slice(r * c, (r + 1) * c)
         seg = None if seg_l is None else seg_l[:, sl]
         pos = perm[None, sl]  # (1, c): true positions, shared by every example
-        hosts.append(Host(my_idx=r, q=q_l[:, sl], q_pos=pos, q_seg=seg,
-                          held=KVBlock(kv_idx=r, k=k_l[:, sl], v=v_l[:, sl], k_pos=pos, k_seg=seg)))
+        hosts.append(Host(my_idx=r, qs=QShard(q_l[:, sl], pos, seg),
+                          held=Message(kv_idx=r, kv=KVShard(k_l[:, sl], v_l[:, sl], pos, seg))))
     return problem, hosts
 
 
-def hop_is_empty(host, problem):
-    """A whole hop is skipped when the mask is provably empty for the host's queries and block."""
-    return tile_is_empty(host.q_pos, host.held.k_pos, host.q_seg, host.held.k_seg, causal=problem.causal,
-                         window=problem.window)
+def hop_kv(host, problem):
+    """The K/V shard the host attends this step, with the bias block of its queries and these keys."""
+    kv = host.held.kv
+    return kv._replace(bias=bias_tile(problem.bias, host.qs.pos, kv.pos))
 
 
 def send_to_next(hosts):
-    """Every host sends the block it holds to host ``my_idx + 1`` (into its receive buffer)."""
+    """Every host sends the message it holds to host ``my_idx + 1`` (into its receive buffer)."""
     n = len(hosts)
     for host in hosts:
         hosts[(host.my_idx + 1) % n].recv = host.held
 
 
 def swap_buffers(hosts):
-    """After the step: the received block becomes the held block; the receive buffer is freed."""
+    """After the step: the received message becomes the held one; the receive buffer is freed."""
     for host in hosts:
         host.held, host.recv = host.recv, None
 
@@ -206,13 +195,13 @@ def ring_forward(q, k, v, *, n_hosts, causal=False, segment_ids=None, bias=None,
                                 bias=bias, window=window, scale=scale, layout=layout,
                                 block_q=block_q, block_kv=block_kv, dropout_rate=dropout_rate,
                                 dropout_key=dropout_key)
-    n, c = problem.n_hosts, problem.shard
-    b, _, h, d = hosts[0].q.shape
-    n_tiles = (c // problem.block_q) * (c // problem.block_kv)
-    tile_flops = 4 * b * h * problem.block_q * problem.block_kv * d
-    tile_elements = b * h * problem.block_q * problem.block_kv
+    n, c, hop = problem.n_hosts, problem.shard, problem.hop
+    b, _, h, d = hosts[0].qs.q.shape
+    n_tiles = (c // hop.block_q) * (c // hop.block_kv)
+    tile_flops = 4 * b * h * hop.block_q * hop.block_kv * d
+    tile_elements = b * h * hop.block_q * hop.block_kv
     shape = (n, n)  # (n_hosts, n_steps)
-    kv_block, computed, skipped = (np.zeros(shape, np.int64) for _ in range(3))
+    kv_idx, computed, skipped = (np.zeros(shape, np.int64) for _ in range(3))
     hop_skipped = np.zeros(shape, bool)
     bytes_sent, meta_sent = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
     peak = np.zeros(n, np.int64)
@@ -224,20 +213,18 @@ def ring_forward(q, k, v, *, n_hosts, causal=False, segment_ids=None, bias=None,
             send_to_next(hosts)
         for host in hosts:
             i = host.my_idx
-            kv_block[i, step] = host.held.kv_idx
+            kv_idx[i, step] = host.held.kv_idx
             assert host.held.kv_idx == (i - step) % n  # the authors' index arithmetic
             if step < n - 1:
                 bytes_sent[i, step] = host.held.payload_elements() * problem.itemsize
                 meta_sent[i, step] = host.held.meta_bytes()
             peak[i] = max(peak[i], host.live_elements(tile_elements) * problem.itemsize)
-            if hop_is_empty(host, problem):
+            qs, kv = host.qs, host.held.kv
+            if tile_is_empty(qs.pos, kv.pos, qs.seg, kv.seg, causal=hop.causal, window=hop.window):  # a hop is a tile
                 hop_skipped[i, step], skipped[i, step] = True, n_tiles
                 continue
-            computed[i, step], skipped[i, step] = attend_kv_block(
-                (host.m, host.l, host.o), host.q, host.held.k, host.held.v, host.q_pos,
-                host.held.k_pos, host.q_seg, host.held.k_seg, problem.bias, scale=problem.scale,
-                causal=problem.causal, window=problem.window, block_q=problem.block_q,
-                block_kv=problem.block_kv, dropout=problem.dropout)
+            computed[i, step], skipped[i, step] = attend_kv_shard(
+                (host.m, host.l, host.o), host.qs, hop_kv(host, problem), hop, dropout=problem.dropout)
         if step < n - 1:
             swap_buffers(hosts)
 
@@ -245,9 +232,8 @@ def ring_forward(q, k, v, *, n_hosts, causal=False, segment_ids=None, bias=None,
     inverse = np.argsort(problem.perm)
     o = np.concatenate([o for o, _ in outs], axis=1)[:, inverse]  # (b, s, h, d) caller's order
     lse = np.concatenate([lse for _, lse in outs], axis=2)[:, :, inverse]  # (b, h, s)
-    trace = RingTrace(n_hosts=n, layout=problem.layout_name, block_q=problem.block_q,
-                      block_kv=problem.block_kv, kv_block=kv_block, tiles_computed=computed,
-                      tiles_skipped=skipped, hop_skipped=hop_skipped,
+    trace = RingTrace(n_hosts=n, layout=problem.layout_name, block_q=hop.block_q, block_kv=hop.block_kv,
+                      kv_idx=kv_idx, tiles_computed=computed, tiles_skipped=skipped, hop_skipped=hop_skipped,
                       flops=computed.astype(np.float64) * tile_flops, bytes_sent=bytes_sent,
                       meta_bytes_sent=meta_sent, peak_bytes=peak)
     return o, lse, trace

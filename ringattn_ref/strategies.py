@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .blockwise import attend_kv_block
+from .blockwise import attend_kv_shard, bias_tile
 from .ring import setup_ring
+from .shards import KVShard, QShard
 from .softmax import finalize, init_state
 
 
@@ -57,23 +58,18 @@ class StrategyTrace:
         return self.bytes_sent.sum(axis=1)
 
 
-def _setup(q, k, v, **kwargs):
-    """``ring.setup_ring`` with the tile sides it checked (they divide the shard ``c``, hence ``S``)."""
-    problem, hosts = setup_ring(q, k, v, **kwargs)
-    return problem, hosts, dict(scale=problem.scale, causal=problem.causal, window=problem.window,
-                                block_q=problem.block_q, block_kv=problem.block_kv)
-
-
 def _caller_order(problem, shards, axis):
     """Concatenate per-host results (layout order) and undo the layout permutation."""
     return np.take(np.concatenate(shards, axis=axis), np.argsort(problem.perm), axis=axis)
 
 
-def _attend(q, k, v, q_pos, k_pos, q_seg, k_seg, bias, tiles):
-    """One blockwise pass (``blockwise.attend_kv_block``) from a fresh state: ``(o, lse, computed)``."""
-    b, sq, h, d = q.shape
+def _attend(qs, kv, problem, bias):
+    """One blockwise pass (``blockwise.attend_kv_shard``) from a fresh state: ``(o, lse, computed)``;
+    ``bias``: the full bias in true order (its block for these queries and keys is taken here)."""
+    b, sq, h, d = qs.q.shape
     state = init_state(b, h, sq, d)
-    computed, _ = attend_kv_block(state, q, k, v, q_pos, k_pos, q_seg, k_seg, bias, **tiles)
+    kv = kv._replace(bias=bias_tile(bias, qs.pos, kv.pos))
+    computed, _ = attend_kv_shard(state, qs, kv, problem.hop)
     o, lse = finalize(*state)
     return o, lse, computed
 
@@ -88,32 +84,29 @@ def allgather_attention(q, k, v, *, n_hosts, causal=False, segment_ids=None, bia
     step 0); the last step attends. Peak per host: q shard, the K/V of all ``S`` tokens, o, m, l and
     one score tile. Returns o [batch, seq, heads, dim] float64 (and the trace if ``return_trace``).
     """
-    problem, hosts, tiles = _setup(q, k, v, n_hosts=n_hosts, causal=causal, segment_ids=segment_ids,
-                                   bias=bias, window=window, scale=scale, layout=layout,
-                                   block_q=block_q, block_kv=block_kv)
-    n, e = problem.n_hosts, problem.itemsize
-    b, c, h, d = hosts[0].q.shape
+    problem, hosts = setup_ring(q, k, v, n_hosts=n_hosts, causal=causal, segment_ids=segment_ids, bias=bias,
+                                window=window, scale=scale, layout=layout, block_q=block_q, block_kv=block_kv)
+    n, e, hop = problem.n_hosts, problem.itemsize, problem.hop
+    b, c, h, d = hosts[0].qs.q.shape
     bytes_sent, flops = np.zeros((n, n), np.int64), np.zeros((n, n))
-    gathered = [[host.held] for host in hosts]  # the K/V blocks each host holds so far
+    gathered = [[host.held] for host in hosts]  # the K/V shards (messages) each host holds so far
     for step in range(n - 1):  # the ring all-gather: each host forwards what arrived last
         outgoing = [blocks[-1] for blocks in gathered]  # all sends of a step happen at once
         for host in hosts:
             assert outgoing[host.my_idx].kv_idx == (host.my_idx - step) % n  # the ring's index arithmetic
             bytes_sent[host.my_idx, step] = outgoing[host.my_idx].payload_elements() * e
             gathered[(host.my_idx + 1) % n].append(outgoing[host.my_idx])  # to the next host
-    tile_flops = 4 * b * h * problem.block_q * problem.block_kv * d
+    tile_flops = 4 * b * h * hop.block_q * hop.block_kv * d
     outs, peak = [], np.zeros(n, np.int64)
     for host in hosts:
-        blocks = sorted(gathered[host.my_idx], key=lambda blk: blk.kv_idx)  # all N shards
-        assert [blk.kv_idx for blk in blocks] == list(range(n))
-        k_all, v_all = (np.concatenate([getattr(blk, name) for blk in blocks], axis=1) for name in "kv")
-        k_pos = np.concatenate([blk.k_pos for blk in blocks], axis=1)  # (1, S) true positions
-        k_seg = None if host.q_seg is None else np.concatenate([blk.k_seg for blk in blocks], axis=1)
-        o, lse, computed = _attend(host.q, k_all, v_all, host.q_pos, k_pos, host.q_seg, k_seg,
-                                   problem.bias, tiles)
+        shards = [msg.kv for msg in sorted(gathered[host.my_idx], key=lambda msg: msg.kv_idx)]  # all N shards
+        assert sorted(msg.kv_idx for msg in gathered[host.my_idx]) == list(range(n))
+        cat = lambda name: np.concatenate([getattr(kv, name) for kv in shards], axis=1)  # noqa: E731
+        kv_all = KVShard(cat("k"), cat("v"), cat("pos"), None if host.qs.seg is None else cat("seg"))  # (1, S) positions
+        o, lse, computed = _attend(host.qs, kv_all, problem, problem.bias)
         flops[host.my_idx, n - 1] = computed * tile_flops
-        tile = b * h * problem.block_q * problem.block_kv
-        peak[host.my_idx] = (host.q.size + k_all.size + v_all.size + o.size + 2 * lse.size + tile) * e
+        tile = b * h * hop.block_q * hop.block_kv
+        peak[host.my_idx] = (host.qs.q.size + kv_all.k.size + kv_all.v.size + o.size + 2 * lse.size + tile) * e
         outs.append((o, lse))
     o = _caller_order(problem, [o for o, _ in outs], axis=1)  # (b, s, h, d)
     trace = StrategyTrace("allgather", n, tuple(f"gather {s + 1}" for s in range(n - 1)) + ("attend",),
@@ -158,38 +151,37 @@ def ulysses_attention(q, k, v, *, n_hosts, causal=False, segment_ids=None, bias=
     tile), (o of all tokens + the received output shard). Returns o [batch, seq, heads, dim] float64
     (and the trace if ``return_trace``).
     """
-    problem, hosts, tiles = _setup(q, k, v, n_hosts=n_hosts, causal=causal, segment_ids=segment_ids,
-                                   bias=bias, window=window, scale=scale, layout=layout,
-                                   block_q=block_q, block_kv=block_kv)
-    n, e = problem.n_hosts, problem.itemsize
-    b, c, h, d = hosts[0].q.shape
-    hk = hosts[0].held.k.shape[2]
+    problem, hosts = setup_ring(q, k, v, n_hosts=n_hosts, causal=causal, segment_ids=segment_ids, bias=bias,
+                                window=window, scale=scale, layout=layout, block_q=block_q, block_kv=block_kv)
+    n, e, hop = problem.n_hosts, problem.itemsize, problem.hop
+    b, c, h, d = hosts[0].qs.q.shape
+    hk = hosts[0].held.kv.k.shape[2]
     if h % n:
         raise ValueError(f"ulysses_attention splits the heads over the hosts: heads ({h}) must be divisible "
                          f"by n_hosts ({n}); got q {tuple(q.shape)}")
     heads = [ulysses_heads(h, hk, n, j) for j in range(n)]
     bytes_sent, flops, peak = np.zeros((n, 3), np.int64), np.zeros((n, 3)), np.zeros(n, np.int64)
     pos = problem.perm[None]  # (1, S) true positions in layout order
-    seg = None if hosts[0].q_seg is None else np.concatenate([hst.q_seg for hst in hosts], axis=1)
+    seg = None if hosts[0].qs.seg is None else np.concatenate([hst.qs.seg for hst in hosts], axis=1)
     o_heads = []  # o_heads[j]: host j's output, all S tokens on its heads, (b, S, h/N, d)
     for j, (qh, kvh) in enumerate(heads):
         # step 0: host j receives from every host i its tokens on j's heads (its own part stays)
-        q_j = np.concatenate([hst.q[:, :, qh] for hst in hosts], axis=1)  # (b, S, h/N, d)
-        k_j, v_j = (np.concatenate([getattr(hst.held, name)[:, :, kvh] for hst in hosts], axis=1)
+        q_j = np.concatenate([hst.qs.q[:, :, qh] for hst in hosts], axis=1)  # (b, S, h/N, d)
+        k_j, v_j = (np.concatenate([getattr(hst.held.kv, name)[:, :, kvh] for hst in hosts], axis=1)
                     for name in "kv")  # (b, S, kv heads of group j, d)
         for i, hst in enumerate(hosts):
             if i != j:
-                bytes_sent[i, 0] += (hst.q[:, :, qh].size + 2 * hst.held.k[:, :, kvh].size) * e
+                bytes_sent[i, 0] += (hst.qs.q[:, :, qh].size + 2 * hst.held.kv.k[:, :, kvh].size) * e
         idx = local_kv_index(h, hk, n, j)
         k_loc, v_loc = (k_j, v_j) if idx is None else (k_j[:, :, idx], v_j[:, :, idx])
         bias_j = problem.bias
         if bias_j is not None and bias_j.shape[1] > 1:
             bias_j = bias_j[:, qh]  # (b|1, h/N, s|1, s|1): this group's heads
         # step 1: full-sequence attention on h/N heads
-        o_j, lse_j, computed = _attend(q_j, k_loc, v_loc, pos, pos, seg, seg, bias_j, tiles)
-        flops[j, 1] = computed * 4 * b * q_j.shape[2] * problem.block_q * problem.block_kv * d
-        tile = b * q_j.shape[2] * problem.block_q * problem.block_kv
-        inputs = hosts[j].q.size + hosts[j].held.payload_elements()
+        o_j, lse_j, computed = _attend(QShard(q_j, pos, seg), KVShard(k_loc, v_loc, pos, seg), problem, bias_j)
+        flops[j, 1] = computed * 4 * b * q_j.shape[2] * hop.block_q * hop.block_kv * d
+        tile = b * q_j.shape[2] * hop.block_q * hop.block_kv
+        inputs = hosts[j].qs.q.size + hosts[j].held.payload_elements()
         received = q_j.size + k_j.size + v_j.size
         extra = 0 if k_loc is k_j else k_loc.size + v_loc.size  # a local repeat of kv heads
         peak[j] = max(inputs + received, received + extra + o_j.size + 2 * lse_j.size + tile,

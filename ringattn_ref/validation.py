@@ -92,7 +92,7 @@ def check_window(window, seq=None):
     return tuple(-1 if int(w) >= limit else int(w) for w in (left, right))
 
 
-def _concrete(x):
+def concrete_values(x):
     """``x`` as a numpy array when its values are known now (numpy, a concrete jax array), else None."""
     if isinstance(x, np.ndarray):
         return x
@@ -109,7 +109,7 @@ def check_int32_values(x, name, *, low=-INT32_MAX - 1, traced_wide_ok=False):
     (positions: a 64-bit ``arange`` under x64 is common, and a position past 2**31 is not)."""
     if not np.issubdtype(np.dtype(x.dtype), np.integer):
         raise ValueError(f"{name} must be an integer array; got dtype {x.dtype}")
-    values = _concrete(x)
+    values = concrete_values(x)
     if values is None:
         if np.dtype(x.dtype).itemsize > 4 and not traced_wide_ok:
             raise ValueError(f"{name} has dtype {x.dtype} and values that cannot be read here (traced under "

@@ -37,16 +37,16 @@ def _layout_name(trace):
 def plot_schedule(trace):
     """Which K/V block each host holds at each step: a hosts x steps grid (Algorithm 1).
 
-    Cell ``(host i, step s)`` shows ``kv_block[i, s] = (i - s) mod N``: blocks move one host down per
+    Cell ``(host i, step s)`` shows ``kv_idx[i, s] = (i - s) mod N``: blocks move one host down per
     step. Hops the mask leaves empty (skipped, no compute) are grey.
     """
     plt = _pyplot()
     from matplotlib.colors import BoundaryNorm, ListedColormap
     from matplotlib.patches import Patch
 
-    kv_block = np.asarray(trace.kv_block)  # (hosts, steps)
+    kv_idx = np.asarray(trace.kv_idx)  # (hosts, steps)
     skipped = np.asarray(trace.hop_skipped, dtype=bool)  # (hosts, steps)
-    n_hosts, n_steps = kv_block.shape
+    n_hosts, n_steps = kv_idx.shape
     # Categorical colours without the palettes' greys (grey means "skipped" here).
     if n_hosts <= 18:
         base = plt.get_cmap("tab10" if n_hosts <= 9 else "tab20").colors
@@ -55,13 +55,13 @@ def plot_schedule(trace):
     else:
         cmap = plt.get_cmap("viridis")
     norm = BoundaryNorm(np.arange(n_hosts + 1) - 0.5, cmap.N)
-    rgba = cmap(norm(kv_block))  # (hosts, steps, 4)
+    rgba = cmap(norm(kv_idx))  # (hosts, steps, 4)
     rgba[skipped] = SKIPPED_GREY
     fig, ax = plt.subplots(figsize=(1.0 + 0.62 * n_steps, 1.2 + 0.5 * n_hosts), layout="constrained")
     ax.imshow(rgba, aspect="auto")
     for i in range(n_hosts):
         for s in range(n_steps):
-            label = f"{kv_block[i, s]}" + ("\nskip" if skipped[i, s] else "")
+            label = f"{kv_idx[i, s]}" + ("\nskip" if skipped[i, s] else "")
             dark = rgba[i, s, :3] @ (0.299, 0.587, 0.114) < 0.5  # luminance: white text on dark cells
             ax.text(s, i, label, ha="center", va="center", fontsize=9 if not skipped[i, s] else 7,
                     color="0.35" if skipped[i, s] else "white" if dark else "black")
@@ -252,7 +252,7 @@ def plot_ring_gantt(trace, flops_per_s, bandwidth_bytes_per_s, *, title=None):
             if width > 0:
                 ax.broken_barh([(tl.compute_start[i, s] * us, width * us)], (i - 0.4, 0.45), color=compute_c,
                                edgecolor="white")
-                ax.text((tl.compute_start[i, s] + width / 2) * us, i - 0.175, str(trace.kv_block[i, s]),
+                ax.text((tl.compute_start[i, s] + width / 2) * us, i - 0.175, str(trace.kv_idx[i, s]),
                         ha="center", va="center", color="white", fontsize=7)
             sent = tl.send_end[i, s] - tl.send_start[i, s]
             if sent > 0:

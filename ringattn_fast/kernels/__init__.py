@@ -1,16 +1,43 @@
-"""Pallas kernels for one ring hop, and one for the whole ring (docs/design.md, "Per-hop contract").
+"""The code that computes a hop, one module per ``impl=`` value (docs/design.md, "Per-hop contract").
 
-Modules (imported by ``ringattn_fast.dispatch``, never here, so importing the package pulls in no
-Pallas):
+| impl                 | module                  | runs compiled on | interpreted on | what it provides                 |
+|----------------------|-------------------------|------------------|----------------|----------------------------------|
+| ``"xla"``            | ``xla.py``              | cpu, gpu, tpu    | —              | ``hop_fwd``, ``hop_bwd``         |
+| ``"pallas_gpu"``     | ``pallas_gpu.py``       | gpu (Triton)     | cpu            | ``hop_fwd``, ``hop_bwd``         |
+| ``"pallas_tpu"``     | ``pallas_tpu.py``       | tpu (Mosaic)     | cpu            | ``hop_fwd``, ``hop_bwd``         |
+| ``"pallas_tpu_fused"`` | ``pallas_tpu_fused.py`` | tpu (Mosaic)   | cpu            | ``ring``: the whole ring, remote DMA |
 
-- ``pallas_gpu``: Triton backend (GPU; interpreted on CPU): ``hop_fwd`` / ``hop_bwd`` /
-  ``fwd_tile_counts`` on ``(QShard, KVShard, HopConfig)``;
-- ``pallas_tpu``: Mosaic TPU backend (TPU; interpreted on CPU), the same three functions;
-- ``tpu_ring_fused``: the whole ring in one TPU kernel (remote DMA): ``fused_ring_attention_shard``;
-- ``tiles``: what they share: tile bounds and schedules on ``masks.bounds_empty``, ``NEG_INF``,
-  ``interpret_mode`` and the argument checks (``check_hop_args``, ``check_kernel_dtypes``).
+:data:`IMPLS` is that table, the one place that says where each impl runs (``dispatch`` and
+``tiles.interpret_mode`` read it). The modules are imported when an impl is first used
+(``dispatch.kernels_for``), never here, so ``import ringattn_fast`` pulls in no Pallas. ``tiles.py``
+is what the Pallas kernels share: tile bounds and schedules on ``masks.bounds_empty``, interpret mode
+and their own preconditions (dtypes, tile shapes). They assume a validated call: ``ringattn_fast.front``
+checks every argument once, before anything is traced.
 
 K/V reach every kernel marked by ``masks.mark_bad_keys`` (the ring does it once, before the first hop);
 what is left of the non-finite-key rule, ``masks.finite_part`` and ``masks.masked_grad``, the kernels
 share with the XLA hop.
 """
+from typing import NamedTuple
+
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+class Impl(NamedTuple):
+    """One row of :data:`IMPLS`: the module (in this package), the platforms it runs on compiled and
+    interpreted, whether it provides per-hop functions (else a whole ring), and whether the ring may skip
+    an empty hop around it with ``lax.cond`` (not around a per-hop TPU kernel: the TPU interpreter puts a
+    barrier across all devices before each kernel, so every host must run it at every step)."""
+    module: str
+    compiled: tuple
+    interpreted: tuple
+    per_hop: bool = True
+    skip_empty_hops: bool = True
+
+
+IMPLS = {
+    "xla": Impl("xla", ("cpu",) + GPU_PLATFORMS + ("tpu",), ()),
+    "pallas_gpu": Impl("pallas_gpu", GPU_PLATFORMS, ("cpu",)),
+    "pallas_tpu": Impl("pallas_tpu", ("tpu",), ("cpu",), skip_empty_hops=False),
+    "pallas_tpu_fused": Impl("pallas_tpu_fused", ("tpu",), ("cpu",), per_hop=False, skip_empty_hops=False),
+}

@@ -11,8 +11,8 @@ Notation: FlashAttention-2 (Dao 2023, arXiv:2307.08691) -> code
 - outer loop: over Q tiles = the Triton grid ``(batch, heads, sq // block_q)``; one program owns
   one Q tile (FA-2 §3.2: parallel over Q blocks, no atomics).
 - inner loop: over K/V tiles = ``lax.fori_loop``; a tile that ``masks.bounds_empty`` proves empty
-  (from the min/max of the tile's positions and segment ids) is skipped with ``lax.cond``;
-  ``count=True`` also counts the computed tiles (`fwd_tile_counts`).
+  (from the min/max of the tile's positions and segment ids) is skipped with ``lax.cond``
+  (`_unless_empty`); ``count=True`` also counts the computed tiles (`fwd_tile_counts`).
 - S_ij: ``s = scale * q @ k.T`` (fp32), -inf where ``masks.allowed`` is False.
 - m_i, l_i: ``m`` running row max, ``l`` running row sum of exp(s - m) (Alg. 1 lines 8-10).
 - O_i: ``o`` kept unnormalised during the loop, divided by ``l`` once at the end (§3.1.1).
@@ -20,7 +20,8 @@ Notation: FlashAttention-2 (Dao 2023, arXiv:2307.08691) -> code
 - D_i: ``delta = rowsum(dO * O)`` (Alg. 2 line 4), computed by the caller from the final O.
 - backward: Alg. 2 split in two kernels, so no atomics: ``_dq_kernel`` (grid over Q tiles, loop
   over K/V tiles) and ``_dkv_kernel`` (grid over K/V tiles, loop over the GQA group's heads and the
-  Q tiles; dK/dV are summed over the group in registers).
+  Q tiles; dK/dV are summed over the group in registers). ``group`` is the GQA group size
+  (``heads // kv_heads``), ``member`` a query head's place in its group.
 
 K/V arrive marked by ``masks.mark_bad_keys`` (the ring does it once): a key that held a nan/inf has
 V = 0 and an all-NaN K, so a masked one contributes nothing and exactly the rows that see it are NaN;
@@ -32,7 +33,7 @@ refs with a ``None`` BlockSpec, as in ``jax/experimental/pallas/ops/gpu/attentio
 
 GQA: query head h reads kv head ``h // (heads // kv_heads)`` through the BlockSpec index map; K/V
 are never repeated in memory. Inputs are float16, bfloat16 or float32 (one dtype for q, k, v,
-`tiles.check_kernel_dtypes`), multiplied with fp32 accumulation; outputs are float32.
+``dispatch.check_kernel_dtypes``), multiplied with fp32 accumulation; outputs are float32.
 
 Triton needs power-of-two tensor sizes: on a GPU, block_q and block_kv must be powers of two
 (>= 16, the smallest ``tl.dot``), and a head dim that is not a power of two is zero-padded (zeros
@@ -46,12 +47,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ringattn_fast.kernels.tiles import (NEG_INF, bounds_skip, check_bwd_args, check_hop_args,
-                                         interpret_mode, out_struct, same_vma, tile_schedule)
-from ringattn_fast.masks import allowed, finite_part, masked_grad
-from ringattn_fast.schedule import HopGrads
+from ringattn_fast.kernels.tiles import NEG_INF, hop_kernels, out_struct, same_vma
+from ringattn_fast.masks import allowed, bounds_empty, finite_part, masked_grad
 
-__all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts", "tile_schedule"]
+__all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts"]
 
 IMPL = "pallas_gpu"
 _STATIC = ("cfg", "interpret")
@@ -95,15 +94,13 @@ def _rows(ref, preload):
 
 
 def _bounds(pos, seg):
-    """(pos_min, pos_max, seg_min, seg_max) of one tile, a `tiles.tile_bounds` row."""
-    if seg is None:
-        return jnp.min(pos), jnp.max(pos), 0, 0
-    return jnp.min(pos), jnp.max(pos), jnp.min(seg), jnp.max(seg)
+    """(pos_min, pos_max) of one tile, and (seg_min, seg_max) with segment ids: a `bounds_empty` side."""
+    return (jnp.min(pos), jnp.max(pos)) + (() if seg is None else (jnp.min(seg), jnp.max(seg)))
 
 
-def _unless_empty(compute, carry, q_bounds, k_bounds, cfg, segments):
-    """``compute(carry)`` unless `bounds_skip` proves the tile empty (then ``carry`` unchanged)."""
-    empty = bounds_skip(q_bounds, k_bounds, causal=cfg.causal, window=cfg.window, segments=segments)
+def _unless_empty(compute, carry, q_bounds, k_bounds, cfg):
+    """``compute(carry)`` unless `bounds_empty` proves the tile empty (then ``carry`` unchanged)."""
+    empty = bounds_empty(q_bounds, k_bounds, causal=cfg.causal, window=cfg.window)
     return compute(carry) if empty is None else lax.cond(empty, lambda c: c, compute, carry)
 
 
@@ -115,19 +112,19 @@ def _logits(q, k, q_pos, k_pos, q_seg, k_seg, cfg):
     return s if allow is None else jnp.where(allow, s, NEG_INF)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, o_ref, lse_ref, count_ref, *, cfg,
+def _fwd_kernel(q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, count_ref, *, cfg,
                 preload):
-    """One Q tile against every K/V tile (FA-2 Alg. 1). qs_ref, ks_ref: None without segments;
+    """One Q tile against every K/V tile (FA-2 Alg. 1). q_seg_ref, k_seg_ref: None without segments;
     count_ref: None unless counting."""
-    n_kv, segments = k_ref.shape[0] // cfg.block_kv, qs_ref is not None
-    k_rows, v_rows, kp_rows, ks_rows = (_rows(r, preload) for r in (k_ref, v_ref, kp_ref, ks_ref))
-    q, q_pos = q_ref[...], qp_ref[...]  # (block_q, d), (block_q,)
-    q_seg = qs_ref[...] if segments else None
+    n_kv, segments = k_ref.shape[0] // cfg.block_kv, q_seg_ref is not None
+    k_rows, v_rows, k_pos_rows, k_seg_rows = (_rows(r, preload) for r in (k_ref, v_ref, k_pos_ref, k_seg_ref))
+    q, q_pos = q_ref[...], q_pos_ref[...]  # (block_q, d), (block_q,)
+    q_seg = q_seg_ref[...] if segments else None
     block_q, d = q.shape
 
     def kv_tile(j, carry):
         kv = pl.ds(j * cfg.block_kv, cfg.block_kv)
-        k_pos, k_seg = kp_rows[kv], (ks_rows[kv] if segments else None)  # (block_kv,)
+        k_pos, k_seg = k_pos_rows[kv], (k_seg_rows[kv] if segments else None)  # (block_kv,)
 
         def compute(carry):
             o, m, l, n = carry
@@ -140,7 +137,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref, o_ref, lse_
             o = alpha[:, None] * o + _dot(p.astype(v.dtype), v)
             return o, m_new, alpha * l + jnp.sum(p, axis=1), n + 1
 
-        return _unless_empty(compute, carry, _bounds(q_pos, q_seg), _bounds(k_pos, k_seg), cfg, segments)
+        return _unless_empty(compute, carry, _bounds(q_pos, q_seg), _bounds(k_pos, k_seg), cfg)
 
     init = (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), NEG_INF, jnp.float32),
             jnp.zeros((block_q,), jnp.float32), jnp.int32(0))
@@ -156,13 +153,11 @@ def _pad_dim(x, d_pad):
     return x if x.shape[-1] == d_pad else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d_pad - x.shape[-1])])
 
 
-def _prepare(qs, kv, cfg):
-    """Checks the call (outside jit, so every call is checked): (cfg with clamped blocks, interpret)."""
-    cfg, interpret = check_hop_args(IMPL, qs, kv, cfg), interpret_mode(IMPL)
+def _tile_rule(cfg, sq, sk, interpret):
+    """Triton's tile rule on a GPU: power-of-two blocks of at least 16 (interpreted: any divisor)."""
     if not interpret and any(bl < 16 or bl & (bl - 1) for bl in (cfg.block_q, cfg.block_kv)):
         raise ValueError(f"impl={IMPL!r}: on a GPU block_q and block_kv must be powers of two >= 16; "
                          f"got block_q={cfg.block_q}, block_kv={cfg.block_kv}")
-    return cfg, interpret
 
 
 def _params(d):
@@ -203,28 +198,6 @@ def _forward(qs, kv, *, cfg, interpret, count):
     return o[..., :d], lse, counts
 
 
-def hop_fwd(qs, kv, cfg):
-    """One hop's attention: o float32 [b, sq, h, d] (normalised within the hop; 0 where the row saw
-    nothing), lse float32 [b, h, sq] (-inf there).
-
-    qs: QShard(q [b, sq, h, d], pos int32 [b, sq], seg or None); kv: KVShard(k, v [b, sk, hk, d],
-    pos int32 [b, sk], seg or None, bias None: ValueError otherwise); cfg: HopConfig.
-    """
-    cfg, interpret = _prepare(qs, kv, cfg)
-    o, lse, _ = _forward(qs, kv, cfg=cfg, interpret=interpret, count=False)
-    return o, lse
-
-
-def fwd_tile_counts(qs, kv, cfg):
-    """int32 [b, h, sq // block_q]: K/V tiles the forward kernel computed per Q tile.
-
-    Counted inside the kernel (``count=True``: the ``lax.cond`` that skips a tile also skips the
-    increment); equals ``tile_schedule(...).sum(-1)`` broadcast over heads.
-    """
-    cfg, interpret = _prepare(qs, kv, cfg)
-    return _forward(qs, kv, cfg=cfg, interpret=interpret, count=True)[2]
-
-
 def _tile_grads(s, do, v, lse, delta):
     """FA-2 Alg. 2 lines 11-20 for one tile of masked logits ``s``: (p, ds), fp32 [block_q, block_kv]."""
     p = jnp.exp(s - lse[:, None])  # P_ij = exp(S_ij - L_i), 0 where masked (lse is finite here)
@@ -232,68 +205,56 @@ def _tile_grads(s, do, v, lse, delta):
     return p, masked_grad(p, dp, delta[:, None])  # dS_ij = P_ij * (dP_ij - D_i)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, qs_ref, ks_ref, dq_ref, *,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, dq_ref, *,
                cfg, preload):
-    """dQ of one Q tile, looping over the K/V tiles (qs_ref, ks_ref: None without segments)."""
-    n_kv, segments = k_ref.shape[0] // cfg.block_kv, qs_ref is not None
-    k_rows, v_rows, kp_rows, ks_rows = (_rows(r, preload) for r in (k_ref, v_ref, kp_ref, ks_ref))
-    q, do, lse, delta, q_pos = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], qp_ref[...]
-    q_seg = qs_ref[...] if segments else None
+    """dQ of one Q tile, looping over the K/V tiles (q_seg_ref, k_seg_ref: None without segments)."""
+    n_kv, segments = k_ref.shape[0] // cfg.block_kv, q_seg_ref is not None
+    k_rows, v_rows, k_pos_rows, k_seg_rows = (_rows(r, preload) for r in (k_ref, v_ref, k_pos_ref, k_seg_ref))
+    q, do, lse, delta, q_pos = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], q_pos_ref[...]
+    q_seg = q_seg_ref[...] if segments else None
 
     def kv_tile(j, dq):
         kv = pl.ds(j * cfg.block_kv, cfg.block_kv)
-        k_pos, k_seg = kp_rows[kv], (ks_rows[kv] if segments else None)
+        k_pos, k_seg = k_pos_rows[kv], (k_seg_rows[kv] if segments else None)
 
         def compute(dq):
             k, v = k_rows[kv, :], v_rows[kv, :]
             _, ds = _tile_grads(_logits(q, k, q_pos, k_pos, q_seg, k_seg, cfg), do, v, lse, delta)
             return dq + cfg.scale * _dot(ds.astype(k.dtype), finite_part(k))  # dQ_i += dS_ij K_j (a masked NaN K: 0)
 
-        return _unless_empty(compute, dq, _bounds(q_pos, q_seg), _bounds(k_pos, k_seg), cfg, segments)
+        return _unless_empty(compute, dq, _bounds(q_pos, q_seg), _bounds(k_pos, k_seg), cfg)
 
     dq_ref[...] = lax.fori_loop(0, n_kv, kv_tile, jnp.zeros(q.shape, jnp.float32))
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, qs_ref, ks_ref, dk_ref,
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, dk_ref,
                 dv_ref, *, cfg, group, preload):
     """dK, dV of one K/V tile, looping over the GQA group's heads and the Q tiles."""
-    n_q, segments = q_ref.shape[0] // cfg.block_q, qs_ref is not None
-    q_rows, do_rows, lse_rows, delta_rows, qp_rows, qs_rows = (
-        _rows(r, preload) for r in (q_ref, do_ref, lse_ref, delta_ref, qp_ref, qs_ref))
-    k, v, k_pos = k_ref[...], v_ref[...], kp_ref[...]  # (block_kv, d), (block_kv,)
-    k_seg = ks_ref[...] if segments else None
+    n_q, segments = q_ref.shape[0] // cfg.block_q, q_seg_ref is not None
+    q_rows, do_rows, lse_rows, delta_rows, q_pos_rows, q_seg_rows = (
+        _rows(r, preload) for r in (q_ref, do_ref, lse_ref, delta_ref, q_pos_ref, q_seg_ref))
+    k, v, k_pos = k_ref[...], v_ref[...], k_pos_ref[...]  # (block_kv, d), (block_kv,)
+    k_seg = k_seg_ref[...] if segments else None
     carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32))
-    for g in range(group):  # the query heads that share this kv head (GQA): dK, dV summed over them
+    for member in range(group):  # the query heads that share this kv head (GQA): dK, dV summed over them
 
-        def q_tile(i, carry, g=g):
+        def q_tile(i, carry, member=member):
             rows = pl.ds(i * cfg.block_q, cfg.block_q)
-            q_pos, q_seg = qp_rows[rows], (qs_rows[rows] if segments else None)
+            q_pos, q_seg = q_pos_rows[rows], (q_seg_rows[rows] if segments else None)
 
             def compute(carry):
                 dk, dv = carry
-                q, do = q_rows[rows, g, :], do_rows[rows, g, :]  # (block_q, d)
+                q, do = q_rows[rows, member, :], do_rows[rows, member, :]  # (block_q, d)
                 s = _logits(q, k, q_pos, k_pos, q_seg, k_seg, cfg)
-                p, ds = _tile_grads(s, do, v, lse_rows[g, rows], delta_rows[g, rows])
+                p, ds = _tile_grads(s, do, v, lse_rows[member, rows], delta_rows[member, rows])
                 dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)  # dV_j += P_ij^T dO_i
                 dk = dk + cfg.scale * _dot(ds.astype(q.dtype), q, trans_a=True)  # dK_j += dS_ij^T Q_i
                 return dk, dv
 
-            return _unless_empty(compute, carry, _bounds(q_pos, q_seg), _bounds(k_pos, k_seg), cfg, segments)
+            return _unless_empty(compute, carry, _bounds(q_pos, q_seg), _bounds(k_pos, k_seg), cfg)
 
         carry = lax.fori_loop(0, n_q, q_tile, carry)
     dk_ref[...], dv_ref[...] = carry
-
-
-def hop_bwd(qs, kv, cfg, *, do, lse, delta):
-    """One hop's gradients (FA-2 Alg. 2) from the final lse and delta = rowsum(do * o_final) (minus
-    the lse cotangent, if any).
-
-    do like q; lse, delta float32 [b, h, sq]. Returns HopGrads(dq float32 [b, sq, h, d], dk, dv
-    float32 [b, sk, hk, d] summed over the GQA group, None).
-    """
-    cfg, interpret = _prepare(qs, kv, cfg)
-    check_bwd_args(IMPL, qs.q, do, lse, delta)
-    return HopGrads(*_backward(qs, kv, do, lse, delta, cfg=cfg, interpret=interpret), None)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -323,11 +284,11 @@ def _backward(qs, kv, do, lse, delta, *, cfg, interpret):
     )(*args)
 
     # dK, dV: one program per (batch, kv head, K/V tile), looping over its group's heads and Q tiles.
-    q_all = pl.BlockSpec((None, sq, group, d_pad), lambda bi, gi, j: (bi, 0, gi, 0))
-    kv_tile = pl.BlockSpec((None, bk, None, d_pad), lambda bi, gi, j: (bi, j, gi, 0))
-    stat_all = pl.BlockSpec((None, group, sq), lambda bi, gi, j: (bi, gi, 0))
-    q_row = pl.BlockSpec((None, sq), lambda bi, gi, j: (bi, 0))
-    k_row = pl.BlockSpec((None, bk), lambda bi, gi, j: (bi, j))
+    q_all = pl.BlockSpec((None, sq, group, d_pad), lambda bi, kv_head, j: (bi, 0, kv_head, 0))
+    kv_tile = pl.BlockSpec((None, bk, None, d_pad), lambda bi, kv_head, j: (bi, j, kv_head, 0))
+    stat_all = pl.BlockSpec((None, group, sq), lambda bi, kv_head, j: (bi, kv_head, 0))
+    q_row = pl.BlockSpec((None, sq), lambda bi, kv_head, j: (bi, 0))
+    k_row = pl.BlockSpec((None, bk), lambda bi, kv_head, j: (bi, j))
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, cfg=cfg, group=group, preload=preload),
         grid=(b, hk, sk // bk),
@@ -337,3 +298,6 @@ def _backward(qs, kv, do, lse, delta, *, cfg, interpret):
         compiler_params=_params(d_pad), interpret=interpret, name="ring_hop_bwd_dkv",
     )(*args)
     return dq[..., :d], dk[..., :d], dv[..., :d]
+
+
+hop_fwd, hop_bwd, fwd_tile_counts = hop_kernels(IMPL, _forward, _backward, _tile_rule)

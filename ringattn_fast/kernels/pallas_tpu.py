@@ -11,17 +11,18 @@ Notation: FlashAttention-2 (Dao 2023, arXiv:2307.08691) -> code
   across it (``m_sc``, ``l_sc``, ``acc_sc``).
 - skipping: the tiles' position/segment min/max are computed outside (`tiles.tile_bounds`) and
   scalar-prefetched into SMEM (``PrefetchScalarGridSpec``); ``masks.bounds_empty`` on them decides
-  ``pl.when`` around a tile's compute. A third SMEM table (`tiles.resident_blocks`) feeds the index
-  maps: a skipped tile keeps the block of the last computed one, so it costs no DMA either (JAX's
-  flash / splash kernels' trick). Every hop runs on every host: an empty hop is a grid of skipped
-  tiles.
+  ``pl.when`` around a tile's compute (`_unless_empty`). A third SMEM table (`tiles.resident_blocks`)
+  feeds the index maps: a skipped tile keeps the block of the last computed one, so it costs no DMA
+  either (JAX's flash / splash kernels' trick). Every hop runs on every host: an empty hop is a grid
+  of skipped tiles.
 - S_ij, m, l, O: as in FA-2 Alg. 1: ``s = scale * q @ k.T`` (-inf where ``masks.allowed`` is
   False), ``m`` row max, ``l`` row sum of exp(s - m), ``acc`` = unnormalised O (divided by l at the
   end). K/V arrive marked by ``masks.mark_bad_keys``, as in `pallas_gpu`.
 - L_i, D_i: ``lse = m + log l`` (-inf for a row that saw nothing); ``delta = rowsum(dO * O)``.
 - backward: Alg. 2 as two kernels: dQ (grid over Q tiles, K/V tiles last) and dK/dV (grid over K/V
   tiles, then the GQA group's heads and the Q tiles last, so dK/dV are summed over the group in
-  VMEM scratch without atomics).
+  VMEM scratch without atomics). ``group`` is the GQA group size, ``kv_head`` a kv head's index and
+  ``member`` a query head's place in its group (query head ``kv_head * group + member``).
 - count: ``fwd_tile_counts``: the forward with ``count=True`` adds an SMEM counter per (batch,
   head, Q tile), incremented inside ``pl.when``; otherwise that ref is None.
 
@@ -50,13 +51,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ringattn_fast.kernels.tiles import (NEG_INF, bounds_skip, check_bwd_args, check_hop_args,
-                                         interpret_mode, out_struct, resident_blocks, same_vma,
-                                         tile_bounds, tile_schedule)
-from ringattn_fast.masks import allowed, finite_part, masked_grad
-from ringattn_fast.schedule import HopGrads
+from ringattn_fast.kernels.tiles import (NEG_INF, empty_tiles, hop_kernels, out_struct, resident_blocks, same_vma,
+                                         tile_bounds)
+from ringattn_fast.masks import allowed, bounds_empty, finite_part, masked_grad
 
-__all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts", "tile_schedule"]
+__all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts"]
 
 IMPL = "pallas_tpu"
 LANES, SUBLANES = 128, 8
@@ -70,16 +69,13 @@ def _dot(a, b, dims):
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _prepare(qs, kv, cfg):
-    """Checks the call (incl. the tiling rule above; outside jit, so every call is checked):
-    (cfg with clamped blocks, interpret)."""
-    cfg, interpret = check_hop_args(IMPL, qs, kv, cfg), interpret_mode(IMPL)
-    sq, sk, lane = qs.q.shape[1], kv.k.shape[1], SUBLANES if interpret else LANES
+def _tile_rule(cfg, sq, sk, interpret):
+    """Mosaic's tile rule (interpreted: block_kv a multiple of 8 is enough, see above)."""
+    lane = SUBLANES if interpret else LANES
     if (cfg.block_q != sq and cfg.block_q % SUBLANES) or (cfg.block_kv != sk and cfg.block_kv % lane):
         raise ValueError(f"impl={IMPL!r}: TPU tiles need block_q % {SUBLANES} == 0 (or block_q == sq) and "
                          f"block_kv % {lane} == 0 (or block_kv == sk); got block_q={cfg.block_q}, sq={sq}, "
                          f"block_kv={cfg.block_kv}, sk={sk}")
-    return cfg, interpret
 
 
 def _layout(qs, kv, cfg, *, transposed=False):
@@ -91,9 +87,9 @@ def _layout(qs, kv, cfg, *, transposed=False):
     ``(b, sq, 128)`` columns, k_pos, k_seg as ``(b, 8, sk)`` rows; segments None when absent.
     """
     (b, sq), sk = qs.pos.shape, kv.pos.shape[1]
-    schedule = tile_schedule(qs.pos, kv.pos, qs.seg, kv.seg, causal=cfg.causal, window=cfg.window,
-                             block_q=cfg.block_q, block_kv=cfg.block_kv)  # (b, nq, nk)
-    resident = resident_blocks(schedule.swapaxes(1, 2) if transposed else schedule)
+    empty = empty_tiles(qs.pos, kv.pos, qs.seg, kv.seg, causal=cfg.causal, window=cfg.window,
+                        block_q=cfg.block_q, block_kv=cfg.block_kv)  # (b, nq, nk)
+    resident = resident_blocks(empty.swapaxes(1, 2) if transposed else empty)
     prefetch = [tile_bounds(qs.pos, qs.seg, cfg.block_q).reshape(-1),
                 tile_bounds(kv.pos, kv.seg, cfg.block_kv).reshape(-1), resident.reshape(-1)]
     cols = lambda x: None if x is None else jnp.broadcast_to(x.astype(jnp.int32)[:, :, None], (b, sq, LANES))
@@ -101,32 +97,31 @@ def _layout(qs, kv, cfg, *, transposed=False):
     return prefetch, [cols(qs.pos), rows(kv.pos), cols(qs.seg), rows(kv.seg)]
 
 
-def _tile_empty(qb_ref, kb_ref, bi, i, j, n_q, n_kv, cfg, segments):
-    """`bounds_empty` on the scalar-prefetched bounds of Q tile i and K/V tile j (None: never empty)."""
-    qb = [qb_ref[(bi * n_q + i) * 4 + c] for c in range(4)]
-    kb = [kb_ref[(bi * n_kv + j) * 4 + c] for c in range(4)]
-    return bounds_skip(qb, kb, causal=cfg.causal, window=cfg.window, segments=segments)
-
-
-def _unless(empty, body):
-    """Run ``body`` in the kernel unless ``empty`` (a traced bool; None = never empty)."""
+def _unless_empty(body, qb_ref, kb_ref, tile, cfg, segments):
+    """Run ``body`` in the kernel unless `bounds_empty` proves tile ``(bi, i, j)`` empty, from the
+    scalar-prefetched bounds of Q tile i and K/V tile j (``(lo, hi, seg_lo, seg_hi)`` each)."""
+    bi, i, j, n_q, n_kv = tile
+    nb = 4 if segments else 2
+    qb = tuple(qb_ref[(bi * n_q + i) * 4 + c] for c in range(nb))
+    kb = tuple(kb_ref[(bi * n_kv + j) * 4 + c] for c in range(nb))
+    empty = bounds_empty(qb, kb, causal=cfg.causal, window=cfg.window)
     if empty is None:
         body()
     else:
         pl.when(jnp.logical_not(empty))(body)
 
 
-def _logits(q, k, qp_ref, kp_ref, qs_ref, ks_ref, cfg):
+def _logits(q, k, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, cfg):
     """fp32 [block_q, block_kv] ``scale * q k^T``, -inf where masked; positions from a (block_q, 128)
     query column and an (8, block_kv) key row."""
     s = cfg.scale * _dot(q, k, _NT)
-    seg = (None, None) if qs_ref is None else (qs_ref[:, :1], ks_ref[:1, :])
-    allow = allowed(qp_ref[:, :1], kp_ref[:1, :], *seg, causal=cfg.causal, window=cfg.window)
+    seg = (None, None) if q_seg_ref is None else (q_seg_ref[:, :1], k_seg_ref[:1, :])
+    allow = allowed(q_pos_ref[:, :1], k_pos_ref[:1, :], *seg, causal=cfg.causal, window=cfg.window)
     return s if allow is None else jnp.where(allow, s, NEG_INF)
 
 
 def _fwd_kernel(qb_ref, kb_ref, res_ref,                                    # SMEM tables
-                q_ref, k_ref, v_ref, qp_ref, kp_ref, qs_ref, ks_ref,        # inputs (segments: None)
+                q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,        # inputs (segments: None)
                 o_ref, lse_ref, count_ref,                                  # outputs (count: None)
                 m_sc, l_sc, acc_sc, *, cfg, n_q, n_kv):
     """Grid (batch, head, Q tile i, K/V tile j): fold tile (i, j) into (m, l, acc) (FA-2 Alg. 1)."""
@@ -144,7 +139,7 @@ def _fwd_kernel(qb_ref, kb_ref, res_ref,                                    # SM
 
     def _compute():
         v = v_ref[...]
-        s = _logits(q_ref[...], k_ref[...], qp_ref, kp_ref, qs_ref, ks_ref, cfg)  # (block_q, block_kv)
+        s = _logits(q_ref[...], k_ref[...], q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, cfg)  # (block_q, block_kv)
         m_prev = m_sc[...]  # (block_q, 128), lane-replicated
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row with nothing seen yet: exp(-inf) = 0
@@ -156,7 +151,7 @@ def _fwd_kernel(qb_ref, kb_ref, res_ref,                                    # SM
         if count_ref is not None:
             count_ref[counter] = count_ref[counter] + 1
 
-    _unless(_tile_empty(qb_ref, kb_ref, bi, i, j, n_q, n_kv, cfg, qs_ref is not None), _compute)
+    _unless_empty(_compute, qb_ref, kb_ref, (bi, i, j, n_q, n_kv), cfg, q_seg_ref is not None)
 
     @pl.when(j == n_kv - 1)
     def _finish():
@@ -183,17 +178,17 @@ def _qmajor_specs(cfg, d, group, n_q, n_kv):
 
 
 def _kvmajor_specs(cfg, d, group, n_q, n_kv):
-    """BlockSpecs of grid (b, kv head gi, j, group head g, i) (dK/dV): the Q-side blocks read the
-    resident Q tile from ``res``; query head = ``gi * group + g``."""
+    """BlockSpecs of grid (b, kv_head, j, member, i) (dK/dV): the Q-side blocks read the resident Q tile
+    from ``res``; query head = ``kv_head * group + member``."""
     bq, bk = cfg.block_q, cfg.block_kv
     q_tile = lambda bi, j, i, res: res[(bi * n_kv + j) * n_q + i]  # i, or the last computed tile
-    q_side = lambda bi, gi, j, g, i, qb, kb, res: (bi, gi * group + g, q_tile(bi, j, i, res), 0)
+    q_side = lambda bi, kv_head, j, member, i, qb, kb, res: (bi, kv_head * group + member, q_tile(bi, j, i, res), 0)
     return dict(
         q=pl.BlockSpec((None, None, bq, d), q_side),
-        kv=pl.BlockSpec((None, None, bk, d), lambda bi, gi, j, g, i, *_: (bi, gi, j, 0)),
+        kv=pl.BlockSpec((None, None, bk, d), lambda bi, kv_head, j, member, i, *_: (bi, kv_head, j, 0)),
         stat=pl.BlockSpec((None, None, bq, LANES), q_side),
-        q_col=pl.BlockSpec((None, bq, LANES), lambda bi, gi, j, g, i, qb, kb, res: (bi, q_tile(bi, j, i, res), 0)),
-        k_row=pl.BlockSpec((None, SUBLANES, bk), lambda bi, gi, j, g, i, *_: (bi, 0, j)))
+        q_col=pl.BlockSpec((None, bq, LANES), lambda bi, kv_head, j, member, i, qb, kb, res: (bi, q_tile(bi, j, i, res), 0)),
+        k_row=pl.BlockSpec((None, SUBLANES, bk), lambda bi, kv_head, j, member, i, *_: (bi, 0, j)))
 
 
 def _pos_specs(sp, segments):
@@ -230,28 +225,6 @@ def _forward(qs, kv, *, cfg, interpret, count):
     return out[0].swapaxes(1, 2), out[1][..., 0], counts
 
 
-def hop_fwd(qs, kv, cfg):
-    """One hop's attention: o float32 [b, sq, h, d] (normalised within the hop; 0 where the row saw
-    nothing), lse float32 [b, h, sq] (-inf there).
-
-    qs: QShard(q [b, sq, h, d], pos int32 [b, sq], seg or None); kv: KVShard(k, v [b, sk, hk, d],
-    pos int32 [b, sk], seg or None, bias None: ValueError otherwise); cfg: HopConfig.
-    """
-    cfg, interpret = _prepare(qs, kv, cfg)
-    o, lse, _ = _forward(qs, kv, cfg=cfg, interpret=interpret, count=False)
-    return o, lse
-
-
-def fwd_tile_counts(qs, kv, cfg):
-    """int32 [b, h, sq // block_q]: K/V tiles the forward kernel computed per Q tile (debug build).
-
-    Incremented in SMEM inside the kernel's ``pl.when`` body; equals ``tile_schedule(...).sum(-1)``
-    broadcast over heads.
-    """
-    cfg, interpret = _prepare(qs, kv, cfg)
-    return _forward(qs, kv, cfg=cfg, interpret=interpret, count=True)[2]
-
-
 def _tile_grads(s, do, v, lse, delta):
     """FA-2 Alg. 2 lines 11-20 for one tile of masked logits: (p, ds), fp32 [block_q, block_kv];
     lse, delta lane-replicated (block_q, 128)."""
@@ -261,7 +234,7 @@ def _tile_grads(s, do, v, lse, delta):
 
 
 def _dq_kernel(qb_ref, kb_ref, res_ref,
-               q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, qs_ref, ks_ref,
+               q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
                dq_ref, acc_sc, *, cfg, n_q, n_kv):
     """Grid (b, h, i, j): dQ_i += scale * dS_ij K_j over the K/V tiles j (in order)."""
     del res_ref
@@ -273,11 +246,11 @@ def _dq_kernel(qb_ref, kb_ref, res_ref,
 
     def _compute():
         k = k_ref[...]
-        s = _logits(q_ref[...], k, qp_ref, kp_ref, qs_ref, ks_ref, cfg)
+        s = _logits(q_ref[...], k, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, cfg)
         _, ds = _tile_grads(s, do_ref[...], v_ref[...], lse_ref[...], delta_ref[...])
         acc_sc[...] += cfg.scale * _dot(ds.astype(k.dtype), finite_part(k), _NN)  # a masked NaN key stays out
 
-    _unless(_tile_empty(qb_ref, kb_ref, bi, i, j, n_q, n_kv, cfg, qs_ref is not None), _compute)
+    _unless_empty(_compute, qb_ref, kb_ref, (bi, i, j, n_q, n_kv), cfg, q_seg_ref is not None)
 
     @pl.when(j == n_kv - 1)
     def _finish():
@@ -285,42 +258,30 @@ def _dq_kernel(qb_ref, kb_ref, res_ref,
 
 
 def _dkv_kernel(qb_ref, kb_ref, res_ref,
-                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, qs_ref, ks_ref,
+                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
                 dk_ref, dv_ref, dk_sc, dv_sc, *, cfg, n_q, n_kv, group):
-    """Grid (b, kv head, j, g, i): dK_j, dV_j summed over the group's heads g and the Q tiles i."""
+    """Grid (b, kv_head, j, member, i): dK_j, dV_j summed over the group's heads and the Q tiles i."""
     del res_ref
-    bi, j, g, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    bi, j, member, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
 
-    @pl.when((g == 0) & (i == 0))
+    @pl.when((member == 0) & (i == 0))
     def _init():
         dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
         dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
     def _compute():
         q, do = q_ref[...], do_ref[...]
-        s = _logits(q, k_ref[...], qp_ref, kp_ref, qs_ref, ks_ref, cfg)
+        s = _logits(q, k_ref[...], q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, cfg)
         p, ds = _tile_grads(s, do, v_ref[...], lse_ref[...], delta_ref[...])
         dv_sc[...] += _dot(p.astype(do.dtype), do, _TN)  # dV_j += P_ij^T dO_i
         dk_sc[...] += cfg.scale * _dot(ds.astype(q.dtype), q, _TN)  # dK_j += dS_ij^T Q_i
 
-    _unless(_tile_empty(qb_ref, kb_ref, bi, i, j, n_q, n_kv, cfg, qs_ref is not None), _compute)
+    _unless_empty(_compute, qb_ref, kb_ref, (bi, i, j, n_q, n_kv), cfg, q_seg_ref is not None)
 
-    @pl.when((g == group - 1) & (i == n_q - 1))
+    @pl.when((member == group - 1) & (i == n_q - 1))
     def _finish():
         dk_ref[...] = dk_sc[...]
         dv_ref[...] = dv_sc[...]
-
-
-def hop_bwd(qs, kv, cfg, *, do, lse, delta):
-    """One hop's gradients (FA-2 Alg. 2) from the final lse and delta = rowsum(do * o_final) (minus
-    the lse cotangent, if any).
-
-    do like q; lse, delta float32 [b, h, sq]. Returns HopGrads(dq float32 [b, sq, h, d], dk, dv
-    float32 [b, sk, hk, d] summed over the GQA group, None).
-    """
-    cfg, interpret = _prepare(qs, kv, cfg)
-    check_bwd_args(IMPL, qs.q, do, lse, delta)
-    return HopGrads(*_backward(qs, kv, do, lse, delta, cfg=cfg, interpret=interpret), None)
 
 
 def _bwd_call(kernel, name, grid, specs, prefetch, args, out_specs, out_shape, scratch, interpret):
@@ -363,3 +324,6 @@ def _backward(qs, kv, do, lse, delta, *, cfg, interpret):
                        [out_struct((b, hk, sk, d), jnp.float32, q)] * 2,
                        [pltpu.VMEM((cfg.block_kv, d), jnp.float32)] * 2, interpret)
     return dq.swapaxes(1, 2), dk.swapaxes(1, 2), dv.swapaxes(1, 2)
+
+
+hop_fwd, hop_bwd, fwd_tile_counts = hop_kernels(IMPL, _forward, _backward, _tile_rule)

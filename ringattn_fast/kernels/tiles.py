@@ -1,37 +1,36 @@
-"""What the three Pallas kernels share: tile bounds and schedules, non-finite keys, checks, interpret mode.
+"""What the Pallas kernels share: tile bounds and the empty-tile table, their preconditions, the per-hop
+entry points, interpret mode and ``shard_map`` typing.
 
 Masks come from ``ringattn_fast.masks`` (the vocabulary of ``ringattn_ref.masks``): a kernel calls
 `bounds_empty` on the min/max of a tile's positions and segment ids (computed in the kernel, or
 computed here by `tile_bounds` and scalar-prefetched) to skip it, and `allowed` on a column of query
 positions against a row of key positions for the tile's mask. Both use differences of positions only,
-so int32 positions in ``[0, 2**31)`` never overflow. `tile_schedule` evaluates the skip test for all
-tiles at once (tests, cost models, figures, and the fused kernel's SMEM tables).
+so int32 positions in ``[0, 2**31)`` never overflow. `empty_tiles` evaluates the test for all tiles at
+once (tests, cost models, figures, and the fused kernel's SMEM tables).
 
-Non-finite keys (docs/design.md): the kernels take K/V as the ring hands them, marked once per ring
-by ``masks.mark_bad_keys`` (a key whose K or V holds a nan/inf gets V = 0 and an all-NaN K). The mask
-then turns such a key's logits into -inf for every query that may not see it and NaN for those that
-may, so a masked key contributes nothing and exactly the rows that see it are NaN, whatever the
-tiling. What is left to the kernels (``masks.finite_part``, ``masks.masked_grad``, shared with the XLA
-hop): dQ multiplies dS with the finite part of K (a masked key's NaN K meets dS = 0 there), and dS is
+A kernel assumes a validated call (``ringattn_fast.front`` checks every argument once) and checks only
+its own preconditions here (`check_kernel_call`): no bias, 16/32-bit inputs of one dtype, tiles that
+divide the shard. Non-finite keys (docs/design.md): the kernels take K/V as the ring hands them, marked
+once per ring by ``masks.mark_bad_keys``; what is left to them (``masks.finite_part``,
+``masks.masked_grad``, shared with the XLA hop): dQ multiplies dS with the finite part of K, and dS is
 zeroed with ``where`` where P is 0 (never ``0 * nan``).
 """
-import dataclasses
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from ringattn_fast.dispatch import check_kernel_dtypes
+from ringattn_fast.kernels import IMPLS
 from ringattn_fast.masks import bounds_empty
 from ringattn_fast.mesh import vary_like, varying_axes
+from ringattn_fast.schedule import HopGrads
 
 NEG_INF = float("-inf")
-KERNEL_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
-_RUNS_ON = {"pallas_gpu": ("gpu", "cuda", "rocm"), "pallas_tpu": ("tpu",), "pallas_tpu_fused": ("tpu",)}
-_ELSEWHERE = {"pallas_gpu": "impl='pallas_tpu' or 'xla'", "pallas_tpu": "impl='pallas_gpu' or 'xla'",
-              "pallas_tpu_fused": "impl='pallas_gpu' or 'xla'"}
 
 
-# ---------------------------------------------------------------- tiles and schedules
+# ---------------------------------------------------------------- tiles and the empty-tile table
 
 def tile_bounds(pos, seg, block):
     """Per-tile (pos_min, pos_max, seg_min, seg_max): int32 [batch, n_tiles, 4].
@@ -45,46 +44,37 @@ def tile_bounds(pos, seg, block):
     return jnp.stack([pos_t.min(-1), pos_t.max(-1), seg_t.min(-1), seg_t.max(-1)], axis=-1)
 
 
-def bounds_skip(qb, kb, *, causal, window, segments):
-    """`bounds_empty` on two `tile_bounds` rows ``(lo, hi, seg_lo, seg_hi)`` (scalars or arrays).
-
-    None when nothing can be masked (the kernels then emit no skip test at all).
-    """
-    seg = (qb[2], qb[3], kb[2], kb[3]) if segments else ()
-    return bounds_empty(qb[0], qb[1], kb[0], kb[1], *seg, causal=causal, window=window)
-
-
-def tile_schedule(q_pos, k_pos, q_seg=None, k_seg=None, *, causal, window, block_q, block_kv):
-    """bool [batch, sq // block_q, sk // block_kv]: which tiles the kernels compute.
+def empty_tiles(q_pos, k_pos, q_seg=None, k_seg=None, *, causal, window, block_q, block_kv):
+    """bool [batch, sq // block_q, sk // block_kv]: True for each tile the kernels skip (provably empty).
 
     The kernels' own test (`bounds_empty` on `tile_bounds`); heads do not change it. With 4
-    contiguous tokens per host, causal, block 2: q_pos = [0..3], k_pos = [4..7] gives all False (a
-    future K/V shard), k_pos = [0..3] gives [[T, F], [T, T]].
+    contiguous tokens per host, causal, block 2: q_pos = [0..3], k_pos = [4..7] gives all True (a
+    future K/V shard), k_pos = [0..3] gives [[F, T], [F, F]].
     """
-    qb = tile_bounds(q_pos, q_seg, block_q)[:, :, None, :]  # (b, nq, 1, 4)
-    kb = tile_bounds(k_pos, k_seg, block_kv)[:, None, :, :]  # (b, 1, nk, 4)
-    empty = bounds_skip(jnp.moveaxis(qb, -1, 0), jnp.moveaxis(kb, -1, 0), causal=causal, window=window,
-                        segments=q_seg is not None)
-    shape = (q_pos.shape[0], qb.shape[1], kb.shape[2])
-    return jnp.ones(shape, bool) if empty is None else ~jnp.broadcast_to(empty, shape)
+    nb = 4 if q_seg is not None else 2
+    qb = jnp.moveaxis(tile_bounds(q_pos, q_seg, block_q)[:, :, None, :nb], -1, 0)  # (nb, b, nq, 1)
+    kb = jnp.moveaxis(tile_bounds(k_pos, k_seg, block_kv)[:, None, :, :nb], -1, 0)  # (nb, b, 1, nk)
+    empty = bounds_empty(tuple(qb), tuple(kb), causal=causal, window=window)
+    shape = (q_pos.shape[0], qb.shape[2], kb.shape[3])
+    return jnp.zeros(shape, bool) if empty is None else jnp.broadcast_to(empty, shape)
 
 
-def resident_blocks(schedule):
-    """int32 like ``schedule [..., n]``: the block to hold at each step of the last (inner) axis.
+def resident_blocks(empty):
+    """int32 like ``empty [..., n]``: the block to hold at each step of the last (inner) axis.
 
-    A visible step holds its own block; a skipped step keeps the block of the last visible step
-    before it (or, before the first visible one, that one), so a pipelined kernel whose index map
+    A computed step holds its own block; an empty (skipped) step keeps the block of the last computed
+    step before it (or, before the first computed one, that one), so a pipelined kernel whose index map
     reads this table issues no DMA for a skipped tile (JAX's TPU flash / splash kernels do the same).
-    Example: visible [F, T, F, F, T, F] -> [1, 1, 1, 1, 4, 4]; no visible step -> all 0.
+    Example: empty [T, F, T, T, F, T] -> [1, 1, 1, 1, 4, 4]; every step empty -> all 0.
     """
-    n = schedule.shape[-1]
+    n = empty.shape[-1]
     steps = jnp.arange(n, dtype=jnp.int32)
-    last = jax.lax.cummax(jnp.where(schedule, steps, -1), axis=schedule.ndim - 1)
-    first = jnp.argmax(schedule, axis=-1).astype(jnp.int32)[..., None]  # 0 when none is visible
+    last = jax.lax.cummax(jnp.where(empty, -1, steps), axis=empty.ndim - 1)
+    first = jnp.argmin(empty, axis=-1).astype(jnp.int32)[..., None]  # 0 when every step is empty
     return jnp.where(last >= 0, last, first).astype(jnp.int32)
 
 
-# ---------------------------------------------------------------- checks and interpret mode
+# ---------------------------------------------------------------- preconditions and interpret mode
 
 def interpret_mode(impl):
     """What ``pallas_call(interpret=...)`` needs for ``impl`` on the default backend.
@@ -92,73 +82,81 @@ def interpret_mode(impl):
     pallas_gpu: True on CPU (Triton interpreter), False on a GPU. pallas_tpu, pallas_tpu_fused: the
     TPU interpreter with race detection on CPU, False on a TPU. ValueError anywhere else.
     """
-    backend = jax.default_backend()
-    if backend == "cpu":
+    backend, row = jax.default_backend(), IMPLS[impl]
+    if backend in row.interpreted:
         return True if impl == "pallas_gpu" else pltpu.InterpretParams(detect_races=True)
-    if backend in _RUNS_ON[impl]:
+    if backend in row.compiled:
         return False
+    other = "impl='pallas_tpu' or 'xla'" if impl == "pallas_gpu" else "impl='pallas_gpu' or 'xla'"
     raise ValueError(f"impl={impl!r} needs {'a GPU' if impl == 'pallas_gpu' else 'a TPU'} (or CPU, "
-                     f"interpreted); the default backend is {backend!r}: use {_ELSEWHERE[impl]} there")
+                     f"interpreted); the default backend is {backend!r}: use {other} there")
 
 
-def check_kernel_dtypes(impl, q, k, v):
-    """The Pallas kernels compute in float32 and take float16, bfloat16 or float32; q, k, v alike."""
-    dtypes = [jnp.dtype(x.dtype) for x in (q, k, v)]
-    bad = [dt for dt in dtypes if dt not in KERNEL_DTYPES]
-    if bad:
-        hint = ": use impl='xla' for float64" if jnp.dtype(jnp.float64) in bad else ""
-        raise ValueError(f"impl={impl!r} computes in float32 and takes float16, bfloat16 or float32 "
-                         f"inputs; got {bad[0]}{hint}")
-    if len(set(dtypes)) > 1:
-        raise ValueError(f"impl={impl!r} needs q, k, v of one dtype; got q {dtypes[0]}, k {dtypes[1]}, "
-                         f"v {dtypes[2]} (cast them first, or use impl='xla')")
+def check_kernel_call(impl, qs, kv, cfg):
+    """A kernel's own preconditions on (QShard, KVShard, HopConfig); returns ``cfg.resolve(...)`` (scale
+    and tile sides filled in, tiles clamped to the shard).
 
-
-def check_hop_args(impl, qs, kv, cfg):
-    """Validate a kernel call on (QShard, KVShard, HopConfig); returns ``cfg`` with the blocks clamped
-    to the shard and ``scale=None`` resolved to ``dim ** -0.5``.
-
-    Raises ValueError naming the impl, the argument, what was received and what is needed.
+    Everything else about the call was validated at the front door (``ringattn_fast.front``). Raises
+    ValueError naming the impl, the argument, what was received and what is needed.
     """
-    q, k, v = qs.q, kv.k, kv.v
     if kv.bias is not None:
         raise ValueError(f"impl={impl!r}: the Pallas kernels take no bias; use impl='xla' (got bias of "
                          f"shape {getattr(kv.bias, 'shape', None)})")
-    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
-        raise ValueError(f"impl={impl!r}: q must be [batch, seq, heads, dim] and k, v [batch, seq, kv_heads, "
-                         f"dim] with k.shape == v.shape; got q {q.shape}, k {k.shape}, v {v.shape}")
-    check_kernel_dtypes(impl, q, k, v)
-    b, sq, h, d = q.shape
-    _, sk, hk, dk = k.shape
-    if k.shape[0] != b or dk != d or h % hk:
-        raise ValueError(f"impl={impl!r}: k/v must share batch and dim with q and kv_heads must divide "
-                         f"heads; got q {q.shape}, k {k.shape}")
-    if qs.pos.shape != (b, sq) or kv.pos.shape != (b, sk):
-        raise ValueError(f"impl={impl!r}: q positions must be [batch, sq] = {(b, sq)} and k positions "
-                         f"[batch, sk] = {(b, sk)}; got {qs.pos.shape}, {kv.pos.shape}")
-    if (qs.seg is None) != (kv.seg is None):
-        raise ValueError(f"impl={impl!r}: q and k segment ids must both be given or both be None")
-    if qs.seg is not None and (qs.seg.shape != (b, sq) or kv.seg.shape != (b, sk)):
-        raise ValueError(f"impl={impl!r}: segment ids must be [batch, sq] = {(b, sq)} and [batch, sk] = "
-                         f"{(b, sk)}; got {qs.seg.shape}, {kv.seg.shape}")
-    if cfg.window is not None and (len(cfg.window) != 2 or min(cfg.window) < -1):
-        raise ValueError(f"impl={impl!r}: window must be None or (left, right) with -1 for unbounded; "
-                         f"got {cfg.window}")
-    block_q, block_kv = min(cfg.block_q or 128, sq), min(cfg.block_kv or 128, sk)
-    if sq % block_q or sk % block_kv:
+    check_kernel_dtypes(impl, qs.q, kv.k, kv.v)
+    sq, sk = qs.q.shape[1], kv.k.shape[1]
+    cfg = cfg.resolve(qs.q.shape[-1], sq, sk)
+    if sq % cfg.block_q or sk % cfg.block_kv:
         raise ValueError(f"impl={impl!r}: block_q must divide sq and block_kv must divide sk; got "
-                         f"block_q={block_q}, sq={sq}, block_kv={block_kv}, sk={sk}")
-    scale = d ** -0.5 if cfg.scale is None else float(cfg.scale)
-    window = None if cfg.window is None else tuple(int(w) for w in cfg.window)
-    return dataclasses.replace(cfg, scale=scale, causal=bool(cfg.causal), window=window,
-                               block_q=block_q, block_kv=block_kv)
+                         f"block_q={cfg.block_q}, sq={sq}, block_kv={cfg.block_kv}, sk={sk}")
+    return cfg
 
 
-def check_bwd_args(impl, q, do, lse, delta):
-    """hop_bwd's extra inputs: do shaped like q, lse and delta [b, h, sq]."""
-    if do.shape != q.shape or lse.shape != (q.shape[0], q.shape[2], q.shape[1]) or delta.shape != lse.shape:
-        raise ValueError(f"impl={impl!r}: do must be shaped like q {q.shape} and lse, delta [b, h, sq]; "
-                         f"got do {do.shape}, lse {lse.shape}, delta {delta.shape}")
+# ---------------------------------------------------------------- the per-hop entry points
+
+class HopKernels(NamedTuple):
+    """A per-hop kernel module's public functions (``docs/design.md``, "Per-hop contract")."""
+    hop_fwd: Callable
+    hop_bwd: Callable
+    fwd_tile_counts: Callable
+
+
+def hop_kernels(impl, forward, backward, tile_rule=None):
+    """The public functions of a per-hop kernel module from its two jitted halves.
+
+    ``forward(qs, kv, *, cfg, interpret, count) -> (o, lse, counts | None)``;
+    ``backward(qs, kv, do, lse, delta, *, cfg, interpret) -> (dq, dk, dv)``;
+    ``tile_rule(cfg, sq, sk, interpret)``: the backend's own tile-shape rule (raises), or None.
+    Every call is checked outside ``jit`` (`check_kernel_call`), so every call is checked.
+    """
+    def prepare(qs, kv, cfg):
+        cfg, interpret = check_kernel_call(impl, qs, kv, cfg), interpret_mode(impl)
+        if tile_rule is not None:
+            tile_rule(cfg, qs.q.shape[1], kv.k.shape[1], interpret)
+        return cfg, interpret
+
+    def hop_fwd(qs, kv, cfg):
+        """One hop's attention: o float32 [b, sq, h, d] (normalised within the hop; 0 where the row saw
+        nothing), lse float32 [b, h, sq] (-inf there). qs: QShard(q [b, sq, h, d], pos int32 [b, sq],
+        seg or None); kv: KVShard(k, v [b, sk, hk, d], pos, seg, bias None); cfg: HopConfig."""
+        cfg, interpret = prepare(qs, kv, cfg)
+        o, lse, _ = forward(qs, kv, cfg=cfg, interpret=interpret, count=False)
+        return o, lse
+
+    def hop_bwd(qs, kv, cfg, *, do, lse, delta):
+        """One hop's gradients (FA-2 Alg. 2) from the final lse and delta = rowsum(do * o_final) (minus
+        the lse cotangent, if any). do like q; lse, delta float32 [b, h, sq]. Returns HopGrads(dq
+        float32 [b, sq, h, d], dk, dv float32 [b, sk, hk, d] summed over the GQA group, None)."""
+        cfg, interpret = prepare(qs, kv, cfg)
+        return HopGrads(*backward(qs, kv, do, lse, delta, cfg=cfg, interpret=interpret), None)
+
+    def fwd_tile_counts(qs, kv, cfg):
+        """int32 [b, h, sq // block_q]: K/V tiles the forward kernel computed per Q tile (counted inside
+        the kernel, where the skip test skips the increment too); equals ``(~empty_tiles(...)).sum(-1)``
+        broadcast over heads."""
+        cfg, interpret = prepare(qs, kv, cfg)
+        return forward(qs, kv, cfg=cfg, interpret=interpret, count=True)[2]
+
+    return HopKernels(hop_fwd, hop_bwd, fwd_tile_counts)
 
 
 # ---------------------------------------------------------------- shard_map(check_vma=True) typing

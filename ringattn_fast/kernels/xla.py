@@ -1,4 +1,4 @@
-"""One ring hop in XLA: blockwise attention of the local queries against the K/V shard held now.
+"""``impl="xla"``: one ring hop in XLA: blockwise attention of the local queries against the K/V shard held now.
 
 Implements the per-hop contract of ``docs/design.md`` (the Pallas kernels implement the same one;
 ``ringattn_ref.hop_attention`` and ``hop_attention_vjp`` are its float64 oracles)::
@@ -16,8 +16,8 @@ sequence. Each tile is classified from min/max positions (``masks.tile_kind``): 
 skipped, full tiles run without a mask, only tiles on a mask boundary pay for it.
 
 Layout for speed: inputs are cut once per hop into chunk-major, head-major pieces
-(``[n, b, hk, g*block, d]``), so every tile is a plain batched matmul over ``(b, hk)`` and GQA costs
-nothing: the ``g`` query heads that share a kv head are folded into the tile's rows (K/V are never
+(``[n, b, hk, group*block, d]``), so every tile is a plain batched matmul over ``(b, hk)`` and GQA costs
+nothing: the ``group`` query heads that share a kv head are folded into the tile's rows (K/V are never
 repeated). The scale is folded into q (``O(s d)`` work instead of ``O(s^2)``). Accumulation is float32
 for 16/32-bit inputs and float64 for float64. ``kv.bias`` is ``[b|1, h|1, sq|1, sk|1]``, added to the
 scaled logits (mirrors ``ringattn_ref.blockwise``); a -inf bias masks its pair whatever the logit.
@@ -34,28 +34,24 @@ from jax import lax
 
 from ringattn_ref.dropout import keep_scale, row_hash
 
-from . import masks
-from .mesh import varying_axes, vary_like
-from .schedule import HopGrads
-
-
-def acc_dtype(dtype):
-    """float64 stays float64; every other float accumulates in float32."""
-    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+from ringattn_fast import masks
+from ringattn_fast.mesh import varying_axes, vary_like
+from ringattn_fast.schedule import HopGrads
+from ringattn_fast.softmax import acc_dtype
 
 
 def _q_chunks(x, hk, block):
-    """[b, s, h, d] -> [n, b, hk, g*block, d]: chunk-major, head-major, GQA group folded into rows."""
+    """[b, s, h, d] -> [n, b, hk, group*block, d]: chunk-major, head-major, GQA group folded into rows."""
     b, s, h, d = x.shape
     x = x.reshape(b, s // block, block, hk, h // hk, d)
     return jnp.transpose(x, (1, 0, 3, 4, 2, 5)).reshape(s // block, b, hk, (h // hk) * block, d)
 
 
-def _q_unchunk(x, g):
-    """Inverse of :func:`_q_chunks`: [n, b, hk, g*block, d] -> [b, s, h, d]."""
+def _q_unchunk(x, group):
+    """Inverse of :func:`_q_chunks`: [n, b, hk, group*block, d] -> [b, s, h, d]."""
     n, b, hk, gq, d = x.shape
-    x = jnp.transpose(x.reshape(n, b, hk, g, gq // g, d), (1, 0, 4, 2, 3, 5))
-    return x.reshape(b, n * (gq // g), hk * g, d)
+    x = jnp.transpose(x.reshape(n, b, hk, group, gq // group, d), (1, 0, 4, 2, 3, 5))
+    return x.reshape(b, n * (gq // group), hk * group, d)
 
 
 def _kv_chunks(x, block):
@@ -71,15 +67,15 @@ def _kv_unchunk(x):
 
 
 def _stat_chunks(x, hk, block):
-    """[b, h, s] -> [n, b, hk, g*block] (rows ordered like :func:`_q_chunks`)."""
+    """[b, h, s] -> [n, b, hk, group*block] (rows ordered like :func:`_q_chunks`)."""
     b, h, s = x.shape
     x = x.reshape(b, hk, h // hk, s // block, block)
     return jnp.transpose(x, (3, 0, 1, 2, 4)).reshape(s // block, b, hk, (h // hk) * block)
 
 
-def _stat_unchunk(x, g):
+def _stat_unchunk(x, group):
     n, b, hk, gq = x.shape
-    return jnp.transpose(x.reshape(n, b, hk, g, gq // g), (1, 2, 3, 0, 4)).reshape(b, hk * g, n * (gq // g))
+    return jnp.transpose(x.reshape(n, b, hk, group, gq // group), (1, 2, 3, 0, 4)).reshape(b, hk * group, n * (gq // group))
 
 
 def _pos_chunks(x, block):
@@ -97,33 +93,33 @@ def _rows(x, start, size, axis):
     return lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
-def _logits(q_i, k_j, bias_ij, mask_ij, g, acc):
-    """Biased, masked logits of one tile: q_i (b, hk, g*bq, d) pre-scaled, k_j (b, hk, bkv, d)."""
-    s = jnp.einsum("bkqd,bksd->bkqs", q_i, k_j, preferred_element_type=acc)  # (b, hk, g*bq, bkv)
+def _logits(q_i, k_j, bias_ij, mask_ij, group, acc):
+    """Biased, masked logits of one tile: q_i (b, hk, group*bq, d) pre-scaled, k_j (b, hk, bkv, d)."""
+    s = jnp.einsum("bkqd,bksd->bkqs", q_i, k_j, preferred_element_type=acc)  # (b, hk, group*bq, bkv)
     if bias_ij is None and mask_ij is None:
         return s
     b, hk, gq, bkv = s.shape
-    s = s.reshape(b, hk, g, gq // g, bkv)
+    s = s.reshape(b, hk, group, gq // group, bkv)
     if bias_ij is not None:
         bb, bh, bq, bk = bias_ij.shape
-        bias_b = bias_ij.astype(acc).reshape(bb, hk if bh > 1 else 1, g if bh > 1 else 1, bq, bk)
+        bias_b = bias_ij.astype(acc).reshape(bb, hk if bh > 1 else 1, group if bh > 1 else 1, bq, bk)
         s = jnp.where(bias_b == -jnp.inf, -jnp.inf, s + bias_b)  # -inf masks even a NaN logit
     if mask_ij is not None:
         s = jnp.where(mask_ij[:, None, None], s, -jnp.inf)
     return s.reshape(b, hk, gq, bkv)
 
 
-def _logits_t(k_j, qt_i, bias_ij, mask_ij, g, acc):
-    """The tile's logits transposed, ``S^T = K Q^T`` (b, hk, bkv, g*bq), for the backward: k_j (b, hk, bkv, d),
-    qt_i (b, hk, d, g*bq) pre-scaled; bias and mask as in :func:`_logits`."""
-    st = jnp.einsum("bksd,bkdq->bksq", k_j, qt_i, preferred_element_type=acc)  # (b, hk, bkv, g*bq)
+def _logits_t(k_j, qt_i, bias_ij, mask_ij, group, acc):
+    """The tile's logits transposed, ``S^T = K Q^T`` (b, hk, bkv, group*bq), for the backward: k_j (b, hk, bkv, d),
+    qt_i (b, hk, d, group*bq) pre-scaled; bias and mask as in :func:`_logits`."""
+    st = jnp.einsum("bksd,bkdq->bksq", k_j, qt_i, preferred_element_type=acc)  # (b, hk, bkv, group*bq)
     if bias_ij is None and mask_ij is None:
         return st
     b, hk, bkv, gq = st.shape
-    st = st.reshape(b, hk, bkv, g, gq // g)
-    if bias_ij is not None:  # (bb, bh, bq, bk) -> (bb, hk|1, bk, g|1, bq)
+    st = st.reshape(b, hk, bkv, group, gq // group)
+    if bias_ij is not None:  # (bb, bh, bq, bk) -> (bb, hk|1, bk, group|1, bq)
         bb, bh, bq, bk = bias_ij.shape
-        bias_t = bias_ij.astype(acc).reshape(bb, hk if bh > 1 else 1, g if bh > 1 else 1, bq, bk)
+        bias_t = bias_ij.astype(acc).reshape(bb, hk if bh > 1 else 1, group if bh > 1 else 1, bq, bk)
         bias_t = jnp.transpose(bias_t, (0, 1, 4, 2, 3))
         st = jnp.where(bias_t == -jnp.inf, -jnp.inf, st + bias_t)
     if mask_ij is not None:  # (b, bq, bkv) -> (b, 1, bkv, 1, bq)
@@ -131,25 +127,26 @@ def _logits_t(k_j, qt_i, bias_ij, mask_ij, g, acc):
     return st.reshape(b, hk, bkv, gq)
 
 
-def _drop_rows(drop, q_pos, hk, g, block):
-    """Dropout row hashes of every query chunk, rows ordered like :func:`_q_chunks`: [n, b, hk, g*block]
+def _drop_rows(drop, q_pos, hk, group, block):
+    """Dropout row hashes of every query chunk, rows ordered like :func:`_q_chunks`: [n, b, hk, group*block]
     (uint32), or None without dropout. q_pos: [b, sq] true positions."""
     if drop is None:
         return None
     b, sq = q_pos.shape
     batch = (jnp.arange(b, dtype=jnp.uint32) + drop.batch_offset)[:, None, None, None]  # (b, 1, 1, 1)
-    head = (jnp.arange(hk * g, dtype=jnp.uint32) + drop.head_offset).reshape(1, hk, g, 1)
-    rows = row_hash(drop.seed, batch, head, q_pos[:, None, None, :])  # (b, hk, g, sq)
-    rows = rows.reshape(b, hk, g, sq // block, block)
-    return jnp.transpose(rows, (3, 0, 1, 2, 4)).reshape(sq // block, b, hk, g * block)
+    head = (jnp.arange(hk * group, dtype=jnp.uint32) + drop.head_offset).reshape(1, hk, group, 1)
+    rows = row_hash(drop.seed, batch, head, q_pos[:, None, None, :])  # (b, hk, group, sq)
+    rows = rows.reshape(b, hk, group, sq // block, block)
+    return jnp.transpose(rows, (3, 0, 1, 2, 4)).reshape(sq // block, b, hk, group * block)
 
 
-def _by_kind(tile, carry, skipped, qp, kp, qs, ks, cfg, per_tile):
+def _by_kind(tile, carry, skipped, where, cfg, *, per_tile):
     """Run ``tile(carry, True)`` on a partial tile, ``tile(carry, False)`` on a full one, and
-    return ``skipped(carry)`` on an empty one; no branch at all unless ``per_tile``."""
+    return ``skipped(carry)`` on an empty one; no branch at all unless ``per_tile``.
+    where: the tile's ``(q_pos, k_pos, q_seg, k_seg)`` (segment ids None without them)."""
     if not per_tile:
         return tile(carry, False)
-    kind = masks.tile_kind(qp, kp, qs, ks, causal=cfg.causal, window=cfg.window)
+    kind = masks.tile_kind(*where, causal=cfg.causal, window=cfg.window)
     return lax.switch(kind, [skipped, lambda c: tile(c, False), lambda c: tile(c, True)], carry)
 
 
@@ -167,6 +164,7 @@ def hop_fwd(qs, kv, cfg, drop=None):
 
     drop: a ``schedule.Dropout`` when ``cfg.dropout_rate > 0``: ``P V`` uses ``P * M / (1 - rate)``
     (``ringattn_ref.dropout``), lse is that of the undropped ``P``."""
+    cfg = cfg.resolve(qs.q.shape[-1], qs.q.shape[1], kv.k.shape[1])
     return _whole_hop(partial(_hop_fwd, qs, kv, cfg, drop), qs, kv, cfg)
 
 
@@ -175,37 +173,38 @@ def _hop_fwd(qs, kv, cfg, drop, *, per_tile):
     block_q, block_kv = cfg.block_q, cfg.block_kv
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    g, acc = h // hk, acc_dtype(q.dtype)
+    group, acc = h // hk, acc_dtype(q.dtype)
     axes = varying_axes(q, k, v, q_pos, k_pos, q_seg, k_seg, bias)
     nq, nk = sq // block_q, sk // block_kv
-    qc = _q_chunks(q.astype(acc) * cfg.scale, hk, block_q)  # (nq, b, hk, g*bq, d)
+    qc = _q_chunks(q.astype(acc) * cfg.scale, hk, block_q)  # (nq, b, hk, group*bq, d)
     kc, vc = _kv_chunks(k, block_kv), _kv_chunks(v, block_kv)  # (nk, b, hk, bkv, d)
     kv_xs = (jnp.arange(nk), kc, vc, _pos_chunks(k_pos, block_kv), _pos_chunks(k_seg, block_kv))
 
     def q_block(xs):  # one Br chunk of queries against all of the shard's keys
-        i, q_i, qp_i, qs_i, rows_i = xs
+        i, q_i, q_pos_i, q_seg_i, rows_i = xs
         bias_i = _rows(bias, i * block_q, block_q, 2)
 
         def kv_block(carry, xs):  # one Bc chunk: the online-softmax update (FA-2 Algorithm 1)
-            j, k_j, v_j, kp_j, ks_j = xs
+            j, k_j, v_j, k_pos_j, k_seg_j = xs
 
             def tile(carry, masked):
-                o, m, l = carry  # (b, hk, g*bq, d), (b, hk, g*bq), (b, hk, g*bq)
-                mask = masks.allowed(qp_i[:, :, None], kp_j[:, None, :], *_seg_pair(qs_i, ks_j),
+                o, m, l = carry  # (b, hk, group*bq, d), (b, hk, group*bq), (b, hk, group*bq)
+                mask = masks.allowed(q_pos_i[:, :, None], k_pos_j[:, None, :], *_seg_pair(q_seg_i, k_seg_j),
                                      causal=cfg.causal, window=cfg.window) if masked else None
-                s = _logits(q_i, k_j, _rows(bias_i, j * block_kv, block_kv, 3), mask, g, acc)
+                s = _logits(q_i, k_j, _rows(bias_i, j * block_kv, block_kv, 3), mask, group, acc)
                 m_new = jnp.maximum(m, s.max(axis=-1))
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with no key yet
                 p = jnp.exp(s - m_safe[..., None])  # masked -> exp(-inf) = 0
                 alpha = jnp.exp(m - m_safe)
                 if rows_i is not None:  # dropout: P V with P * M / (1 - rate); l keeps the undropped P
-                    p_v = p * keep_scale(rows_i[..., None], kp_j[:, None, None, :], cfg.dropout_rate, acc)
+                    p_v = p * keep_scale(rows_i[..., None], k_pos_j[:, None, None, :], cfg.dropout_rate, acc)
                 else:
                     p_v = p
                 pv = jnp.einsum("bkqs,bksd->bkqd", p_v, v_j.astype(acc))
                 return alpha[..., None] * o + pv, m_new, alpha * l + p.sum(axis=-1)
 
-            return _by_kind(tile, carry, lambda c: c, qp_i, kp_j, qs_i, ks_j, cfg, per_tile), None
+            where = (q_pos_i, k_pos_j, q_seg_i, k_seg_j)
+            return _by_kind(tile, carry, lambda c: c, where, cfg, per_tile=per_tile), None
 
         init = (jnp.zeros(q_i.shape, acc), jnp.full(q_i.shape[:-1], -jnp.inf, acc), jnp.zeros(q_i.shape[:-1], acc))
         (o, m, l), _ = lax.scan(kv_block, vary_like(init, axes), kv_xs)
@@ -213,8 +212,8 @@ def _hop_fwd(qs, kv, cfg, drop, *, per_tile):
         return o, jnp.where(l == 0, -jnp.inf, m + jnp.log(jnp.where(l == 0, 1.0, l)))
 
     o, lse = lax.map(q_block, (jnp.arange(nq), qc, _pos_chunks(q_pos, block_q), _pos_chunks(q_seg, block_q),
-                               _drop_rows(drop, q_pos, hk, g, block_q)))
-    return _q_unchunk(o, g), _stat_unchunk(lse, g)
+                               _drop_rows(drop, q_pos, hk, group, block_q)))
+    return _q_unchunk(o, group), _stat_unchunk(lse, group)
 
 
 def _seg_pair(q_seg, k_seg):
@@ -242,9 +241,10 @@ def hop_bwd(qs, kv, cfg, *, do, lse, delta, drop=None):
     ``P`` (both operands contracted on their row axis) 1.4-3x slower (measured at 128 and 1024 tiles).
 
     do: [b, sq, h, d]; lse, delta: [b, h, sq] over all hops (delta = rowsum(do * o_final)); drop: as
-    in :func:`hop_fwd` (with the keep multiplier ``K``: ``dV += (P K)^T dO``, ``dP = (dO V^T) K``; D is
+    in :func:`hop_fwd` (with the keep multiplier ``keep``: ``dV += (P keep)^T dO``, ``dP = (dO V^T) keep``; D is
     unchanged). Returns :class:`HopGrads` in float32 (float64 for float64).
     """
+    cfg = cfg.resolve(qs.q.shape[-1], qs.q.shape[1], kv.k.shape[1])
     return HopGrads(*_whole_hop(partial(_hop_bwd, qs, kv, cfg, do, lse, delta, drop), qs, kv, cfg))
 
 
@@ -253,63 +253,64 @@ def _hop_bwd(qs, kv, cfg, do, lse, delta, drop, *, per_tile):
     scale, block_q, block_kv = cfg.scale, cfg.block_q, cfg.block_kv
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    g, acc = h // hk, acc_dtype(q.dtype)
+    group, acc = h // hk, acc_dtype(q.dtype)
     axes = varying_axes(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, bias)
     nq, nk = sq // block_q, sk // block_kv
     bias_rows = bias is not None and bias.shape[2] > 1
     bias_cols = bias is not None and bias.shape[3] > 1
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that saw nothing: every p below is masked to 0
-    qt = jnp.swapaxes(_q_chunks(q.astype(acc) * scale, hk, block_q), -1, -2)  # Q^T: (nq, b, hk, d, g*bq)
+    qt = jnp.swapaxes(_q_chunks(q.astype(acc) * scale, hk, block_q), -1, -2)  # Q^T: (nq, b, hk, d, group*bq)
     q_xs = (jnp.arange(nq), qt, _q_chunks(do.astype(acc), hk, block_q),
             _stat_chunks(lse, hk, block_q), _stat_chunks(delta, hk, block_q), _pos_chunks(q_pos, block_q),
-            _pos_chunks(q_seg, block_q), _drop_rows(drop, q_pos, hk, g, block_q))
+            _pos_chunks(q_seg, block_q), _drop_rows(drop, q_pos, hk, group, block_q))
     kv_xs = (jnp.arange(nk), _kv_chunks(k, block_kv), _kv_chunks(v, block_kv), _pos_chunks(k_pos, block_kv),
              _pos_chunks(k_seg, block_kv))
 
     def kv_block(dqt, xs):  # one Bc chunk of keys; its dK_j, dV_j stay in the inner carry
-        j, k_j, v_j, kp_j, ks_j = xs
+        j, k_j, v_j, k_pos_j, k_seg_j = xs
         bias_j = _rows(bias, j * block_kv, block_kv, 3)
         k_j, v_j = k_j.astype(acc), v_j.astype(acc)  # (b, hk, bkv, d)
         kt_j = jnp.swapaxes(masks.finite_part(k_j), -1, -2)  # K_j^T: (b, hk, d, bkv); a masked key's nan stays out of dQ
 
         def q_block(carry, xs):
-            i, qt_i, do_i, lse_i, delta_i, qp_i, qs_i, rows_i = xs  # (b, hk, d, g*bq), (b, hk, g*bq, d), (b, hk, g*bq) x3
+            i, qt_i, do_i, lse_i, delta_i, q_pos_i, q_seg_i, rows_i = xs  # (b, hk, d, group*bq), (b, hk, group*bq, d), (b, hk, group*bq) x3
             bias_ij = _rows(bias_j, i * block_q, block_q, 2)
 
             def tile(carry, masked):
                 dk_j, dv_j, db_j, dqt = carry
-                mask = masks.allowed(qp_i[:, :, None], kp_j[:, None, :], *_seg_pair(qs_i, ks_j),
+                mask = masks.allowed(q_pos_i[:, :, None], k_pos_j[:, None, :], *_seg_pair(q_seg_i, k_seg_j),
                                      causal=cfg.causal, window=cfg.window) if masked else None
-                st = _logits_t(k_j, qt_i, bias_ij, mask, g, acc)  # S^T: (b, hk, bkv, g*bq)
+                st = _logits_t(k_j, qt_i, bias_ij, mask, group, acc)  # S^T: (b, hk, bkv, group*bq)
                 pt = jnp.exp(st - lse_i[:, :, None])  # P^T; masked -> 0
-                keep_t = None if rows_i is None else keep_scale(rows_i[:, :, None, :], kp_j[:, None, :, None],
-                                                                cfg.dropout_rate, acc)  # dropout K^T
+                keep_t = None if rows_i is None else keep_scale(rows_i[:, :, None, :], k_pos_j[:, None, :, None],
+                                                                cfg.dropout_rate, acc)  # dropout: keep^T
                 pt_v = pt if keep_t is None else pt * keep_t  # the P that multiplied V in the forward
                 dv_j = dv_j + jnp.einsum("bksq,bkqd->bksd", pt_v, do_i)  # dV += P^T dO
                 dpt = jnp.einsum("bksd,bkqd->bksq", v_j, do_i)  # dP^T = V dO^T
                 dpt = dpt if keep_t is None else dpt * keep_t
                 dst = masks.masked_grad(pt, dpt, delta_i[:, :, None])  # dS^T; 0 where P is 0, even in a NaN row
-                dqt_i = jnp.einsum("bkds,bksq->bkdq", kt_j, dst) * scale  # dQ^T = K^T dS^T: (b, hk, d, g*bq)
+                dqt_i = jnp.einsum("bkds,bksq->bkdq", kt_j, dst) * scale  # dQ^T = K^T dS^T: (b, hk, d, group*bq)
                 dk_j = dk_j + jnp.einsum("bksq,bkdq->bksd", dst, qt_i)  # dK += dS^T Q (q carries the scale)
                 db = None
-                if bias is not None:  # dS: (b, hk, bkv, g, bq) -> (b, h, bq, bkv)
-                    ds = jnp.transpose(dst.reshape(b, hk, block_kv, g, block_q), (0, 1, 3, 4, 2))
+                if bias is not None:  # dS: (b, hk, bkv, group, bq) -> (b, h, bq, bkv)
+                    ds = jnp.transpose(dst.reshape(b, hk, block_kv, group, block_q), (0, 1, 3, 4, 2))
                     db = _sum_to(ds.reshape(b, h, block_q, block_kv), bias_ij.shape)
                     db_j = db if bias_rows else db_j + db
                 dqt = lax.dynamic_update_index_in_dim(dqt, dqt[i] + dqt_i, i, 0)  # in place
                 return (dk_j, dv_j, None if bias_rows else db_j, dqt), db if bias_rows else None
 
             zeros = vary_like(jnp.zeros(bias_ij.shape, acc), axes) if bias_rows else None
-            return _by_kind(tile, carry, lambda c: (c, zeros), qp_i, kp_j, qs_i, ks_j, cfg, per_tile)
+            where = (q_pos_i, k_pos_j, q_seg_i, k_seg_j)
+            return _by_kind(tile, carry, lambda c: (c, zeros), where, cfg, per_tile=per_tile)
 
         db0 = jnp.zeros(bias_j.shape, acc) if bias is not None and not bias_rows else None
         init = vary_like((jnp.zeros(k_j.shape, acc), jnp.zeros(k_j.shape, acc), db0), axes) + (dqt,)
         (dk_j, dv_j, db_j, dqt), db_blocks = lax.scan(q_block, init, q_xs)
         if bias_rows:  # (nq, bb, bh, bq, bkv|1) -> (bb, bh, sq, bkv|1)
             db_j = jnp.einsum("nbhqs->bhnqs", db_blocks).reshape(db_blocks.shape[1:3] + (sq, -1))
-        return dqt, (dk_j, dv_j, db_j)  # dQ^T: (nq, b, hk, d, g*bq)
+        return dqt, (dk_j, dv_j, db_j)  # dQ^T: (nq, b, hk, d, group*bq)
 
-    dq0 = vary_like(jnp.zeros((nq, b, hk, d, g * block_q), acc), axes)
+    dq0 = vary_like(jnp.zeros((nq, b, hk, d, group * block_q), acc), axes)
     if bias is not None and not bias_cols:  # one dbias for all key chunks: accumulate in the carry
         def kv_block_acc(carry, xs):
             dq, db = carry
@@ -321,4 +322,4 @@ def _hop_bwd(qs, kv, cfg, do, lse, delta, drop, *, per_tile):
         dbias = None
         if bias is not None:  # (nk, bb, bh, sq|1, bkv) -> (bb, bh, sq|1, sk)
             dbias = jnp.einsum("nbhqs->bhqns", db_blocks).reshape(db_blocks.shape[1:4] + (sk,))
-    return _q_unchunk(jnp.swapaxes(dq, -1, -2), g), _kv_unchunk(dk), _kv_unchunk(dv), dbias
+    return _q_unchunk(jnp.swapaxes(dq, -1, -2), group), _kv_unchunk(dk), _kv_unchunk(dv), dbias

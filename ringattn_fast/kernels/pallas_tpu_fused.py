@@ -8,7 +8,7 @@ the hop's tiles are computed, then the send is waited on.
 
 Called inside ``shard_map`` on this host's shards: ``fused_ring_attention_shard(QShard, KVShard,
 HopConfig, *, axis_name)`` (``ringattn_fast.schedule``; ``kv`` is this host's own K/V shard, the
-kernel moves it). Inputs are float16, bfloat16 or float32 (one dtype, `tiles.check_kernel_dtypes`),
+kernel moves it). Inputs are float16, bfloat16 or float32 (one dtype, ``dispatch.check_kernel_dtypes``),
 computed in float32; o and the gradients come back in the input dtype. All index arithmetic is int32
 (``jnp.int32`` constants), so the kernel also runs with ``jax_enable_x64`` on.
 
@@ -64,10 +64,10 @@ once in `_wait_cap` / `_signal_cap` in terms of the ring's last send (forward N-
 wait before each send but the first, signal after each step after which the left neighbour still
 sends.
 
-Skipping (docs/design.md, "Skipping"): outside the kernel, `tiles.tile_schedule` marks which
+Skipping (docs/design.md, "Skipping"): outside the kernel, `tiles.empty_tiles` marks which
 ``block_q x block_kv`` tiles of my Q shard against each K/V shard are provably empty (min/max of
 positions and segment ids, ``masks.bounds_empty``); the tables arrive by scalar prefetch in SMEM and
-the kernel skips a whole hop (``hop[kv_idx] == 0``) or a tile (``vis[kv_idx, b, i, j] == 0``) with
+the kernel skips a whole hop (``hop_empty[kv_idx] == 1``) or a tile (``empty[kv_idx, b, i, j] == 1``) with
 ``pl.when``. With ``count=True`` (``_forward`` / ``_backward``) the kernels also return how many tiles
 they computed, so tests can check that; otherwise the counter ref is None.
 
@@ -102,7 +102,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ringattn_fast.kernels.tiles import NEG_INF, check_hop_args, interpret_mode, tile_schedule
+from ringattn_fast.kernels.tiles import NEG_INF, check_kernel_call, empty_tiles, interpret_mode, out_struct, same_vma
 from ringattn_fast.masks import allowed, finite_part, masked_grad
 from ringattn_fast.schedule import KVShard, QShard
 
@@ -129,10 +129,10 @@ def _schedule(cfg, qs, kv):
     """The scalar-prefetched (SMEM) tables that steer the kernel, computed outside it:
 
     ring int32 [3]            (my_idx, right, left) = (my_idx, (my_idx + 1) % N, (my_idx - 1) % N);
-    hop  int32 [N]            1 if hop ``kv_idx`` has any tile to compute, else 0 (the hop is skipped);
-    vis  int32 [N, b, nq, nk] 1 if tile (i, j) of my Q shard against K/V shard ``kv_idx`` is not
-                              provably empty (`tiles.tile_schedule`: min/max of positions, segments).
-    Building ``vis`` needs every shard's k positions: an ``all_gather`` of int32 metadata only, the
+    hop_empty  int32 [N]            1 if hop ``kv_idx`` has no tile to compute (the hop is skipped);
+    empty      int32 [N, b, nq, nk] 1 if tile (i, j) of my Q shard against K/V shard ``kv_idx`` is
+                                    provably empty (`tiles.empty_tiles`: min/max of positions, segments).
+    Building ``empty`` needs every shard's k positions: an ``all_gather`` of int32 metadata only, the
     K/V themselves move inside the kernel. ``lax.axis_index`` is also kept out of the kernel: inside,
     its arithmetic trips the interpreter's ``check_vma`` bookkeeping.
     """
@@ -141,10 +141,10 @@ def _schedule(cfg, qs, kv):
     ring = jnp.stack([my_idx, lax.rem(my_idx + _I32(1), n), lax.rem(my_idx + n - _I32(1), n)])
     k_pos_all = lax.all_gather(kv.pos, cfg.axis_name)                      # (N, b, sk)
     k_seg_all = None if kv.seg is None else lax.all_gather(kv.seg, cfg.axis_name)
-    vis = jnp.stack([tile_schedule(qs.pos, k_pos_all[r], qs.seg, None if kv.seg is None else k_seg_all[r],
+    empty = jnp.stack([empty_tiles(qs.pos, k_pos_all[r], qs.seg, None if kv.seg is None else k_seg_all[r],
                                    causal=hop.causal, window=hop.window, block_q=hop.block_q,
                                    block_kv=hop.block_kv) for r in range(cfg.axis_size)]).astype(jnp.int32)
-    return ring, jnp.max(vis.reshape(cfg.axis_size, -1), axis=1), vis
+    return ring, jnp.min(empty.reshape(cfg.axis_size, -1), axis=1), empty
 
 
 class _Ring(NamedTuple):
@@ -237,18 +237,18 @@ def _dot(a, b, contract):
     return lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
 
 
-def _for_each_visible_tile(cfg, shape, hop_ref, vis_ref, kv_idx, cnt_ref, tile_fn):
-    """Run ``tile_fn(bi, hi, g, rows, cols)`` on every tile of hop ``kv_idx`` that the schedule marks
-    visible (``g`` = kv head of query head ``hi``); count them in ``cnt_ref`` (None: no counting)."""
+def _for_each_tile_unless_empty(cfg, shape, hop_empty_ref, empty_ref, kv_idx, cnt_ref, tile_fn):
+    """Run ``tile_fn(bi, hi, kv_head, rows, cols)`` on every tile of hop ``kv_idx`` that the table does
+    not mark empty (``kv_head`` of query head ``hi``); count them in ``cnt_ref`` (None: no counting)."""
     b, h, sq, hk, sk = shape
     nq, nk = sq // cfg.hop.block_q, sk // cfg.hop.block_kv
 
-    @pl.when(hop_ref[kv_idx] > 0)
+    @pl.when(hop_empty_ref[kv_idx] == 0)
     def _():
         def body(t, carry):
             bi, hi, i, j = _tile_index(t, h, nq, nk)
 
-            @pl.when(vis_ref[kv_idx, bi, i, j] > 0)
+            @pl.when(empty_ref[kv_idx, bi, i, j] == 0)
             def _():
                 if cnt_ref is not None:
                     cnt_ref[0] += 1
@@ -261,7 +261,7 @@ def _for_each_visible_tile(cfg, shape, hop_ref, vis_ref, kv_idx, cnt_ref, tile_f
 
 # ---------------------------------------------------------------- forward kernel
 
-def _fwd_kernel(cfg, ring_ref, hop_ref, vis_ref,                                     # SMEM tables
+def _fwd_kernel(cfg, ring_ref, hop_empty_ref, empty_ref,                                  # SMEM tables
                 q_ref, qmeta_ref, kv_ref, kmeta_ref,                                 # inputs
                 o_ref, lse_ref, cnt_ref,                                             # outputs (cnt: None)
                 kv_buf, kmeta_buf, m_scr, l_scr, acc_scr, send_sem, recv_sem, cap_sem):
@@ -286,10 +286,10 @@ def _fwd_kernel(cfg, ring_ref, hop_ref, vis_ref,                                
         for c in copies:
             c.start()
 
-    def tile(bi, hi, g, rows, cols):
+    def tile(bi, hi, kv_head, rows, cols):
         q = q_ref[bi, hi, rows, :]                      # (bq, d)
-        k = kv_buf[slot, 0, bi, g, cols, :]             # (bk, d)
-        v = kv_buf[slot, 1, bi, g, cols, :]             # (bk, d)
+        k = kv_buf[slot, 0, bi, kv_head, cols, :]             # (bk, d)
+        v = kv_buf[slot, 1, bi, kv_head, cols, :]             # (bk, d)
         s = _logits(cfg, q, k, qmeta_ref, kmeta_buf, slot, bi, rows, cols)  # (bq, bk)
         m_prev = m_scr[bi, hi, rows, :]                 # (bq, 1)
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -300,7 +300,7 @@ def _fwd_kernel(cfg, ring_ref, hop_ref, vis_ref,                                
         acc_scr[bi, hi, rows, :] = alpha * acc_scr[bi, hi, rows, :] + _dot(p.astype(v.dtype), v, ((1,), (0,)))
         m_scr[bi, hi, rows, :] = m_new
 
-    _for_each_visible_tile(cfg, (b, h, sq, hk, sk), hop_ref, vis_ref, ring.kv_idx, cnt_ref, tile)
+    _for_each_tile_unless_empty(cfg, (b, h, sq, hk, sk), hop_empty_ref, empty_ref, ring.kv_idx, cnt_ref, tile)
 
     @pl.when(ring.step <= last_send)
     def _():
@@ -324,17 +324,9 @@ def _smem():
     return pl.BlockSpec(memory_space=pltpu.SMEM)
 
 
-def _match_vma(xs):
-    """Under ``shard_map(check_vma=True)``: make every input vary over the union of the inputs' axes."""
-    union = frozenset().union(*(jax.typeof(x).mat.varying for x in xs))
-    return [x if union <= jax.typeof(x).mat.varying
-            else lax.pcast(x, tuple(union - jax.typeof(x).mat.varying), to="varying") for x in xs]
-
-
 def _structs(like, *shapes_dtypes):
-    """Output ShapeDtypeStructs that vary over the same mesh axes as input ``like`` (None stays None)."""
-    mat = jax.typeof(like).mat
-    return tuple(None if sd is None else jax.ShapeDtypeStruct(*sd, manual_axis_type=mat) for sd in shapes_dtypes)
+    """Output types (`tiles.out_struct`) from ``(shape, dtype)`` pairs; None stays None."""
+    return tuple(None if sd is None else out_struct(*sd, like) for sd in shapes_dtypes)
 
 
 def _call(kernel, cfg, out_shape, in_specs, out_specs, scratch):
@@ -360,7 +352,7 @@ def _fwd_call(cfg, sched, q_t, qmeta, kv, kmeta):
     o [b, h, sq, d] (q dtype), lse [b, h, sq, 1] float32, computed-tile count int32 [1] or None."""
     b, h, sq, d = q_t.shape
     f32 = jnp.float32
-    q_t, qmeta, kv, kmeta = _match_vma((q_t, qmeta, kv, kmeta))
+    q_t, qmeta, kv, kmeta = same_vma(q_t, qmeta, kv, kmeta)
     count_shape, count_spec = _counter(cfg)
     out_shape = _structs(q_t, (q_t.shape, q_t.dtype), ((b, h, sq, 1), f32), count_shape)
     scratch = [pltpu.VMEM((2,) + kv.shape, kv.dtype), pltpu.VMEM((2,) + kmeta.shape, jnp.int32),
@@ -372,7 +364,7 @@ def _fwd_call(cfg, sched, q_t, qmeta, kv, kmeta):
 
 # ---------------------------------------------------------------- backward kernel
 
-def _bwd_kernel(cfg, ring_ref, hop_ref, vis_ref,                                     # SMEM tables
+def _bwd_kernel(cfg, ring_ref, hop_empty_ref, empty_ref,                                  # SMEM tables
                 q_ref, do_ref, lse_ref, delta_ref, qmeta_ref, kv_ref, kmeta_ref,     # inputs
                 dq_ref, dkv_ref, cnt_ref,                                            # outputs (cnt: None)
                 kv_buf, kmeta_buf, dkv_buf, send_sem, recv_sem, cap_sem):
@@ -405,20 +397,20 @@ def _bwd_kernel(cfg, ring_ref, hop_ref, vis_ref,                                
         for c in kv_copies:
             c.start()
 
-    def tile(bi, hi, g, rows, cols):
+    def tile(bi, hi, kv_head, rows, cols):
         q = q_ref[bi, hi, rows, :]                      # (bq, d)
         do = do_ref[bi, hi, rows, :]                    # (bq, d)
-        k = kv_buf[slot, 0, bi, g, cols, :]             # (bk, d)
-        v = kv_buf[slot, 1, bi, g, cols, :]             # (bk, d)
+        k = kv_buf[slot, 0, bi, kv_head, cols, :]             # (bk, d)
+        v = kv_buf[slot, 1, bi, kv_head, cols, :]             # (bk, d)
         s = _logits(cfg, q, k, qmeta_ref, kmeta_buf, slot, bi, rows, cols)  # (bq, bk)
         p = jnp.exp(s - lse_ref[bi, hi, rows, :])       # (bq, bk)  P = exp(S - lse), masked: 0
         dp = _dot(do, v, ((1,), (1,)))                  # (bq, bk)  dP = dO V^T
         ds = masked_grad(p, dp, delta_ref[bi, hi, rows, :])  # dS = P o (dP - D), 0 where P is 0
         dq_ref[bi, hi, rows, :] += _dot(ds.astype(k.dtype), finite_part(k), ((1,), (0,))) * cfg.hop.scale
-        dkv_buf[slot, 0, bi, g, cols, :] += _dot(ds.astype(q.dtype), q, ((0,), (0,))) * cfg.hop.scale
-        dkv_buf[slot, 1, bi, g, cols, :] += _dot(p.astype(do.dtype), do, ((0,), (0,)))
+        dkv_buf[slot, 0, bi, kv_head, cols, :] += _dot(ds.astype(q.dtype), q, ((0,), (0,))) * cfg.hop.scale
+        dkv_buf[slot, 1, bi, kv_head, cols, :] += _dot(p.astype(do.dtype), do, ((0,), (0,)))
 
-    _for_each_visible_tile(cfg, (b, h, sq, hk, sk), hop_ref, vis_ref, ring.kv_idx, cnt_ref, tile)
+    _for_each_tile_unless_empty(cfg, (b, h, sq, hk, sk), hop_empty_ref, empty_ref, ring.kv_idx, cnt_ref, tile)
 
     for c in dkv_copies:
         c.start()  # every step, the last one included: it carries dK/dV home
@@ -437,7 +429,7 @@ def _bwd_kernel(cfg, ring_ref, hop_ref, vis_ref,                                
 def _bwd_call(cfg, sched, q_t, do_t, lse, delta, qmeta, kv, kmeta):
     """-> dq [b, h, sq, d] float32, dkv [2, b, hk, sk, d] float32, computed-tile count int32 [1] or None."""
     f32 = jnp.float32
-    q_t, do_t, lse, delta, qmeta, kv, kmeta = _match_vma((q_t, do_t, lse, delta, qmeta, kv, kmeta))
+    q_t, do_t, lse, delta, qmeta, kv, kmeta = same_vma(q_t, do_t, lse, delta, qmeta, kv, kmeta)
     count_shape, count_spec = _counter(cfg)
     out_shape = _structs(q_t, (q_t.shape, f32), (kv.shape, f32), count_shape)
     scratch = [pltpu.VMEM((2,) + kv.shape, kv.dtype), pltpu.VMEM((2,) + kmeta.shape, jnp.int32),
@@ -505,7 +497,7 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 def make_config(qs, kv, cfg, *, axis_name, interpret=None, _handshake=True, count=False):
     """Validate the per-device shards and return the static ``_Cfg`` (call inside ``shard_map``)."""
-    hop = check_hop_args(IMPL, qs, kv, cfg)
+    hop = check_kernel_call(IMPL, qs, kv, cfg)
     try:
         axis_size = int(lax.axis_size(axis_name))
     except NameError:

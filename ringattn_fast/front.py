@@ -1,0 +1,368 @@
+"""The front door: every attention call is validated here, once, and becomes one typed bundle.
+
+The ring (``ring.py``), the all-gather (``allgather.py``) and Ulysses (``ulysses.py``) take the same
+arguments and differ only in what a host does with its shards. So the checks live here, not in each of
+them: :func:`check_shard_call` validates a per-host call (``*_attention_shard``, inside your
+``shard_map``) and :func:`on_mesh` a global one (``*_attention`` on global arrays), both through
+:func:`check_settings`, and both raise before anything is traced. What they return is a
+:class:`Settings` (everything static: the mask, the tiles, the impl, the bias mode, the wire dtypes);
+per host, :func:`host_inputs` turns it and the arrays into a :class:`HostInputs` — what stays
+(``QShard``), what travels (``KVShard``), the bias that does not travel and the ``RingConfig`` — that
+the strategy's ``attend`` consumes without checking anything again. The kernels below it assume
+validated input and guard only their own preconditions (tile shapes, dtypes).
+
+:func:`on_mesh` also does what global arrays need: pad to a length the axis splits (``padding.py``),
+put the sequence in layout order, shard q/k/v (and segment ids, bias) over the mesh, run the
+strategy per host in one jitted ``shard_map`` (cached per static configuration), and bring ``o`` (and
+``lse``) back to true order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from functools import partial
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ringattn_ref import dropout as drop_ref
+from ringattn_ref import validation as val
+from ringattn_ref.blockwise import default_block
+
+from . import comm, padding
+from .dispatch import check_impl, kernels_for
+from .layouts import permute_axis
+from .mesh import auto_mesh, call_auto, check_mesh_axes, mesh_platform, resolve_mesh, spec_of, varying_axes, vary_like
+from .schedule import Dropout, HopConfig, KVShard, QShard, RingConfig, local_positions
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """What the front door needs to know of a strategy.
+
+    - name: the public function, for messages;
+    - attend: ``attend(inp: HostInputs) -> (o, lse)`` on one host (validated input);
+    - q_whole / kv_whole: ``block_q`` / ``block_kv`` tile the whole sequence (the hop holds all of it)
+      rather than the host's shard;
+    - fused_ok: the whole-ring kernel ``pallas_tpu_fused`` may serve it;
+    - dropout, comm: it takes ``dropout_rate`` / ``comm_dtype``;
+    - check_heads: ``check_heads(heads, kv_heads, n, axis_name)`` raises if the heads cannot be split.
+    """
+    name: str
+    attend: Callable
+    q_whole: bool = False
+    kv_whole: bool = False
+    fused_ok: bool = False
+    dropout: bool = False
+    comm: bool = False
+    check_heads: Callable | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """A validated call, minus its arrays: the ring's static config and what builds the host's shards.
+
+    cfg: the ``RingConfig`` (axis, HopConfig, impl, bias mode, wire dtypes); layout: a name or a
+    permutation of the whole (padded) sequence; padding_segment: the id whose queries see nothing;
+    has_positions: the caller gives true positions (else the layout's).
+    """
+    cfg: RingConfig
+    layout: object
+    padding_segment: int | None = None
+    has_positions: bool = False
+
+
+class HostInputs(NamedTuple):
+    """One host's validated inputs: what stays (``qs``), its K/V shard (``kv``, with a key-only bias),
+    the non-travelling bias or None (``cfg.bias_mode`` says which is which), the static config, and the
+    traced half of attention dropout (``schedule.Dropout``) or None."""
+    qs: QShard
+    kv: KVShard
+    bias: jax.Array | None
+    cfg: RingConfig
+    drop: Dropout | None = None
+
+
+def bias_mode(bias, batch, heads, sq, n):
+    """Classify a bias (see :class:`~ringattn_fast.schedule.RingConfig`); raise if it fits no mode.
+
+    One rule for the global array (``sq = seq, n = 1``: how ``ring_attention`` shards it) and for a
+    host's shard (``sq = s_local, n = axis_size``: how the ring uses it): ``[.., sq|1, 1]`` "static",
+    key-only ``[.., 1, sq]`` "travel", ``[.., sq|1, n * sq]`` "columns".
+    """
+    if bias is None:
+        return None
+    shape = tuple(bias.shape)
+    ok = len(shape) == 4 and shape[0] in (1, batch) and shape[1] in (1, heads) and shape[2] in (1, sq)
+    if ok and shape[3] == 1:
+        return "static"
+    if ok and shape[2] == 1 and shape[3] == sq:
+        return "travel"
+    if ok and shape[3] == n * sq:
+        return "columns"
+    raise ValueError(f"bias (per host) must be [batch|1, heads|1, {sq}|1, {n * sq}] (local query rows, all "
+                     f"key columns in layout order) or key-only [batch|1, heads|1, 1, {sq}] (this host's "
+                     f"keys; it travels with K/V); got shape {shape}")
+
+
+def axis_size(axis_name, strategy):
+    """The size of mesh axis ``axis_name`` of the enclosing ``shard_map``, or a ValueError saying so."""
+    try:
+        return lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(f"axis_name {axis_name!r} must name a mesh axis of an enclosing jax.shard_map: "
+                         f"call {strategy.name}_shard on per-device shards inside shard_map(..., mesh=...) "
+                         f"whose mesh has that axis, or call {strategy.name} on global arrays") from None
+
+
+def dropout_seed(key):
+    """The two uint32 words of a dropout key: a typed ``jax.random.key``, a raw ``PRNGKey`` (uint32 [2])
+    or an int seed in ``[0, 2**64)`` (``ringattn_ref.dropout``: the same words give the same mask)."""
+    if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+        return jnp.asarray(drop_ref.int_seed_words(key))
+    if hasattr(key, "dtype") and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    if getattr(key, "shape", None) != (2,) or getattr(key, "dtype", None) != jnp.uint32:
+        raise ValueError(f"dropout_key must be a jax.random.key (threefry), a raw PRNGKey (uint32 [2]) or an int "
+                         f"seed; got {type(key).__name__} with shape {getattr(key, 'shape', None)}, dtype "
+                         f"{getattr(key, 'dtype', None)}")
+    return jnp.asarray(key)
+
+
+def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, window_seq, scale, layout,
+                   block_q, block_kv, impl, platform, bias_mode, padding_segment, has_positions=False,
+                   comm_dtype=None, grad_comm_dtype=None, dropout_rate=0.0, dropout_key=None):
+    """The checks both doors share, on a host's view (``s_local`` tokens of ``N * s_local``): a :class:`Settings`.
+
+    ``window_seq``: the length that bounds a window (a bound of at least ``window_seq - 1`` is
+    unbounded); None when the caller gives positions. ``bias_mode`` is already classified.
+    """
+    scale, causal = val.check_scale(scale, q.shape[-1]), val.check_bool(causal, "causal")
+    window = val.check_window(window, window_seq)
+    if not strategy.comm and (comm_dtype is not None or grad_comm_dtype is not None):
+        raise ValueError(f"{strategy.name} takes no comm_dtype / grad_comm_dtype (its collectives move whole "
+                         f"q, k, v in their own dtype); got {comm_dtype!r}, {grad_comm_dtype!r}")
+    comm_dtype = comm.check_comm_dtype(comm_dtype)
+    grad_comm_dtype = comm.check_comm_dtype(grad_comm_dtype, "grad_comm_dtype", comm.GRAD_COMM_DTYPES)
+    dropout_rate = drop_ref.check_dropout_rate(dropout_rate, dropout_key)
+    if dropout_rate > 0 and not strategy.dropout:
+        raise ValueError(f"{strategy.name} takes no dropout_rate (attention dropout runs in the ring); got "
+                         f"{dropout_rate!r}")
+    q_len, kv_len = (s_local * n if whole else s_local for whole in (strategy.q_whole, strategy.kv_whole))
+    block_q = val.check_block(default_block(q_len) if block_q is None else block_q, q_len, "block_q")
+    block_kv = val.check_block(default_block(kv_len) if block_kv is None else block_kv, kv_len, "block_kv")
+    fused_ok = strategy.fused_ok and comm_dtype is None and grad_comm_dtype is None
+    impl = check_impl(impl, platform, q, k, v, has_bias=bias_mode is not None, has_dropout=dropout_rate > 0,
+                      fused_ok=fused_ok)
+    hop = HopConfig(scale=scale, causal=causal, window=window, block_q=block_q, block_kv=block_kv,
+                    dropout_rate=dropout_rate)
+    cfg = RingConfig(axis_name, hop, impl, bias_mode, skip_empty_hops=kernels_for(impl).skip_empty_hops,
+                     comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype)
+    return Settings(cfg, layout, padding_segment, has_positions)
+
+
+def check_shard_call(strategy, q, k, v, *, axis_name, segment_ids=None, bias=None, positions=None,
+                     padding_segment=None, layout="contiguous", dropout_key=None, dropout_offsets=(0, 0),
+                     **settings):
+    """Validate a per-host call (``*_attention_shard``): ``(Settings, Dropout | None)``.
+
+    Shapes are this host's: q [b, s_local, h, d], k, v [b, s_local, kv_heads, d], segment_ids and
+    positions [b, s_local], bias per host (:func:`bias_mode`). ``settings``: the keywords of
+    :func:`check_settings` that the caller passes through (causal, window, scale, blocks, impl, ...).
+    """
+    b, sq, h, hk, _ = val.check_qkv(q, k, v)
+    n = axis_size(axis_name, strategy)
+    if strategy.check_heads is not None:
+        strategy.check_heads(h, hk, n, axis_name)
+    seg = val.check_segment_ids(segment_ids, b, sq)
+    padding_segment = padding.check_padding_segment(padding_segment, seg)
+    layout = val.check_layout(layout, sq * n)
+    val.check_n_hosts(n, sq * n, layout, name=f"the size of mesh axis {axis_name!r}")
+    mode = bias_mode(bias, b, h, sq, n)
+    if bias is not None and not val.is_float_dtype(bias.dtype):
+        raise ValueError(f"bias must be a floating-point array; got dtype {bias.dtype}")
+    val.check_positions(positions, b, sq)
+    out = check_settings(strategy, q, k, v, n=n, s_local=sq, axis_name=axis_name, layout=layout,
+                         window_seq=sq * n if positions is None else None,
+                         platform=mesh_platform(jax.sharding.get_abstract_mesh()), bias_mode=mode,
+                         padding_segment=padding_segment, has_positions=positions is not None,
+                         dropout_key=dropout_key, **settings)
+    drop = None
+    if out.cfg.hop.dropout_rate > 0:
+        drop = Dropout(dropout_seed(dropout_key), *(jnp.asarray(x).astype(jnp.uint32) for x in dropout_offsets))
+    return out, drop
+
+
+def host_inputs(settings, q, k, v, *, segment_ids=None, bias=None, positions=None, drop=None):
+    """One host's :class:`HostInputs` from validated ``settings`` and its shards (no checks here).
+
+    Positions are the caller's or the layout's (``schedule.local_positions``); every array is cast to
+    vary over the same mesh axes (``shard_map(check_vma=True)``); the padding segment's queries get the
+    id no key has (``padding.padding_queries``).
+    """
+    cfg = settings.cfg
+    b, sq = q.shape[:2]
+    pos = local_positions(settings.layout, sq, cfg.axis_name, b) if positions is None else positions.astype(jnp.int32)
+    seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+    axes = tuple(sorted(set(varying_axes(q, k, v, seg, bias, pos) + (cfg.axis_name,))))
+    q, k, v, pos, seg, bias = vary_like((q, k, v, pos, seg, bias), axes)
+    travels = cfg.bias_mode == "travel"
+    qs = QShard(q, pos, None if seg is None else padding.padding_queries(seg, settings.padding_segment))
+    kv = KVShard(k, v, pos, seg, bias if travels else None)
+    return HostInputs(qs, kv, None if travels else bias, cfg, drop)
+
+
+def int32_segment_ids(segment_ids):
+    """Traced ids wider than int32 (x64) become int32 ranks: equal ids stay equal, whatever their size."""
+    if segment_ids is None or not isinstance(segment_ids, jax.core.Tracer) or segment_ids.dtype.itemsize <= 4:
+        return segment_ids
+    return jnp.searchsorted(jnp.sort(segment_ids.ravel()), segment_ids).astype(jnp.int32)
+
+
+_MAPPED = {}  # key of the static arguments -> the jitted shard_map (at most _MAPPED_MAX, oldest dropped)
+_MAPPED_MAX = 256
+_MAPPED_LOCK = threading.Lock()
+
+
+def hashable(static):
+    """The static arguments as a cache key, each by type and value (``True``, ``1`` and ``1.0`` are equal
+    in Python but not to the checks); arrays (a layout permutation) by value; None if unhashable."""
+    def item(x):
+        if isinstance(x, np.ndarray):
+            return ("array", x.dtype.str, x.shape, tuple(x.ravel().tolist()))
+        return type(x), x
+
+    try:
+        items = tuple((k, item(x)) for k, x in sorted(static.items()))
+        hash(items)
+    except TypeError:
+        return None
+    return items
+
+
+def cached(key, build):
+    """``build()`` once per ``key``: one jitted shard_map per static configuration.
+
+    Called outside ``jit`` a ``shard_map`` runs its body op by op, every op compiled again on every
+    call (a 64-token ring took seconds per call); jitted, a repeated eager call costs microseconds,
+    and under an outer ``jit`` it is one nested call of the outer program. A key holding something
+    unhashable builds afresh (compiled once per call, still not op by op).
+    """
+    try:
+        hash(key)
+    except TypeError:
+        return build()
+    if key[-1] is None:
+        return build()
+    with _MAPPED_LOCK:
+        fn = _MAPPED.pop(key, None)
+        _MAPPED[key] = fn = build() if fn is None else fn  # most recently used last
+        while len(_MAPPED) > _MAPPED_MAX:
+            _MAPPED.pop(next(iter(_MAPPED)))
+    return fn
+
+
+def _first_index(mesh_axes, local_size):
+    """Global index of this host's first row along a dim split over ``mesh_axes`` (None: not split)."""
+    if mesh_axes is None or mesh_axes == ():
+        return 0
+    return lax.axis_index(mesh_axes) * local_size
+
+
+def on_mesh(strategy, q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_ids=None, bias=None,
+            window=None, scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
+            padding_segment=None, return_lse=False, batch_axes=None, head_axis=None, dropout_rate=0.0,
+            dropout_key=None, comm_dtype=None, grad_comm_dtype=None):
+    """``strategy`` on global q, k, v: validated here, sharded over ``mesh``, run per host, in true order.
+
+    Arguments as ``ring_attention``'s. Returns [batch, seq, heads, dim] in q's dtype, in true order
+    (and lse [batch, heads, seq] with ``return_lse``).
+    """
+    b, s, h, hk, _ = val.check_qkv(q, k, v)
+    return_lse = val.check_bool(return_lse, "return_lse")
+    window = val.check_window(window, s)
+    segment_ids = val.check_segment_ids(int32_segment_ids(segment_ids), b, s)
+    padding_segment = padding.check_padding_segment(padding_segment, segment_ids)
+    val.check_bias(bias, b, h, s)
+    layout = val.check_layout(layout, s)
+    mesh = resolve_mesh(mesh)
+    axes = check_mesh_axes(mesh, axis_name, batch=b, heads=h, kv_heads=hk, batch_axes=batch_axes,
+                           head_axis=head_axis)
+    tp = 1 if head_axis is None else mesh.shape[head_axis]
+    if strategy.check_heads is not None:
+        strategy.check_heads(h // tp, hk // tp, axes.n, axis_name)
+    n, s_ring = axes.n, padding.ring_length(s, axes.n, layout)
+    ring_bias = None if bias is None else jax.ShapeDtypeStruct(padding.padded_bias_shape(bias.shape, s, s_ring),
+                                                                bias.dtype)
+    settings = check_settings(strategy, q, k, v, n=n, s_local=s_ring // n, axis_name=axis_name, causal=causal,
+                              window=window, window_seq=s, scale=scale, layout=padding.pad_layout(layout, s, s_ring),
+                              block_q=block_q, block_kv=block_kv, impl=impl, platform=mesh_platform(mesh),
+                              bias_mode=bias_mode(ring_bias, b, h, s_ring, 1),
+                              padding_segment=padding_segment, comm_dtype=comm_dtype,
+                              grad_comm_dtype=grad_comm_dtype, dropout_rate=dropout_rate, dropout_key=dropout_key)
+    seed = dropout_seed(dropout_key) if settings.cfg.hop.dropout_rate > 0 else None
+    run = partial(_run, strategy, settings, auto_mesh(mesh), axes, return_lse)
+    qb, qseq, qh, _ = spec_of(q, 4)
+    out_specs = (jax.P(qb, qseq, qh, None), jax.P(qb, qh, qseq)) if return_lse else jax.P(qb, qseq, qh, None)
+    return call_auto(mesh, run, q, k, v, segment_ids, bias, seed, out_specs=out_specs)
+
+
+def _run(strategy, settings, mesh, axes, return_lse, q, k, v, segment_ids, bias, seed):
+    """The global computation of :func:`on_mesh` on validated arguments: pad, permute, shard, attend."""
+    n, layout = axes.n, settings.layout
+    padded = padding.pad_for_ring(q, k, v, n_hosts=n, layout=layout, segment_ids=segment_ids, bias=bias,
+                                  padding_segment=settings.padding_segment)
+    settings = dataclasses.replace(settings, padding_segment=padded.padding_segment)
+    perm = partial(permute_axis, layout=layout, n_hosts=n)
+    args = {"q": perm(padded.q), "k": perm(padded.k), "v": perm(padded.v)}
+    specs = {name: axes.spec("batch", "seq", "heads", None) for name in args}
+    if padded.segment_ids is not None:
+        args["segment_ids"] = perm(jnp.asarray(padded.segment_ids).astype(jnp.int32))
+        specs["segment_ids"] = axes.spec("batch", "seq")
+    if padded.bias is not None:  # sharded as the ring shards it: rows by host, a key-only bias by keys
+        pb = padded.bias
+        rows = "seq" if pb.shape[2] > 1 else None
+        cols = "seq" if settings.cfg.bias_mode == "travel" else None
+        args["bias"] = perm(pb, axis=2) if rows else pb
+        args["bias"] = perm(args["bias"], axis=3) if pb.shape[3] > 1 else args["bias"]
+        specs["bias"] = axes.spec("batch" if pb.shape[0] > 1 else None, "heads" if pb.shape[1] > 1 else None,
+                                  rows, cols)
+    if seed is not None:  # the key is replicated; each host adds the global index of its first batch row and head
+        args["seed"], specs["seed"] = seed, jax.P()
+    names = tuple(args)
+
+    def build():
+        def per_host(*xs):
+            kw = dict(zip(names, xs))
+            seed_ = kw.pop("seed", None)
+            drop = None
+            if seed_ is not None:
+                b_local, h_local = kw["q"].shape[0], kw["q"].shape[2]
+                offsets = (_first_index(axes.batch, b_local), _first_index(axes.heads, h_local))
+                drop = Dropout(seed_, *(jnp.asarray(x).astype(jnp.uint32) for x in offsets))
+            return strategy.attend(host_inputs(settings, **kw, drop=drop))
+
+        return jax.jit(jax.shard_map(per_host, mesh=mesh, in_specs=tuple(specs[k_] for k_ in names),
+                                     out_specs=(specs["q"], axes.spec("batch", "heads", "seq"))))
+
+    static = dataclasses.asdict(settings) | {"layout": layout}
+    key = (strategy, mesh, axes, names, tuple(specs.items()), hashable(_flat(static)))
+    o, lse = cached(key, build)(*(args[k_] for k_ in names))
+    o = padded.unpad(permute_axis(o, layout, n, inverse=True))
+    if not return_lse:
+        return o
+    return o, padded.unpad(permute_axis(lse, layout, n, axis=2, inverse=True), axis=2)
+
+
+def _flat(d, prefix=""):
+    """A nested dict (``dataclasses.asdict``) as one level: ``{"cfg.hop.scale": 0.25, ...}``."""
+    out = {}
+    for k_, x in d.items():
+        if isinstance(x, dict):
+            out.update(_flat(x, f"{prefix}{k_}."))
+        else:
+            out[prefix + k_] = x
+    return out
