@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 from ringattn_fast.kernels.races import races_found  # noqa: E402
-from ringattn_fast.kernels.tpu_ring_fused import fused_ring_attention_shard  # noqa: E402
+from ringattn_fast.kernels.pallas_tpu_fused import fused_ring_attention_shard  # noqa: E402
 from ringattn_fast.schedule import HopConfig, KVShard, QShard  # noqa: E402
 
 

@@ -139,8 +139,9 @@ def test_shard_errors_inside_shard_map():
 
 def test_positions_and_ids_outside_int32_are_rejected():
     """Issue 8, defect 3: ids 0 and 2**32 used to attend to each other (error 0.6, no warning)."""
-    with pytest.raises(ValueError, match=r"q_pos must lie in \[0, 2147483647\]"):
-        ringattn_ref.hop_attention(*arrays(), np.full((B, S), -1), np.arange(S))
+    with pytest.raises(ValueError, match=r"qs.pos must lie in \[0, 2147483647\]"):
+        q, k, v = arrays()
+        ringattn_ref.hop_attention(ringattn_ref.QShard(q, np.full((B, S), -1)), ringattn_ref.KVShard(k, v, np.arange(S)))
     with pytest.raises(ValueError, match=r"positions must lie in \[0, 2147483647\]"):
         from ringattn_ref.validation import check_positions
         check_positions(np.full((B, S), 2**31), B, S)

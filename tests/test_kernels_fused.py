@@ -1,4 +1,4 @@
-"""Fused TPU ring kernel (``ringattn_fast.kernels.tpu_ring_fused``) on the CPU TPU interpreter.
+"""Fused TPU ring kernel (``ringattn_fast.kernels.pallas_tpu_fused``) on the CPU TPU interpreter.
 
 Every kernel here runs under ``pltpu.InterpretParams(detect_races=True)`` (on_race="raise": a race
 raises inside the call), and each test also asserts the interpreter's ``races.races_found`` flag.
@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
-from ringattn_fast.kernels import tpu_ring_fused as fused
+from ringattn_fast.kernels import pallas_tpu_fused as fused
 from ringattn_fast.kernels.races import races_found
 from ringattn_fast.masks import mark_bad_keys
 from ringattn_fast.schedule import HopConfig, KVShard, QShard
@@ -36,11 +36,11 @@ def oracle(q, k, v, do, dlse, q_pos, k_pos, q_seg, k_seg, *, scale, causal, wind
 
     q, do [b, sq, h, d]; k, v [b, sk, hk, d]; positions int [b, s] in layout order (any layout).
     """
-    opts = dict(scale=scale, causal=causal, window=window)
-    o, lse = hop_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, **opts)
+    qs, kv, cfg = QShard(q, q_pos, q_seg), KVShard(k, v, k_pos, k_seg), HopConfig(scale, causal, window)
+    o, lse = hop_attention(qs, kv, cfg)
     with np.errstate(invalid="ignore"):
         delta = np.einsum("bqhd,bqhd->bhq", np.asarray(do, np.float64), o) - dlse  # FA-2 D, minus d lse
-    return (o, lse) + tuple(hop_attention_vjp(q, k, v, do, lse, delta, q_pos, k_pos, q_seg, k_seg, **opts))
+    return (o, lse) + tuple(hop_attention_vjp(qs, kv, cfg, do=do, lse=lse, delta=delta)[:3])
 
 
 def run_fused(n, q, k, v, do, dlse, q_pos, k_pos, q_seg, k_seg, *, check_vma=False, **cfg):
@@ -171,7 +171,7 @@ def test_bfloat16_output_dtype_and_accuracy():
 
 
 def test_skips_empty_tiles():
-    """The kernels compute exactly the tiles `tile_schedule` marks visible, summed over the ring's
+    """The kernels compute exactly the tiles `empty_tiles` does not mark empty, summed over the ring's
     hops and heads (forward and backward count the same), and skip the rest."""
     n, b, s, h, d, bq, bk = 4, 1, 64, 2, 8, 4, 8
     rng = np.random.default_rng(2)

@@ -4,6 +4,7 @@ The oracle is ``ringattn_ref.hop_attention`` / ``hop_attention_vjp`` (one hop, g
 and delta). Both modules run interpreted on CPU (Triton: ``interpret=True``; TPU: ``InterpretParams``
 with race detection). The interpreters are slow, so problems are small and examples few.
 """
+import dataclasses
 import inspect
 
 import jax
@@ -13,8 +14,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
-from ringattn_fast.kernels import pallas_gpu, pallas_tpu, tiles, tpu_ring_fused
-from ringattn_fast.kernels.tiles import tile_schedule
+from ringattn_fast.kernels import pallas_gpu, pallas_tpu, pallas_tpu_fused, tiles
+from ringattn_fast.kernels.tiles import empty_tiles
 from ringattn_fast.masks import mark_bad_keys
 from ringattn_fast.schedule import HopConfig, KVShard, QShard
 from ringattn_ref import hop_attention, hop_attention_vjp
@@ -89,15 +90,15 @@ def run_hop(mod, pb, dtype=jnp.float32):
 def run_oracle(pb):
     """The float64 oracle on the raw K/V (it marks bad keys itself): o, lse of the hop and (dq, dk, dv)
     from its own lse and delta."""
-    cfg = pb["cfg"]
-    opts = dict(scale=cfg.scale, causal=cfg.causal, window=cfg.window)
-    args = [np.asarray(pb[n]) for n in ("q", "k", "v")]
-    ints = [None if pb[n] is None else np.asarray(pb[n]) for n in ("q_pos", "k_pos", "q_seg", "k_seg")]
-    o, lse = hop_attention(*args, *ints, **opts)
+    cfg = dataclasses.replace(pb["cfg"], block_q=None, block_kv=None)  # the oracle's own tiles: any give the same
+    q, k, v = (np.asarray(pb[n]) for n in ("q", "k", "v"))
+    q_pos, k_pos, q_seg, k_seg = (None if pb[n] is None else np.asarray(pb[n]) for n in ("q_pos", "k_pos", "q_seg", "k_seg"))
+    qs, kv = QShard(q, q_pos, q_seg), KVShard(k, v, k_pos, k_seg)
+    o, lse = hop_attention(qs, kv, cfg)
     do = np.asarray(pb["do"], np.float64)
     with np.errstate(invalid="ignore"):
         delta = np.einsum("bqhd,bqhd->bhq", do, o)
-    return (o, lse) + tuple(hop_attention_vjp(*args, do, lse, delta, *ints, **opts))
+    return (o, lse) + tuple(hop_attention_vjp(qs, kv, cfg, do=do, lse=lse, delta=delta)[:3])
 
 
 def assert_matches_oracle(got, want, tol):
@@ -118,9 +119,9 @@ def assert_matches_oracle(got, want, tol):
 def test_gpu_kernel_matches_oracle_and_counts_tiles(pb):
     assert_matches_oracle(run_hop(pallas_gpu, pb), run_oracle(pb), TOL)
     counts = pallas_gpu.fwd_tile_counts(*shards(pb), pb["cfg"])
-    schedule = tile_schedule(pb["q_pos"], pb["k_pos"], pb["q_seg"], pb["k_seg"], causal=pb["cfg"].causal,
-                             window=pb["cfg"].window, block_q=pb["cfg"].block_q, block_kv=pb["cfg"].block_kv)
-    np.testing.assert_array_equal(counts, np.broadcast_to(schedule.sum(-1)[:, None], counts.shape))
+    empty = empty_tiles(pb["q_pos"], pb["k_pos"], pb["q_seg"], pb["k_seg"], causal=pb["cfg"].causal,
+                        window=pb["cfg"].window, block_q=pb["cfg"].block_q, block_kv=pb["cfg"].block_kv)
+    np.testing.assert_array_equal(counts, np.broadcast_to((~empty).sum(-1)[:, None], counts.shape))
 
 
 @pytest.mark.slow
@@ -146,16 +147,16 @@ def tile_any(mask, block_q, block_kv):
 
 @settings(max_examples=30)
 @given(problems(blocks=(4, 8)))
-def test_tile_schedule_skips_only_empty_tiles(pb):
-    """Any layout (contiguous, striped, permuted), masks and segments: a skipped tile has an empty mask."""
+def test_empty_tiles_are_only_empty_tiles(pb):
+    """Any layout (contiguous, striped, permuted), masks and segments: a tile called empty has an empty mask."""
     cfg, pos = pb["cfg"], (pb["q_pos"], pb["k_pos"], pb["q_seg"], pb["k_seg"])
-    schedule = np.asarray(tile_schedule(*pos, causal=cfg.causal, window=cfg.window, block_q=cfg.block_q,
-                                        block_kv=cfg.block_kv))
+    empty = np.asarray(empty_tiles(*pos, causal=cfg.causal, window=cfg.window, block_q=cfg.block_q,
+                                   block_kv=cfg.block_kv))
     mask = exact_mask(*pos, causal=cfg.causal, window=cfg.window)
-    assert not np.any(tile_any(mask, cfg.block_q, cfg.block_kv) & ~schedule)
+    assert not np.any(tile_any(mask, cfg.block_q, cfg.block_kv) & empty)
 
 
-def test_tile_schedule_is_exact_for_contiguous_positions():
+def test_empty_tiles_are_exact_for_contiguous_positions():
     """Each tile's positions form a full integer range, so causal/window skipping loses nothing:
     every offset between a Q shard and a K/V shard, every window edge, blocks of 4."""
     k_pos = jnp.arange(16)[None] + 20
@@ -163,26 +164,26 @@ def test_tile_schedule_is_exact_for_contiguous_positions():
         q_pos = jnp.arange(16)[None] + q_off
         for causal in (False, True):
             for window in (None, (0, 0), (3, -1), (-1, 2), (5, 7), (9, 0)):
-                schedule = tile_schedule(q_pos, k_pos, causal=causal, window=window, block_q=4, block_kv=4)
+                empty = empty_tiles(q_pos, k_pos, causal=causal, window=window, block_q=4, block_kv=4)
                 mask = exact_mask(q_pos, k_pos, None, None, causal=causal, window=window)
-                np.testing.assert_array_equal(schedule, tile_any(mask, 4, 4), err_msg=f"{q_off} {causal} {window}")
+                np.testing.assert_array_equal(~empty, tile_any(mask, 4, 4), err_msg=f"{q_off} {causal} {window}")
 
 
-def test_tile_schedule_near_int32_max():
+def test_empty_tiles_near_int32_max():
     """Positions up to 2**31 - 1 with a window: exact, no overflow (the old predicate computed
     ``q_hi + right``, which wraps to a negative int32 and skipped visible tiles)."""
     top = 2**31 - 1
     q_pos, k_pos = (jnp.arange(top - 31, top + 1, dtype=jnp.int32)[None],) * 2
     for window in ((3, 5), (0, 9), (-1, 7)):
-        schedule = tile_schedule(q_pos, k_pos, causal=False, window=window, block_q=8, block_kv=8)
+        empty = empty_tiles(q_pos, k_pos, causal=False, window=window, block_q=8, block_kv=8)
         mask = exact_mask(q_pos, k_pos, None, None, causal=False, window=window)
-        np.testing.assert_array_equal(schedule, tile_any(mask, 8, 8), err_msg=str(window))
+        np.testing.assert_array_equal(~empty, tile_any(mask, 8, 8), err_msg=str(window))
 
 
 def test_resident_blocks_hold_the_last_computed_tile():
     """The TPU index maps' table: a skipped step keeps the previous computed block (no new DMA)."""
-    vis = jnp.asarray([[0, 1, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 0, 0]], bool)
-    np.testing.assert_array_equal(tiles.resident_blocks(vis),
+    computed = jnp.asarray([[0, 1, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 0, 0]], bool)
+    np.testing.assert_array_equal(tiles.resident_blocks(~computed),
                                   [[1, 1, 1, 1, 4, 4], [0] * 6, [0, 1, 2, 3, 4, 5], [3, 3, 3, 3, 3, 3]])
 
 
@@ -213,9 +214,9 @@ def poisoned_problem(layout):
     pb = hop_problem(rng.standard_normal((1, sq, h, d)), rng.standard_normal((1, sk, 1, d)),
                      rng.standard_normal((1, sk, 1, d)), rng.standard_normal((1, sq, h, d)), q_pos[None],
                      k_pos[None], scale=d ** -0.5, causal=causal, window=window, block_q=8, block_kv=8)
-    schedule = np.asarray(tile_schedule(pb["q_pos"], pb["k_pos"], causal=causal, window=window,
-                                        block_q=8, block_kv=8))
-    dead_rows = np.repeat(~schedule[0].any(axis=0), 8)  # K/V rows in tiles no Q tile computes
+    computed = ~np.asarray(empty_tiles(pb["q_pos"], pb["k_pos"], causal=causal, window=window,
+                                       block_q=8, block_kv=8))
+    dead_rows = np.repeat(~computed[0].any(axis=0), 8)  # K/V rows in tiles no Q tile computes
     assert 0 < dead_rows.sum() < sk
     return pb, dead_rows
 
@@ -268,17 +269,17 @@ def test_masked_nan_keys_contribute_nothing(name):
 
 @pytest.mark.slow
 def test_tpu_kernel_counts_computed_tiles():
-    """The TPU forward's SMEM debug counter equals the tile schedule (striped, causal, segments)."""
+    """The TPU forward's SMEM debug counter counts the tiles that are not empty (striped, causal, segments)."""
     q_pos, k_pos = jnp.arange(32)[None] * 4 + 3, jnp.arange(32)[None] * 4 + 1  # striped, hosts 3 and 1
     seg = lambda pos: pos // 48
     x = jnp.ones((1, 32, 2, 32), jnp.float32)
     cfg = HopConfig(scale=0.2, causal=True, window=(40, -1), block_q=8, block_kv=8)
     qs, kv = QShard(x, q_pos, seg(q_pos)), KVShard(x[:, :, :1], x[:, :, :1], k_pos, seg(k_pos))
     counts = pallas_tpu.fwd_tile_counts(qs, kv, cfg)
-    schedule = tile_schedule(q_pos, k_pos, seg(q_pos), seg(k_pos), causal=True, window=(40, -1),
-                             block_q=8, block_kv=8)
-    assert 0 < schedule.sum() < schedule.size  # some tiles skipped, some computed
-    np.testing.assert_array_equal(counts, np.broadcast_to(schedule.sum(-1)[:, None], counts.shape))
+    computed = ~empty_tiles(q_pos, k_pos, seg(q_pos), seg(k_pos), causal=True, window=(40, -1),
+                            block_q=8, block_kv=8)
+    assert 0 < computed.sum() < computed.size  # some tiles skipped, some computed
+    np.testing.assert_array_equal(counts, np.broadcast_to(computed.sum(-1)[:, None], counts.shape))
 
 
 def pallas_outputs(fn, *args):
@@ -309,7 +310,7 @@ def test_forward_counts_tiles_only_when_asked(name):
 
 def test_kernels_take_named_refs():
     """Every kernel names its refs (no ``*refs`` unpacked by position): absent inputs are None refs."""
-    kernels = [f for mod in (pallas_gpu, pallas_tpu, tpu_ring_fused) for n, f in vars(mod).items()
+    kernels = [f for mod in (pallas_gpu, pallas_tpu, pallas_tpu_fused) for n, f in vars(mod).items()
                if n.endswith("_kernel") and callable(f)]
     assert len(kernels) == 8  # fwd, dq, dkv (x2); the fused fwd, bwd
     for f in kernels:

@@ -6,7 +6,9 @@ from hypothesis import strategies as st
 
 from ringattn_ref import (attention, blockwise_attention, from_layout, hop_attention, merge,
                           ring_attention, to_layout)
+from ringattn_ref.blockwise import bias_tile
 from ringattn_ref.layouts import layout_permutation
+from ringattn_ref.shards import HopConfig, KVShard, QShard
 from ringattn_ref.testing import attention_problems, max_abs_error as max_err
 
 TOL = 1e-12
@@ -19,7 +21,7 @@ def test_ring_equals_attention(p):
     assert not np.isnan(o).any()
     assert max_err(o, attention(p.q, p.k, p.v, **p.mask_kwargs())) <= TOL
     n = p.n_hosts
-    assert trace.n_steps == n and trace.kv_block.shape == (n, n)
+    assert trace.n_steps == n and trace.kv_idx.shape == (n, n)
     c = p.q.shape[1] // n
     assert np.all(trace.tiles_computed + trace.tiles_skipped
                   == (c // p.block_q) * (c // p.block_kv))
@@ -53,11 +55,12 @@ def test_result_independent_of_hop_order(p, random):
         o, lse = None, None
         for kv_idx in hops:
             ks = slice(kv_idx * c, (kv_idx + 1) * c)
-            part = hop_attention(lay[0][:, qs], lay[1][:, ks], lay[2][:, ks], perm[qs], perm[ks],
-                                 None if seg is None else seg[:, qs],
-                                 None if seg is None else seg[:, ks], kw["bias"], scale=scale,
-                                 causal=kw["causal"], window=kw["window"], block_q=p.block_q,
-                                 block_kv=p.block_kv)
+            bias = bias_tile(kw["bias"], perm[None, qs], perm[None, ks])  # this hop's block, by true positions
+            part = hop_attention(QShard(lay[0][:, qs], perm[qs], None if seg is None else seg[:, qs]),
+                                 KVShard(lay[1][:, ks], lay[2][:, ks], perm[ks], None if seg is None else seg[:, ks],
+                                         bias),
+                                 HopConfig(scale=scale, causal=kw["causal"], window=kw["window"], block_q=p.block_q,
+                                           block_kv=p.block_kv))
             o, lse = part if o is None else merge(o, lse, *part)
         outs.append(o)
     o = from_layout(np.concatenate(outs, axis=1), p.layout, n)
@@ -114,7 +117,7 @@ def test_schedule_and_bytes_sent_per_step(n):
     b, c, kv_heads, d = 2, 4, 2, 3
     t = _trace(n, c, "contiguous", causal=False, block=2, b=b, h=4, d=d, kv_heads=kv_heads)
     hosts, steps = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
-    assert np.array_equal(t.kv_block, (hosts - steps) % n)  # kv_idx = (my_idx - step) % N
+    assert np.array_equal(t.kv_idx, (hosts - steps) % n)  # kv_idx = (my_idx - step) % N
     kv_bytes = 2 * b * c * kv_heads * d * 8  # K and V shards, float64
     assert np.all(t.bytes_sent[:, :-1] == kv_bytes)
     assert np.all(t.bytes_sent[:, -1] == 0)  # no wasted final send
@@ -125,7 +128,7 @@ def test_schedule_and_bytes_sent_per_step(n):
 def test_causal_contiguous_skips_exactly_upper_hops():
     n = 8
     t = _trace(n, 4, "contiguous", block=2)
-    assert np.array_equal(t.hop_skipped, t.kv_block > np.arange(n)[:, None])
+    assert np.array_equal(t.hop_skipped, t.kv_idx > np.arange(n)[:, None])
     assert np.all(t.flops[t.hop_skipped] == 0) and np.all(t.flops[~t.hop_skipped] > 0)
 
 

@@ -37,7 +37,7 @@ def test_schedule_figure_shows_blocks_and_greys_skipped_hops():
     # A hand-made trace: 3 hosts, host 0 skips its last two hops, host 1 its last.
     kv = np.array([[0, 2, 1], [1, 0, 2], [2, 1, 0]])
     skipped = np.array([[False, True, True], [False, False, True], [False, False, False]])
-    trace = types.SimpleNamespace(n_hosts=3, layout="contiguous", kv_block=kv, hop_skipped=skipped)
+    trace = types.SimpleNamespace(n_hosts=3, layout="contiguous", kv_idx=kv, hop_skipped=skipped)
     fig = viz.plot_schedule(trace)
     ax = fig.axes[0]
     assert [t.split("\n")[0] for t in _texts(ax)] == [str(b) for b in kv.reshape(-1)]
