@@ -1,4 +1,4 @@
-"""GPU check of the Pallas Triton per-hop kernel (issue 4, "GPU check"): errors and TFLOP/s vs cuDNN.
+"""GPU check of the Pallas Triton per-hop kernel: errors and TFLOP/s vs cuDNN.
 
     python -m benchmarks.bench_gpu                    # a GPU: seq 4K-32K, heads 8 and 32, d=128, bf16
     python -m benchmarks.bench_gpu --quick            # seq 4K and 16K, heads 32 (about a minute)
@@ -20,8 +20,8 @@ For every (seq, heads, causal) row, on one device, the whole sequence as a singl
    forward+backward (o, lse, delta, dq, dk, dv), next to ``jax.nn.dot_product_attention(...,
    implementation="cudnn")`` (forward, and its VJP for forward+backward). FLOPs, as FlashAttention-2
    counts them: forward ``4 * b * h * s^2 * d`` (two matmuls), halved when causal; forward+backward
-   3.5x forward (five more matmuls in the backward, the recomputation of S included). The target of
-   issue 4 is ours / cuDNN forward >= 0.7.
+   3.5x forward (five more matmuls in the backward, the recomputation of S included). The target is
+   ours / cuDNN forward >= 0.7.
 
 cuDNN needs bf16/fp16 in the BTNH layout (= our [batch, seq, heads, dim]) with head dim a multiple
 of 8 and <= 128 (<= 256 from Hopper on); if it raises, the row says so and the check continues.
@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
+from functools import partial
+
+from .timing import time_interleaved
 
 TARGET_FWD_RATIO = 0.7
 TOL = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 2e-2}
@@ -100,15 +102,7 @@ def attention_flops(batch, heads, seq, dim, causal):
 
 def time_call(fn, args, warmup, repeats):
     """Median seconds of ``fn(*args)`` over ``repeats`` calls after ``warmup`` calls (blocking on each)."""
-    import jax
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return time_interleaved([partial(fn, *args)], repeats, warmup)[0]
 
 
 def make_functions(opts, blocks, ref_blocks, ref_impl):
@@ -195,7 +189,7 @@ def run_row(args, seq, heads, causal):
     row["ms"] = {"ours_fwd": 1e3 * t_fwd, "ours_fwd_bwd": 1e3 * t_fb}
     row["tflops"] = {"ours_fwd": flops_fwd / t_fwd / 1e12, "ours_fwd_bwd": flops_fb / t_fb / 1e12}
     row["ref_error"], row["ref_err"] = None, {}
-    try:  # the forward first: its ratio is the issue's target even if the reference's backward fails
+    try:  # the forward first: its ratio is the target even if the reference's backward fails
         row["ref_err"]["o"] = max_errors([jax.block_until_ready(ref_fwd(*data))], truth[:1])["o"]
         r_fwd = time_call(ref_fwd, data, args.warmup, args.repeats)
         row["ms"]["ref_fwd"], row["tflops"]["ref_fwd"] = 1e3 * r_fwd, flops_fwd / r_fwd / 1e12
@@ -246,7 +240,8 @@ def main(argv=None):
     err = sys.stderr
     print(f"# kernel 1 (pallas_gpu hop) vs XLA hop (float32, highest) and vs jax.nn.dot_product_attention"
           f"(implementation={args.ref_impl!r}) on {jax.devices()[0].device_kind}; {args.dtype}, d={args.dim}, "
-          f"block_q={args.block_q}, block_kv={args.block_kv}; TFLOP/s (FA-2 count), median of {args.repeats}"
+          f"block_q={args.block_q}, block_kv={args.block_kv}; TFLOP/s (FA-2 count), median of {args.repeats}; "
+          f"jax {jax.__version__}, backend {jax.default_backend()}"
           f"{' [dry run]' if args.dry_run else ''}", file=err)
     print(HEADER, file=err)
     causals = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]

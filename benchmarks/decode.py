@@ -13,32 +13,32 @@ bytes (the K/V shard a device holds), XLA's per-device temp bytes (``memory_anal
 collectives per token counted in the compiled program text (all-reduce, all-gather, all-to-all,
 collective-permute, reduce-scatter). Both caches are filled with the same random K/V (the sharded one
 in its striped order) up to ``S - repeats - 8`` tokens directly (a 128K prefill on CPU would take far longer than the decoding it sets up).
-One JSON object per line to stdout (or ``--out``), a markdown table to stderr.
+Each latency is also shown relative to the fastest impl at that length, measured in the same run.
+One JSON object per line to stdout (or ``--out``), a configuration line and a markdown table to stderr.
 """
 from __future__ import annotations
 
 import argparse
 import re
-import statistics
-import sys
-import time
 
 import numpy as np
 
 from . import report
+from .timing import Progress, time_interleaved
 
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench --mode decode", description=__doc__.split("\n")[0])
-    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices = ring size (default 8)")
-    p.add_argument("--lengths", default="8192,16384,32768,65536,131072", help="cache lengths S, comma list")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench --mode decode", description=__doc__.split("\n")[0],
+                                formatter_class=report.HelpFormatter)
+    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices = ring size")
+    p.add_argument("--lengths", default="8192,16384,32768,65536,131072", help="cache lengths S in tokens, comma list")
+    p.add_argument("--batch", type=int, default=1, help="batch size (sequences decoded at once)")
+    p.add_argument("--heads", type=int, default=8, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=2, help="K/V heads of the cache")
+    p.add_argument("--dim", type=int, default=64, help="head dim")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="cache and token dtype")
     p.add_argument("--repeats", type=int, default=30, help="decode steps timed per length; the median is kept")
     p.add_argument("--out", help="write the JSON lines here instead of stdout")
     p.add_argument("--plot", help="save a figure (latency and per-device memory over S) to this image file")
@@ -103,22 +103,20 @@ def setup(args, s, mesh):
 
 
 def measure(args, s, mesh):
-    import jax
+    """The rows of cache length ``s``: one per impl, its median step timed round-robin with the others'."""
     impls = setup(args, s, mesh)
     caches = {name: impl[2] for name, impl in impls.items()}
-    for name, (compiled, tok, _, _) in impls.items():  # warm-up
-        o, caches[name] = compiled(*tok, caches[name])
-        jax.block_until_ready(o)
-    times = {name: [] for name in impls}
-    for _ in range(args.repeats):
-        for name, (compiled, tok, _, _) in impls.items():
-            start = time.perf_counter()
+
+    def step(name, compiled, tok):
+        def run():  # one token; the output cache feeds the next step, as a server would
             o, caches[name] = compiled(*tok, caches[name])
-            jax.block_until_ready(o)
-            times[name].append(time.perf_counter() - start)
+            return o
+        return run
+
+    latencies = time_interleaved([step(name, compiled, tok) for name, (compiled, tok, _, _) in impls.items()],
+                                 args.repeats, warmup=1)
     rows = []
-    for name, (compiled, _, _, cache_bytes) in impls.items():
-        latency = statistics.median(times[name])
+    for latency, (name, (compiled, _, _, cache_bytes)) in zip(latencies, impls.items()):
         rows.append(dict(impl=name, seq=s, devices=args.devices if name == "sharded" else 1, batch=args.batch,
                          heads=args.heads, kv_heads=args.kv_heads, dim=args.dim, dtype=args.dtype,
                          latency_s=latency, tokens_per_s=args.batch / latency, cache_bytes_per_device=int(cache_bytes),
@@ -128,24 +126,29 @@ def measure(args, s, mesh):
 
 
 def table(rows):
-    """Markdown: one line per S, sharded next to dense."""
-    lines = ["| S | sharded ms/token | dense ms/token | sharded / dense | sharded tok/s | dense tok/s | "
-             "cache MiB/device (sharded, dense) | temp MiB/device (sharded, dense) | collectives/token |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for s in sorted({r["seq"] for r in rows}):
-        sh, de = (next(r for r in rows if r["seq"] == s and r["impl"] == name) for name in ("sharded", "dense"))
-        coll = ", ".join(f"{n} {name}" for name, n in sh["collectives"].items()) or "none"
-        lines.append(f"| {s // 1024}K | {1e3 * sh['latency_s']:.2f} | {1e3 * de['latency_s']:.2f} | "
-                     f"{sh['latency_s'] / de['latency_s']:.2f}x | {sh['tokens_per_s']:.0f} | {de['tokens_per_s']:.0f} | "
-                     f"{sh['cache_bytes_per_device'] / 2**20:.2f}, {de['cache_bytes_per_device'] / 2**20:.2f} | "
-                     f"{sh['temp_bytes_per_device'] / 2**20:.2f}, {de['temp_bytes_per_device'] / 2**20:.2f} | {coll} |")
+    """Markdown: one line per (S, impl), its latency next to its ratio to the fastest impl at that S."""
+    lines = ["| S | impl | devices | ms/token | vs fastest | tok/s | cache MiB/device | temp MiB/device | "
+             "collectives/token |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        fastest = min(o["latency_s"] for o in rows if o["seq"] == r["seq"])
+        coll = ", ".join(f"{n} {name}" for name, n in r["collectives"].items()) or "none"
+        lines.append(f"| {report.length_label(r['seq'])} | {r['impl']} | {r['devices']} | {1e3 * r['latency_s']:.2f} | "
+                     f"{report.ratio(r['latency_s'], fastest)} | {r['tokens_per_s']:.0f} | "
+                     f"{r['cache_bytes_per_device'] / 2**20:.2f} | {r['temp_bytes_per_device'] / 2**20:.2f} | {coll} |")
     return "\n".join(lines)
+
+
+def config(args, lengths):
+    """The configuration line's items (:func:`report.config_line`); decoding is causal by construction."""
+    return dict(mode="decode", devices=args.devices, batch=args.batch, seq=report.lengths_label(lengths),
+                heads=args.heads, kv_heads=args.kv_heads, dim=args.dim, dtype=args.dtype, causal="true",
+                blocks="default", repeats=args.repeats)
 
 
 def plot(rows, path):
     plt = report.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for name in ("sharded", "dense"):
+    for name in dict.fromkeys(r["impl"] for r in rows):  # the impls, in the order measured
         rs = sorted((r for r in rows if r["impl"] == name), key=lambda r: r["seq"])
         seq = [r["seq"] for r in rs]
         axes[0].plot(seq, [1e3 * r["latency_s"] for r in rs], "o-", label=name)
@@ -154,8 +157,7 @@ def plot(rows, path):
     axes[0].set_ylabel("ms per token (median)")
     axes[1].set_ylabel("MiB per device")
     for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("cache length S")
+        report.log2_length_axis(ax, [r["seq"] for r in rows], "cache length S (tokens)")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -168,12 +170,14 @@ def main(argv=None):
     import ringattn_fast as rf
 
     mesh = rf.make_mesh(args.devices)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    progress = Progress(len(lengths))
     out = report.open_rows(args.out)
     rows = []
-    for s in (int(x) for x in args.lengths.split(",")):
+    for s in lengths:
         for row in measure(args, s, mesh):
             rows.append(row)
             report.emit(row, out)
-        sys.stderr.write(f"S={s} done\n")
-    report.finish(rows, out, args, table, plot)
+        progress.step(f"S={report.length_label(s)} done")
+    report.finish(rows, out, args, table, plot, config(args, lengths))
     return rows

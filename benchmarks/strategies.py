@@ -1,4 +1,4 @@
-"""Benchmark: the three ways to split attention over the sequence, side by side (issue 11).
+"""Benchmark: the three ways to split attention over the sequence, side by side.
 
     python -m benchmarks.bench --mode strategies                  # 8 devices, S=8192, h=4, d=64, fp32
     python -m benchmarks.bench --mode strategies --seqs 2048,4096,8192,16384,32768 --out s.jsonl --plot s.png
@@ -10,7 +10,9 @@ per-device temp bytes (``memory_analysis().temp_size_in_bytes``), the bytes each
 **measured from the compiled program** (:func:`collective_bytes`), and the bytes a simple model
 predicts: for the forward alone ``ringattn_ref.strategy_cost`` (the reference side's model of all
 three, :func:`reference_model`), for forward+backward :func:`predicted_bytes`; and the max
-difference of the output from the ring's. One JSON object per line, a markdown table on stderr.
+difference of the output from the ring's. Time, temp memory and bytes sent are also shown relative to
+the ring at the same length, measured in the same run. One JSON object per line, a configuration
+line and a markdown table on stderr.
 """
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ import argparse
 import re
 import sys
 from collections import defaultdict
+from functools import partial
 
 import numpy as np
 
 from . import report
+from .timing import Progress, time_interleaved
 
 STRATEGIES = ("ring", "allgather", "ulysses")
 ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -111,37 +115,57 @@ def reference_model(strategy, *, n, batch, seq, heads, kv_heads, dim, dtype_byte
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench --mode strategies",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("--devices", type=int, default=8)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seqs", default="8192", help="comma list of sequence lengths (default 8192)")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--causal", default="false", choices=["true", "false"])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--strategies", default=",".join(STRATEGIES))
+                                description=__doc__.split("\n")[0], formatter_class=report.HelpFormatter)
+    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices = ring size")
+    p.add_argument("--batch", type=int, default=1, help="batch size")
+    p.add_argument("--seqs", default="8192", help="sequence lengths in tokens, comma list")
+    p.add_argument("--heads", type=int, default=4, help="query heads (Ulysses needs a multiple of --devices)")
+    p.add_argument("--kv-heads", type=int, default=None, help="K/V heads (omitted: --heads)")
+    p.add_argument("--dim", type=int, default=64, help="head dim")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="input dtype")
+    p.add_argument("--causal", default="false", choices=["true", "false"], help="causal mask")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the median is kept")
+    p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma list of " + ", ".join(STRATEGIES))
     p.add_argument("--out", help="write the JSON lines here instead of stdout")
     p.add_argument("--plot", help="save a figure (time, memory, bytes vs seq) to this image file")
     return p.parse_args(argv)
 
 
+RATIOS = (("fwd_bwd_s", "fwd+bwd"), ("temp_fwd_bwd_bytes", "temp fwd+bwd"), ("sent_bytes", "sent fwd+bwd"))
+
+
 def table(rows):
     """A markdown table of the rows (MiB per device; "model": see :func:`reference_model` and
-    :func:`predicted_bytes`)."""
+    :func:`predicted_bytes`), with fwd+bwd time, temp memory and bytes sent relative to the ring (or,
+    without it, to the first strategy run) at the same length."""
     mib = lambda x: f"{x / 2**20:.2f}"  # noqa: E731
-    lines = ["| S | strategy | fwd+bwd s | temp fwd / fwd+bwd MiB | model peak fwd MiB | sent fwd MiB: measured / "
-             "model | sent fwd+bwd MiB: measured / model | max diff vs ring |", "|---|---|---|---|---|---|---|---|"]
+    ran = [r for r in rows if not r.get("skipped")]
+    base = "ring" if any(r["strategy"] == "ring" for r in ran) else ran[0]["strategy"] if ran else "ring"
+    cols = ["fwd+bwd s", f"fwd+bwd vs {base}", "temp fwd / fwd+bwd MiB", f"temp fwd+bwd vs {base}",
+            "model peak fwd MiB", "sent fwd MiB: measured / model", "sent fwd+bwd MiB: measured / model",
+            f"sent fwd+bwd vs {base}", "max diff vs ring"]
+    lines = ["| S | strategy | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     for r in rows:
         if r.get("skipped"):
-            lines.append(f"| {r['seq']} | {r['strategy']} | n/a: {r['skipped']} | | | | | |")
+            lines.append(f"| {report.length_label(r['seq'])} | {r['strategy']} | n/a: {r['skipped']} |"
+                         + " |" * (len(cols) - 1))
             continue
-        lines.append(f"| {r['seq']} | {r['strategy']} | {r['fwd_bwd_s']:.3f} | {r['temp_fwd_bytes'] / 2**20:.1f} / "
-                     f"{r['temp_fwd_bwd_bytes'] / 2**20:.1f} | {r['fwd_predicted_peak_bytes'] / 2**20:.1f} | "
+        ref = next((b for b in ran if b["strategy"] == base and b["seq"] == r["seq"]), None)
+        vs = {key: report.ratio(r[key], ref and ref[key]) for key, _ in RATIOS}
+        lines.append(f"| {report.length_label(r['seq'])} | {r['strategy']} | {r['fwd_bwd_s']:.3f} | "
+                     f"{vs['fwd_bwd_s']} | "
+                     f"{r['temp_fwd_bytes'] / 2**20:.1f} / {r['temp_fwd_bwd_bytes'] / 2**20:.1f} | "
+                     f"{vs['temp_fwd_bwd_bytes']} | {r['fwd_predicted_peak_bytes'] / 2**20:.1f} | "
                      f"{mib(r['fwd_sent_bytes'])} / {mib(r['fwd_predicted_bytes'])} | {mib(r['sent_bytes'])} / "
-                     f"{mib(r['predicted_bytes'])} | {r['max_diff_vs_ring']:.1e} |")
+                     f"{mib(r['predicted_bytes'])} | {vs['sent_bytes']} | {r['max_diff_vs_ring']:.1e} |")
     return "\n".join(lines)
+
+
+def config(args, seqs, kv_heads):
+    """The configuration line's items (:func:`report.config_line`)."""
+    return dict(mode="strategies", devices=args.devices, batch=args.batch, seq=report.lengths_label(seqs),
+                heads=args.heads, kv_heads=kv_heads, dim=args.dim, dtype=args.dtype, causal=args.causal,
+                blocks="default", repeats=args.repeats, strategies=args.strategies)
 
 
 def plot(rows, path):
@@ -158,9 +182,8 @@ def plot(rows, path):
         axes[2].plot(s, [r["predicted_bytes"] / 2**20 for r in rs], "x--", color=line.get_color(),
                      label=f"{name} model")
     for ax, label in zip(axes, ("fwd+bwd seconds (median)", "temp MiB per device", "MiB sent per device")):
-        ax.set_xscale("log", base=2)
+        report.log2_length_axis(ax, [r["seq"] for r in rows], "sequence length (tokens)")
         ax.set_yscale("log")
-        ax.set_xlabel("sequence length")
         ax.set_ylabel(label)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -174,8 +197,6 @@ def main(argv=None):
     import jax.numpy as jnp
 
     import ringattn_fast as rf
-
-    from .bench import Progress, time_interleaved
 
     fns = {"ring": rf.ring_attention, "allgather": rf.allgather_attention, "ulysses": rf.ulysses_attention}
     names = args.strategies.split(",")
@@ -215,7 +236,7 @@ def main(argv=None):
                                fwd_predicted_bytes=ref_sent, fwd_predicted_peak_bytes=ref_peak,
                                sent_bytes=collective_bytes(compiled.as_text(), n, loop_trips=n - 1),
                                predicted_bytes=float(predicted_bytes(name, **shape)))
-            jobs.append((compiled, (q, k, v, do)))
+            jobs.append(partial(compiled, q, k, v, do))
             progress.step(f"S={seq} {name} compiled")
         medians = time_interleaved(jobs, args.repeats)
         progress.step(f"S={seq} timed ({args.repeats} rounds)")
@@ -225,7 +246,7 @@ def main(argv=None):
             rows.append(dict(found[name], fwd_bwd_s=t, max_diff_vs_ring=diff))
         for r in rows[-len(names):]:
             report.emit(r, out)
-    report.finish(rows, out, args, table, plot)
+    report.finish(rows, out, args, table, plot, config(args, seqs, kv_heads))
     return rows
 
 

@@ -1,4 +1,4 @@
-"""Benchmark: a measured timeline of one forward+backward (issue 11), from the helper notebook 13 uses.
+"""Benchmark: a measured timeline of one forward+backward, from the helper notebook 13 uses.
 
     python -m benchmarks.timeline                                   # the ring, 8 devices, S=1024
     python -m benchmarks.timeline --strategy allgather --seq 4096 --plot t.png --out t.json

@@ -3,7 +3,7 @@ device, and the same two collectives per token at every length (counted in the c
 import jax
 import numpy as np
 
-from benchmarks import decode
+from benchmarks import decode, report
 
 
 def test_decode_mode_rows_show_constant_collectives_and_sharded_memory():
@@ -17,7 +17,14 @@ def test_decode_mode_rows_show_constant_collectives_and_sharded_memory():
         assert sharded["collectives"] == {"all-reduce": 2} and dense["collectives"] == {}
         assert sharded["cache_bytes_per_device"] * 8 == dense["cache_bytes_per_device"] == 2 * s * 2 * 8 * 4
         assert sharded["latency_s"] > 0 and np.isclose(sharded["tokens_per_s"], 1 / sharded["latency_s"])
-    assert "| 64K |" not in decode.table(rows) and "2 all-reduce" in decode.table(rows)
+    table = decode.table(rows)
+    assert "| 64K |" not in table and "| 64 | sharded | 8 |" in table and "| 128 | dense | 1 |" in table
+    assert "2 all-reduce" in table and "| vs fastest |" in table
+    for s in (64, 128):  # each latency over the faster one's at that length, from the same run
+        fastest = min(by["sharded", s]["latency_s"], by["dense", s]["latency_s"])
+        for name in ("sharded", "dense"):
+            line = next(line for line in table.splitlines() if line.startswith(f"| {s} | {name} |"))
+            assert line.split(" | ")[4] == report.ratio(by[name, s]["latency_s"], fastest)
 
 
 def test_dense_twin_matches_the_sharded_step():

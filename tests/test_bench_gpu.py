@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from benchmarks import bench_gpu
@@ -51,6 +52,7 @@ def test_dry_run_rows_and_errors(capsys):
     assert [line.split()[:4] for line in lines] == [["128", "1", "2", "False"], ["128", "1", "2", "True"]]
     assert all(" yes " in line for line in lines)
     assert "2/2 rows checked, all passed" in table[-1]
+    assert f"jax {jax.__version__}, backend cpu" in table[0]  # the configuration line names what ran
 
 
 def test_failed_check_and_missing_cudnn_are_reported(capsys, monkeypatch):
@@ -119,7 +121,7 @@ def test_reference_backward_failure_keeps_forward_ratio(capsys, monkeypatch):
 
 
 def test_bench_gpu_kernel_flag_routes_to_the_gpu_check(capsys):
-    """``python -m benchmarks.bench --gpu-kernel`` is the issue's entry point for this check."""
+    """``python -m benchmarks.bench --gpu-kernel`` is the command line's entry point for this check."""
     from benchmarks import bench
 
     status = bench.main(["--gpu-kernel", "--dry-run", "--causal", "true"])
