@@ -1,8 +1,11 @@
 """``flax_attention_fn`` in Flax's attention modules equals their stock attention, on 8 simulated devices.
 
 nnx.MultiHeadAttention (causal and not, GQA, a padding mask, two batch dimensions) and linen's
-MultiHeadDotProductAttention (once): outputs and parameter gradients; and the clear errors for what
-the ring cannot honour (dropout, sown weights, precision, RoPE positions, cross-attention).
+MultiHeadDotProductAttention (once): outputs and parameter gradients; with dropout on, the module
+equals its projections around ``ring_attention(..., dropout_rate=, dropout_key=)`` (Flax's
+``dropout_rng`` is the key) and the attention_fn equals the float64 oracle's dropout; and the clear
+errors for what the ring cannot honour (sown weights, precision, RoPE positions, cross-attention,
+decode mode, dropout without an rng).
 """
 import flax.linen as nn
 import jax
@@ -12,6 +15,7 @@ import pytest
 from flax import nnx
 
 import ringattn_fast as rf
+import ringattn_ref as ref
 
 TOL = 2e-5  # float32, relative to max(1, max |stock value|)
 MESH = rf.make_mesh(8)
@@ -79,8 +83,63 @@ def test_linen_multi_head_dot_product_attention_equals_stock():
         close(g, w, "param grad")
 
 
+def test_nnx_dropout_is_the_rings_attention_dropout():
+    """dropout_rate > 0, deterministic=False: the module is its own projections around the ring with
+    ``dropout_rate`` and Flax's ``dropout_rng`` as ``dropout_key``, forward and parameter gradients;
+    deterministic=True is the ring without dropout."""
+    x = jax.random.normal(jax.random.key(3), (2, 16, 16))
+    mha = nnx_mha(rf.flax_attention_fn(mesh=MESH, causal=True), dropout_rate=0.25)
+    key = nnx.Rngs(dropout=7).dropout()  # what the module draws from rngs=nnx.Rngs(dropout=7)
+
+    def by_hand(m, **drop):
+        return m.out(rf.ring_attention(m.query(x), m.key(x), m.value(x), mesh=MESH, causal=True, **drop))
+
+    dropped = mha(x, deterministic=False, rngs=nnx.Rngs(dropout=7))
+    close(dropped, by_hand(mha, dropout_rate=0.25, dropout_key=key), "dropout output")
+    close(mha(x, deterministic=True), by_hand(mha), "deterministic output")
+    assert np.abs(np.asarray(dropped) - np.asarray(mha(x, deterministic=True))).max() > 0.01  # dropout did act
+
+    @nnx.jit
+    def grads(m):
+        def ours(m):
+            return jnp.sum(jnp.sin(m(x, deterministic=False, rngs=nnx.Rngs(dropout=7))))
+
+        def theirs(m):
+            return jnp.sum(jnp.sin(by_hand(m, dropout_rate=0.25, dropout_key=nnx.Rngs(dropout=7).dropout())))
+
+        return nnx.grad(ours)(m), nnx.grad(theirs)(m)
+
+    got, want = (jax.tree.leaves(nnx.state(g, nnx.Param)) for g in grads(mha))
+    assert len(got) == len(want) == 8 and all(np.abs(np.asarray(g)).max() > 0 for g in got)
+    for i, (g, w) in enumerate(zip(got, want)):
+        close(g, w, f"param grad {i} with dropout")
+
+
+def test_attention_fn_dropout_equals_the_oracle():
+    """Two batch dims flattened into the ring's batch rows: the mask is the oracle's for those rows."""
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 3, 16, h, 8)).astype(np.float32) for h in (4, 2, 2))  # [b1, b2, T, h, d]
+    key = jax.random.key(11)
+    o = rf.flax_attention_fn(mesh=MESH, causal=True)(q, k, v, dropout_rate=0.3, dropout_rng=key,
+                                                      deterministic=False)
+    flat = [x.reshape((6,) + x.shape[2:]).astype(np.float64) for x in (q, k, v)]
+    want = ref.attention(*flat, causal=True, dropout_rate=0.3, dropout_key=np.asarray(jax.random.key_data(key)))
+    close(o, want.reshape(o.shape), "attention with dropout vs the float64 oracle")
+    with pytest.raises(ValueError, match="dropout_rng is required"):
+        rf.flax_attention_fn(mesh=MESH)(q, k, v, dropout_rate=0.3, deterministic=False)
+
+
+def test_decode_mode_points_at_the_rings_kv_cache():
+    """nnx decode=True (one query against the cached keys): the error names the lengths and the ring's
+    inference API."""
+    mha = nnx.MultiHeadAttention(num_heads=4, in_features=16, decode=True, rngs=nnx.Rngs(0),
+                                 attention_fn=rf.flax_attention_fn(mesh=MESH))
+    mha.init_cache((1, 8, 16))
+    with pytest.raises(ValueError, match=r"query length 1 must equal key length 8.*init_cache / prefill / decode_step"):
+        mha(jnp.zeros((1, 1, 16)))
+
+
 @pytest.mark.parametrize("build, call, match", [
-    (dict(dropout_rate=0.1), dict(deterministic=False), "dropout"),
     ({}, dict(sow_weights=True), "sow"),
     (dict(precision=jax.lax.Precision.HIGHEST), {}, "precision"),
     ({}, dict(input_positions=jnp.zeros((1, 8), jnp.int32)), "input_positions"),
