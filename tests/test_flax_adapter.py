@@ -5,8 +5,16 @@ MultiHeadDotProductAttention (once): outputs and parameter gradients; with dropo
 equals its projections around ``ring_attention(..., dropout_rate=, dropout_key=)`` (Flax's
 ``dropout_rng`` is the key) and the attention_fn equals the float64 oracle's dropout; and the clear
 errors for what the ring cannot honour (sown weights, precision, RoPE positions, cross-attention,
-decode mode, dropout without an rng).
+decode mode, dropout without an rng). The training recipe of ``docs/flax.md`` runs as written in a
+fresh process, and its second step traces and compiles nothing.
 """
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -150,3 +158,36 @@ def test_what_the_ring_cannot_honour_raises(build, call, match):
     with pytest.raises(ValueError, match=match):
         model(jnp.zeros((1, 8, 16)), **call)
 
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Runs the recipe's two blocks (setup, loop) as written and prints, per step, the trace/compile events
+# the step fired: the listener tags each event with len(losses), the steps finished when it fired.
+RECIPE_HARNESS = """
+import json, jax
+events = []
+jax.monitoring.register_event_duration_secs_listener(lambda e, s, **kw: events.append((e, len(ns.get("losses", [])))))
+ns = {}
+exec(compile(SETUP, "docs/flax.md (setup)", "exec"), ns)
+del events[:]  # from here on, only what the loop's steps do
+exec(compile(LOOP, "docs/flax.md (loop)", "exec"), ns)
+print(json.dumps([[e, step] for e, step in events if "jaxpr_trace" in e or "backend_compile" in e]))
+"""
+
+
+def test_docs_flax_recipe_runs_and_its_second_step_compiles_nothing():
+    """The recipe places the model's and optimizer's state on the mesh before step 1; without that, step
+    2 traces and compiles again (the state comes back placed on the mesh), which this test would see."""
+    setup, loop = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "flax.md").read_text(), flags=re.S)
+    assert setup.startswith('import jax\njax.config.update("jax_num_cpu_devices", 8)')
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")  # conftest's cache, shared
+    # without conftest's device-count flag: the recipe's own line must make the 8 devices
+    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.pop("XLA_FLAGS", "")).strip()
+    run = subprocess.run([sys.executable, "-c", f"SETUP = {setup!r}\nLOOP = {loop!r}\n" + RECIPE_HARNESS],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    events = json.loads(run.stdout.strip().splitlines()[-1])
+    assert any("jaxpr_trace" in e for e, step in events if step == 0), events  # step 1 traces: the listener hears
+    assert not [e for e, step in events if step >= 1], events  # steps 2 and 3: nothing traced or compiled
