@@ -2,10 +2,10 @@
 
 ``nnx.MultiHeadAttention(..., attention_fn=flax_attention_fn(causal=True))`` (or linen's
 ``MultiHeadDotProductAttention``) computes what the stock ``flax.nnx.dot_product_attention`` does
-without dropout — that is, ``jax.nn.dot_product_attention``, whose ring twin is :mod:`.jax_nn` — with
-the sequence sharded over the mesh. This module never imports flax: it only speaks its calling
-convention, so ``import ringattn_fast`` works without it (``pip install ringattn[flax]`` for the
-modules themselves).
+— that is, ``jax.nn.dot_product_attention`` (whose ring twin is :mod:`.jax_nn`) plus attention
+dropout — with the sequence sharded over the mesh. This module never imports flax: it only speaks
+its calling convention, so ``import ringattn_fast`` works without it (``pip install ringattn[flax]``
+for the modules themselves). ``docs/flax.md`` trains an ``nnx`` model with it.
 
 What Flax may pass and what becomes of it:
 
@@ -16,10 +16,21 @@ What Flax may pass and what becomes of it:
 - ``is_causal`` (nnx) is or-ed with ``causal``; ``bias`` is added to the logits; ``dtype`` casts q, k,
   v (default: their promoted dtype); ``force_fp32_for_softmax`` holds always (the ring's softmax is
   float32); extra batch dimensions are flattened into one.
-- Refused with a ValueError, because the ring never forms the attention weights: dropout
-  (``dropout_rate > 0`` and not ``deterministic``), weight sowing (``module``), custom einsums
-  (``qk_attn_weights_einsum``, ``attn_weights_value_einsum``), a ``precision`` (the ring's matmuls use
-  the default precision, accumulating in float32), and any other keyword (``input_positions``: RoPE).
+- Dropout (``dropout_rate > 0`` and not ``deterministic``) is the ring's attention dropout,
+  ``ring_attention(..., dropout_rate=dropout_rate, dropout_key=dropout_rng)``: Flax's ``dropout_rng``
+  (a threefry key) is the key, and without one it is a ValueError. The keep probability
+  ``1 - dropout_rate`` and the scaling ``1 / (1 - dropout_rate)`` of the kept weights are Flax's; the
+  mask is not. The ring draws it per (flattened) batch row, head and pair of true positions
+  (``ringattn_ref.dropout``: a hash any host can compute, the same for every ring size and layout),
+  so batch rows and heads get independent masks, while Flax's default ``broadcast_dropout=True``
+  shares one mask across batch and heads (``broadcast_dropout`` is ignored: same keep probability,
+  not the same correlation). A row that sees no key is the mean of V, undropped.
+- Refused with a ValueError, because the ring never forms the attention weights: weight sowing
+  (``module``), custom einsums (``qk_attn_weights_einsum``, ``attn_weights_value_einsum``), a
+  ``precision`` (the ring's matmuls use the default precision, accumulating in float32), and any
+  other keyword (``input_positions``: RoPE). A query length other than the key length (Flax's
+  ``decode=True``, cross-attention) is refused too: the ring shards both along one axis; decoding
+  goes through ``ringattn_fast.init_cache`` / ``prefill`` / ``decode_step``.
 """
 from __future__ import annotations
 
@@ -44,11 +55,19 @@ def _flatten_batch(x, batch):
     return jnp.broadcast_to(x, tuple(batch) + x.shape[len(batch):]).reshape((math.prod(batch),) + x.shape[len(batch):])
 
 
-def _refuse(dropout_rate, deterministic, module, precision, einsums, unsupported):
+def _dropout(dropout_rate, deterministic, dropout_rng):
+    """``(rate, key)`` for the ring: Flax's rate and rng when dropout is on, ``(0.0, None)`` otherwise."""
+    if deterministic or dropout_rate == 0:
+        return 0.0, None
+    if dropout_rng is None:
+        raise ValueError(f"dropout_rng is required when dropout_rate > 0 and deterministic=False (got "
+                         f"dropout_rate={dropout_rate} and dropout_rng=None): it is the key of the ring's "
+                         f"attention dropout; pass rngs (nnx) or a 'dropout' rng (linen), or deterministic=True")
+    return dropout_rate, dropout_rng
+
+
+def _refuse(module, precision, einsums, unsupported):
     """A ValueError for anything Flax passed that the ring cannot honour."""
-    if dropout_rate > 0 and not deterministic:
-        raise ValueError(f"dropout (dropout_rate={dropout_rate}, deterministic=False) needs the attention weights, "
-                         f"which the ring never forms: use dropout_rate=0 or deterministic=True")
     if module is not None:
         raise ValueError("sowing the attention weights (sow_weights=True / module=...) needs the weights, which "
                          "the ring never forms: call without sow_weights")
@@ -69,7 +88,9 @@ def flax_attention_fn(*, mesh=None, axis_name="sp", causal=False, window=None, l
     causal, window ``(left, right)`` (-1 = unbounded), layout, impl, mesh, axis_name: as
     :func:`~ringattn_fast.ring_attention`, fixed for every call. The returned function takes Flax's
     ``query, key, value`` ``[batch..., T, heads, dim]`` (T == S; K/V may have fewer heads) and its
-    keywords (see the module docstring) and returns ``[batch..., T, heads, dim]``.
+    keywords (see the module docstring: a mask, a bias, dropout with Flax's ``dropout_rng`` as the
+    key) and returns ``[batch..., T, heads, dim]``. For decoding (Flax's ``decode=True``, T != S) use
+    ``ringattn_fast.init_cache`` / ``prefill`` / ``decode_step``.
     """
     causal = val.check_bool(causal, "causal")
     window = val.check_window(window)
@@ -79,8 +100,8 @@ def flax_attention_fn(*, mesh=None, axis_name="sp", causal=False, window=None, l
                      is_causal=False, force_fp32_for_softmax=False, qk_attn_weights_einsum=None,
                      attn_weights_value_einsum=None, **unsupported):
         """Flax's ``dot_product_attention`` signature (linen keeps only the keywords named here)."""
-        _refuse(dropout_rate, deterministic, module, precision,
-                (qk_attn_weights_einsum, attn_weights_value_einsum), unsupported)
+        _refuse(module, precision, (qk_attn_weights_einsum, attn_weights_value_einsum), unsupported)
+        dropout_rate, dropout_key = _dropout(dropout_rate, deterministic, dropout_rng)
         dtype = jnp.result_type(query, key, value) if dtype is None else dtype
         q, k, v = (jnp.asarray(x, dtype) for x in (query, key, value))
         if not q.ndim == k.ndim == v.ndim >= 3:
@@ -88,14 +109,17 @@ def flax_attention_fn(*, mesh=None, axis_name="sp", causal=False, window=None, l
                              f"{q.shape}, {k.shape}, {v.shape}")
         if q.shape[-3] != k.shape[-3]:
             raise ValueError(f"query length {q.shape[-3]} must equal key length {k.shape[-3]}: the ring shards "
-                             f"queries and keys along one sequence axis (self-attention)")
+                             f"queries and keys along one sequence axis (self-attention). For decoding (Flax's "
+                             f"decode=True: one query against the cached keys) use the ring's KV cache, "
+                             f"ringattn_fast.init_cache / prefill / decode_step")
         batch, out_shape = q.shape[:-3], q.shape
         q, k, v = (x.reshape((math.prod(batch),) + x.shape[-3:]) for x in (q, k, v))
         mask = None if mask is None else jnp.asarray(mask).astype(jnp.bool_)
         bias, mask = (_flatten_batch(x, batch) for x in (bias, mask))
         is_causal = val.check_bool(is_causal, "is_causal")  # nnx passes it per call
         o, _ = masked_ring_attention(q, k, v, bias=bias, mask=mask, causal=causal or is_causal, window=window,
-                                     impl=impl, layout=layout, mesh=mesh, axis_name=axis_name)
+                                     impl=impl, layout=layout, mesh=mesh, axis_name=axis_name,
+                                     dropout_rate=dropout_rate, dropout_key=dropout_key)
         return o.reshape(out_shape)
 
     return attention_fn

@@ -104,12 +104,14 @@ def _impl(implementation):
 
 
 def masked_ring_attention(q, k, v, *, bias=None, mask=None, q_lengths=None, kv_lengths=None, causal=False,
-                          window=None, scale=None, impl="auto", layout="contiguous", mesh=None, axis_name="sp"):
+                          window=None, scale=None, impl="auto", layout="contiguous", mesh=None, axis_name="sp",
+                          dropout_rate=0.0, dropout_key=None):
     """Ring attention with ``jax.nn``'s dense masks and its rule for rows that see no key: ``(o, lse)``.
 
     q: [B, S, N, H]; k, v: [B, S, K, H]; bias: float, mask: bool, both broadcastable to [B, N, S, S];
     q_lengths, kv_lengths: int32 [B] (queries / keys at positions ``>= lengths[b]`` are padding);
-    causal, window, scale, impl, layout, mesh, axis_name: as :func:`~ringattn_fast.ring_attention`.
+    causal, window, scale, impl, layout, mesh, axis_name, dropout_rate, dropout_key: as
+    :func:`~ringattn_fast.ring_attention` (``jax.nn`` has no dropout; the Flax adapter passes it on).
     Returns o [B, S, N, H] in q's dtype and lse [B, N, S] float32 (float64 for float64 inputs).
     A row that sees no key gets JAX's values (mean of V, ``fill + log S``); padded queries get o = 0.
     """
@@ -127,7 +129,8 @@ def masked_ring_attention(q, k, v, *, bias=None, mask=None, q_lengths=None, kv_l
         q = jnp.where(q_valid[:, :, None, None], q, jnp.zeros((), q.dtype))
     total = reduce(jnp.add, parts) if parts else None
     o, lse = ring_attention(q, k, v, mesh=mesh, axis_name=axis_name, causal=causal, bias=total, window=window,
-                            scale=scale, layout=layout, impl=impl, return_lse=True)
+                            scale=scale, layout=layout, impl=impl, return_lse=True, dropout_rate=dropout_rate,
+                            dropout_key=dropout_key)
     dead = jnp.isneginf(lse)  # [B, N, S]: rows the masks left without a key
     mean_v = jnp.repeat(jnp.mean(v.astype(lse.dtype), axis=1), h // k.shape[2], axis=1)  # [B, N, H]
     o = jnp.where(jnp.swapaxes(dead, 1, 2)[..., None], mean_v[:, None].astype(o.dtype), o)

@@ -9,8 +9,10 @@ Example, ``cu_seqlens = [0, 3, 5]`` in a sequence of 7 tokens::
     positions    0 1 2 0 1 0 1      restart where the id changes
 
 With ``ring_attention(..., segment_ids=ids, padding_segment=0)`` the padding keys are masked for
-everyone and the padding queries return 0. ``ringattn_fast`` has the same two functions in ``jnp``
-(jit-able, equal results).
+everyone and the padding queries return 0. Shapes: ``cu_seqlens`` ``[n_docs + 1]`` is one packed
+row and gives ids ``[1, seq]`` (a batch of one, what ``segment_ids=`` takes); ``[batch, n_docs + 1]``
+gives ``[batch, seq]``. ``positions_from_segment_ids`` returns the shape it is given.
+``ringattn_fast`` has the same two functions in ``jnp`` (jit-able, equal results).
 """
 from __future__ import annotations
 
@@ -30,17 +32,18 @@ def check_cu_seqlens(cu_seqlens, seq):
 
 
 def segment_ids_from_cu_seqlens(cu_seqlens, seq):
-    """Segment ids int32 ``[seq]`` (or ``[batch, seq]`` for 2-D ``cu_seqlens``) from cumulative lengths.
+    """Segment ids int32 ``[batch, seq]`` from cumulative lengths, ready for ``segment_ids=``.
 
+    cu_seqlens: int ``[batch, n_docs + 1]``, or ``[n_docs + 1]`` for one packed row, which gives
+    ``[1, seq]`` (a batch of one: the attention functions take ``[batch, seq]`` segment ids).
     Token ``t`` with ``cu[d] <= t < cu[d + 1]`` belongs to document ``d + 1``; tokens before ``cu[0]`` or
-    from ``cu[-1]`` on are padding, id 0. ``cu_seqlens = [0, 3, 5]``, seq 7 -> ``[1, 1, 1, 2, 2, 0, 0]``.
+    from ``cu[-1]`` on are padding, id 0. ``cu_seqlens = [0, 3, 5]``, seq 7 -> ``[[1, 1, 1, 2, 2, 0, 0]]``.
     """
     cu = check_cu_seqlens(cu_seqlens, seq)
     t = np.arange(seq)
     rows = [np.where((t >= c[0]) & (t < c[-1]), np.searchsorted(c[1:], t, side="right") + 1, 0)
             for c in np.atleast_2d(cu)]
-    ids = np.stack(rows).astype(np.int32)
-    return ids[0] if cu.ndim == 1 else ids
+    return np.stack(rows).astype(np.int32)  # [batch, seq]; one row for 1-D cu_seqlens
 
 
 def positions_from_segment_ids(segment_ids):

@@ -120,6 +120,24 @@ def test_packed_documents_from_cu_seqlens_with_padding():
         rf.ring_attention(q, k, v, mesh=rf.make_mesh(4), segment_ids=ids, padding_segment=True)
 
 
+def test_one_dimensional_cu_seqlens_is_a_batch_of_one():
+    """1-D cu_seqlens (one packed row) gives [1, seq] ids in both packages, which ring_attention takes as
+    they come; positions keep the shape they are given ([seq] or [batch, seq])."""
+    cu = np.array([0, 3, 5])
+    want = np.array([[1, 1, 1, 2, 2, 0, 0]], np.int32)
+    for ids in (ref.segment_ids_from_cu_seqlens(cu, 7), rf.segment_ids_from_cu_seqlens(cu, 7),
+                jax.jit(rf.segment_ids_from_cu_seqlens, static_argnums=1)(cu, 7)):
+        assert ids.shape == (1, 7) and ids.dtype == np.int32
+        np.testing.assert_array_equal(ids, want)
+    for positions in (ref.positions_from_segment_ids, rf.positions_from_segment_ids):
+        assert np.asarray(positions(want)).tolist() == [[0, 1, 2, 0, 1, 0, 1]]
+        assert np.asarray(positions(want[0])).tolist() == [0, 1, 2, 0, 1, 0, 1]
+    q, k, v, _, _ = arrays(1, 16, 2, 2, 8, seed=5)
+    ids = rf.segment_ids_from_cu_seqlens(np.array([0, 6, 13]), 16)  # [1, 16]
+    o = rf.ring_attention(q, k, v, mesh=rf.make_mesh(4), causal=True, segment_ids=ids, padding_segment=0)
+    assert rel_err(o, ref.attention(q, k, v, causal=True, segment_ids=np.asarray(ids), padding_segment=0)) <= TOL
+
+
 @pytest.mark.parametrize("shape, names, batch_axes, head_axis", [
     ((2, 2, 2), ("data", "sp", "tp"), "data", "tp"),
     ((2, 2, 2), ("data", "fsdp", "sp"), ("data", "fsdp"), None),
