@@ -1,6 +1,8 @@
 """Training through the ring (issue 12): the loss curve does not depend on the ring size or the layout,
-and the recall task puts every answer more than one shard away."""
+and the recall task puts every answer more than one shard away. The experiment is an example
+(``examples/recall``, run from the repository root); the model is the library's."""
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -10,8 +12,9 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from ringattn_fast.mesh import make_mesh
 from ringattn_fast.model import ModelConfig
-from ringattn_fast.tasks import RecallTask, accuracy_by_distance
-from ringattn_fast.train import train
+from examples.recall import train as recall_train
+from examples.recall.tasks import RecallTask, accuracy_by_distance
+from examples.recall.train import train
 
 TASK = RecallTask(seq=64, shard=8, n_queries=2)
 CFG = ModelConfig(vocab=TASK.vocab, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=32, ffn_block=8)
@@ -91,3 +94,45 @@ def test_quoted_numbers_are_those_of_the_committed_runs():
     for key, value in (("ring_accuracy", full["ring_accuracy"]), ("ring_accuracy_bfloat16", bf16),
                        ("local_accuracy", full["local_accuracy"])):
         assert f'"{key}": {value:.3f}' in notebook, key
+
+
+# A metrics dict with every key the figure and the summary read (run_experiment's, tiny): no training.
+FAKE_METRICS = dict(ring_accuracy=0.9, local_accuracy=0.05, chance_accuracy=0.0625, seq=64, devices=8, steps=2,
+                    seconds=1.5, shard=8, losses={"ring": [2.9, 1.0], "local": [2.9, 2.8]},
+                    accuracy_by_distance={name: dict(centers=[20.0, 44.0], accuracy=[acc, None], count=[8, 0])
+                                          for name, acc in (("ring", 0.9), ("local", 0.05))})
+
+
+def _block_matplotlib(monkeypatch):
+    """Make every ``import matplotlib...`` fail as if it were not installed (None in sys.modules)."""
+    for name in ["matplotlib"] + [m for m in sys.modules if m.startswith("matplotlib.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+@pytest.mark.parametrize("has_matplotlib", [True, False])
+def test_outputs_are_written_and_a_missing_matplotlib_only_skips_the_figure(tmp_path, monkeypatch, capsys,
+                                                                             has_matplotlib):
+    if not has_matplotlib:
+        _block_matplotlib(monkeypatch)
+    out = tmp_path / "run"
+    written = recall_train.write_outputs(FAKE_METRICS, str(out))
+    assert json.loads((out / "metrics.json").read_text()) == FAKE_METRICS
+    err = capsys.readouterr().err
+    if has_matplotlib:
+        assert written == [str(out / "metrics.json"), str(out / "training.png")] and err == ""
+        assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert written == [str(out / "metrics.json")] and not (out / "training.png").exists()
+        assert err.count("\n") == 1 and "matplotlib is not installed" in err and "training.png" in err
+
+
+def test_cli_without_matplotlib_prints_the_summary_and_exits_normally(tmp_path, monkeypatch, capsys):
+    """The bug this guards: minutes of training, metrics.json written, then ModuleNotFoundError in the
+    plot and no summary. Training is replaced by the fake metrics; the rest of ``main`` runs."""
+    _block_matplotlib(monkeypatch)
+    monkeypatch.setattr(recall_train, "run_experiment", lambda **kw: dict(FAKE_METRICS, seq=kw["seq"]))
+    recall_train.main(["--quick", "--out", str(tmp_path)])  # returns: no SystemExit, no ImportError
+    lines = capsys.readouterr().out.splitlines()
+    summary = json.loads(lines[0])
+    assert summary["ring_accuracy"] == 0.9 and summary["seq"] == recall_train.QUICK["seq"]
+    assert lines[1] == f"wrote {tmp_path / 'metrics.json'}"

@@ -621,7 +621,7 @@ def check_last_fact_position(answer, *, seq=512, shard=64):
     """12, exercise 1: the largest position of a fact in ``RecallTask(seq=512, shard=64)``."""
     if _pending(answer, "the largest position a fact may take"):
         return False
-    from ringattn_fast.tasks import RecallTask
+    from examples.recall.tasks import RecallTask
     task = RecallTask(seq=seq, shard=shard)
     want = task.fact_limit - 1
     got = _as_int(answer, "the position")
@@ -647,8 +647,8 @@ def check_guess_loss(guess_loss):
     checked against ``train.loss_and_accuracy`` on logits uniform over the answer tokens."""
     if _pending(guess_loss, "guess_loss(n_values)"):
         return False
-    from ringattn_fast.tasks import RecallTask
-    from ringattn_fast.train import loss_and_accuracy
+    from examples.recall.tasks import RecallTask
+    from examples.recall.train import loss_and_accuracy
     for n_values in (2, 5, 16, 64):
         task = RecallTask(seq=64, shard=16, n_values=n_values)
         logits = np.full((1, 4, task.vocab), -1e9, np.float32)

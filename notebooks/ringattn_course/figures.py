@@ -12,7 +12,7 @@ not need it), with the non-interactive Agg backend when there is no display.
   time-space diagram (notebook 09);
 - :func:`plot_decode_schedules` -- seconds per decoded token, ring against the merge reduction, over
   the host count (notebook 11);
-- :func:`plot_training` -- loss curves and accuracy by fact distance of ``ringattn_fast.train``'s
+- :func:`plot_training` -- loss curves and accuracy by fact distance of ``examples.recall.train``'s
   ring and one-shard models (notebook 12).
 """
 from __future__ import annotations
@@ -210,8 +210,8 @@ def plot_decode_schedules(n_hosts, ring_s, reduction_s, *, hardware=""):
 
 
 def plot_training(metrics):
-    """``ringattn_fast.train``'s figure from its metrics dict (``run_experiment``'s result or
+    """``examples.recall.train``'s figure from its metrics dict (``run_experiment``'s result or
     ``metrics.json``): training loss of every run; eval accuracy by question-fact distance."""
     plt = _pyplot()
-    from ringattn_fast.train import draw
+    from examples.recall.plots import draw
     return draw(metrics, plt.figure(figsize=(11, 4), layout="constrained"))

@@ -2,12 +2,14 @@
 
 Run it as::
 
-    python -m ringattn_ref.demo [--out DIR] [--hosts 8] [--seq 64] [--heads 4] [--kv-heads 2] [--dim 16]
+    python -m examples.demo [--out DIR] [--hosts 8] [--seq 64] [--heads 4] [--kv-heads 2] [--dim 16]
 
 Runs ``ring_attention(..., return_trace=True)`` for non-causal and causal attention with the
 contiguous, striped and zigzag layouts, compares each with ``attention`` (float64), prints the max
 error, per-host peak bytes, bytes sent per step and the schedule (which K/V block each host holds at
 each step), and saves the schedule and work figures as PNG files in ``--out`` (default ``out/``).
+``bash scripts/demo.sh`` runs it from the repository root after installing what it needs: it imports
+``ringattn_ref``, numpy and matplotlib only (no jax), so that is all the script installs.
 """
 from __future__ import annotations
 
@@ -17,9 +19,7 @@ import sys
 
 import numpy as np
 
-from . import cost
-from .attention import attention
-from .ring import ring_attention
+from ringattn_ref import attention, cost, ring_attention, viz
 
 ERROR_BAR = 1e-12  # float64 ring vs oracle (issue acceptance bar)
 CASES = (("non-causal", False, "contiguous"), ("causal", True, "contiguous"),
@@ -27,7 +27,7 @@ CASES = (("non-causal", False, "contiguous"), ("causal", True, "contiguous"),
 
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog="python -m ringattn_ref.demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m examples.demo", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="out", help="folder for the PNG figures (default: out)")
     p.add_argument("--hosts", type=int, default=8, help="number of virtual hosts (default: 8)")
     p.add_argument("--seq", type=int, default=64, help="sequence length, divisible by 2*hosts (default: 64)")
@@ -93,7 +93,6 @@ def main(argv=None):
     print("schedule, causal contiguous: host i holds K/V block (i - step) mod N; '.' = hop skipped")
     print(schedule_table(base) + "\n")
 
-    from . import viz
     os.makedirs(a.out, exist_ok=True)
     figures = {"ring_schedule.png": viz.plot_schedule(base),
                "ring_work_contiguous.png": viz.plot_work_heatmap(base),

@@ -1,4 +1,4 @@
-"""A long-range task for the model of ``model.py``: associative recall, with the answer far away.
+"""A long-range task for ``ringattn_fast.model``: associative recall, with the answer far away.
 
 Each sequence of ``seq`` tokens holds ``n_pairs`` *facts* scattered among filler tokens: one token
 each, "key ``i`` has value ``j``" (vocabulary ``n_keys * n_values`` fact tokens, keys distinct within

@@ -1,11 +1,13 @@
-"""Train the model of ``model.py`` on the recall task of ``tasks.py``: ring attention vs one shard.
+"""Train the library's model (``ringattn_fast.model``) on the recall task of ``tasks.py``: ring vs one shard.
 
-``python -m ringattn_fast.train --quick --out runs/quick`` trains two models on the same batches:
-attention over the whole sequence around a ring of ``--devices`` hosts, and the same model with its
-attention window cut to one host's shard (``window=(shard - 1, 0)``, what a model without the ring
-would see). It writes ``DIR/metrics.json`` (accuracies, chance, timing, loss curves) and
-``DIR/training.png`` (loss curves; accuracy by the distance between question and fact). On CPU
-``--devices`` simulated devices are made with ``jax_num_cpu_devices``.
+``python -m examples.recall.train --quick --out runs/quick`` (from the repository root) trains two
+models on the same batches: attention over the whole sequence around a ring of ``--devices`` hosts,
+and the same model with its attention window cut to one host's shard (``window=(shard - 1, 0)``,
+what a model without the ring would see). It writes ``DIR/metrics.json`` (accuracies, chance, timing, loss curves) and
+``DIR/training.png`` (loss curves; accuracy by the distance between question and fact; skipped, with
+one line on stderr, when matplotlib is not installed), then prints a one-line JSON summary. On CPU
+``--devices`` simulated devices are made with ``jax_num_cpu_devices``. Needs the ``train`` extra
+(optax, matplotlib).
 
 Batches are made in true order (``tasks.py``), permuted into the layout (``--layout``) and sharded;
 the model gets each token's true position, so the loss curve does not depend on the ring size or the
@@ -18,7 +20,11 @@ import json
 import os
 import sys
 import time
+
 import numpy as np
+
+from .plots import plot
+from .tasks import RecallTask, accuracy_by_distance
 
 QUICK = dict(seq=256, devices=8, steps=300, batch=16, d_model=64, layers=2, lr=1e-2)
 FULL = dict(seq=512, devices=8, steps=400, batch=16, d_model=64, layers=2, lr=1e-2)
@@ -72,7 +78,7 @@ def make_step(cfg, task, mesh, optimizer):
     import jax
     import optax
 
-    from .model import sharded_forward
+    from ringattn_fast.model import sharded_forward
 
     def loss_fn(params, tokens, positions, targets, weights):
         logits = sharded_forward(params, tokens, positions, cfg, mesh)
@@ -104,9 +110,8 @@ def train(task, cfg, *, mesh, layout="contiguous", steps=100, batch_size=16, lr=
     """
     import jax
 
+    from ringattn_fast.model import init_params
     from ringattn_ref.layouts import layout_permutation
-
-    from .model import init_params
 
     n = mesh.shape["sp"]
     perm = layout_permutation(layout, task.seq, n)
@@ -147,8 +152,6 @@ def train(task, cfg, *, mesh, layout="contiguous", steps=100, batch_size=16, lr=
 def by_distance(runs, task, n_bins=8):
     """Eval accuracy per bin of question-fact distance for each run: ``{name: {centers, accuracy, count}}``
     (lists, for metrics.json; an empty bin's accuracy is None)."""
-    from .tasks import accuracy_by_distance
-
     edges = np.linspace(task.shard, task.seq, n_bins + 1)
     out = {}
     for name, run in runs.items():
@@ -158,39 +161,34 @@ def by_distance(runs, task, n_bins=8):
     return out
 
 
-def draw(metrics, fig):
-    """Draw a metrics dict on ``fig`` (a matplotlib Figure): loss curves of every run; eval accuracy by
-    question-fact distance, with chance and one shard marked. Returns ``fig``."""
-    ax_loss, ax_dist = fig.subplots(1, 2)
-    for name, losses in metrics["losses"].items():
-        ax_loss.plot(losses, label=name, lw=1)
-    ax_loss.axhline(-np.log(metrics["chance_accuracy"]), color="gray", ls=":", lw=1, label="log(n_values): guessing")
-    ax_loss.set(xlabel="step", ylabel="loss (questions)", title="training loss")
-    ax_loss.legend(fontsize=8)
-    for name, d in metrics["accuracy_by_distance"].items():
-        ax_dist.plot(d["centers"], [np.nan if a is None else a for a in d["accuracy"]], "o-", label=name)
-    ax_dist.axhline(metrics["chance_accuracy"], color="gray", ls=":", lw=1, label="chance")
-    ax_dist.axvline(metrics["shard"], color="k", ls="--", lw=1, label="one shard")
-    ax_dist.set(xlabel="distance from question to fact (tokens)", ylabel="eval accuracy", ylim=(0, 1.05),
-                title="accuracy by key distance")
-    ax_dist.legend(fontsize=8)
-    return fig
+def write_outputs(metrics, out, stream=None):
+    """Write ``out/metrics.json`` and the figure ``out/training.png``; returns the paths written.
+
+    Without matplotlib the figure is skipped with one line on ``stream`` (stderr): minutes of training
+    must not end in an ImportError after the numbers are safe in metrics.json."""
+    os.makedirs(out, exist_ok=True)
+    paths = [os.path.join(out, "metrics.json")]
+    with open(paths[0], "w") as f:
+        json.dump(metrics, f, indent=1)
+    png = os.path.join(out, "training.png")
+    try:
+        plot(metrics, png)
+    except ModuleNotFoundError as err:
+        if (err.name or "").split(".")[0] != "matplotlib":
+            raise
+        print(f"matplotlib is not installed: {png} not drawn (pip install matplotlib; "
+              f"{paths[0]} has every number)", file=sys.stderr if stream is None else stream)
+    else:
+        paths.append(png)
+    return paths
 
 
-def plot(metrics, path):
-    """:func:`draw` into a PNG file (no pyplot: a bare Figure with the Agg canvas)."""
-    from matplotlib.figure import Figure
-    fig = draw(metrics, Figure(figsize=(11, 4), layout="constrained"))
-    fig.savefig(path, dpi=120)
-
-
-def run_experiment(*, seq, devices, layout, steps, dtype, batch, d_model, layers, lr, seed=0, out=None,
-                   progress=True, compare_dtypes=False):
+def run_experiment(*, seq, devices, layout, steps, dtype, batch, d_model, layers, lr, seed=0, progress=True,
+                   compare_dtypes=False):
     """Ring vs one-shard-window models (and, with ``compare_dtypes``, the ring model in the other dtype);
-    returns the metrics dict, written with the figure to ``out`` when given."""
-    from .mesh import make_mesh
-    from .model import ModelConfig
-    from .tasks import RecallTask
+    returns the metrics dict (:func:`write_outputs` writes it)."""
+    from ringattn_fast.mesh import make_mesh
+    from ringattn_fast.model import ModelConfig
 
     mesh = make_mesh(devices)
     task = RecallTask(seq=seq, shard=seq // devices)
@@ -214,16 +212,11 @@ def run_experiment(*, seq, devices, layout, steps, dtype, batch, d_model, layers
                    final_loss={k: float(np.mean(r["losses"][-10:])) for k, r in runs.items()},
                    eval_accuracy={k: r["accuracy"] for k, r in runs.items()},
                    losses={k: r["losses"] for k, r in runs.items()}, accuracy_by_distance=by_distance(runs, task))
-    if out is not None:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "metrics.json"), "w") as f:
-            json.dump(metrics, f, indent=1)
-        plot(metrics, os.path.join(out, "training.png"))
     return metrics
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m ringattn_fast.train", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m examples.recall.train", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"the small configuration {QUICK}")
     parser.add_argument("--seq", type=int, help=f"sequence length (default: {FULL['seq']}, --quick {QUICK['seq']})")
     parser.add_argument("--devices", type=int, help="ring size (simulated CPU devices)")
@@ -242,11 +235,12 @@ def main(argv=None):
     import jax
     if jax.config.jax_platforms in (None, "", "cpu"):
         jax.config.update("jax_num_cpu_devices", max(preset["devices"], 1))
-    metrics = run_experiment(layout=args.layout, dtype=args.dtype, out=args.out, seed=args.seed,
+    metrics = run_experiment(layout=args.layout, dtype=args.dtype, seed=args.seed,
                              compare_dtypes=args.compare_dtypes, **preset)
+    written = write_outputs(metrics, args.out)
     print(json.dumps({k: metrics[k] for k in ("ring_accuracy", "local_accuracy", "chance_accuracy", "seq", "devices",
                                               "steps", "seconds")}))
-    print(f"wrote {args.out}/metrics.json and {args.out}/training.png")
+    print(f"wrote {' and '.join(written)}")
 
 
 if __name__ == "__main__":
