@@ -10,7 +10,7 @@ For every (seq, heads, causal) row, on one device, the whole sequence as a singl
 (``q_pos = k_pos = arange(seq)``):
 
 1. **check**: kernel 1 (``kernels.pallas_gpu.hop_fwd`` / ``hop_bwd``, the per-hop contract of
-   docs/design.md) against the XLA path (``ringattn_fast.hop``) run on the same inputs upcast to
+   docs/design.md) against the XLA path (``ringattn_fast.kernels.xla``) run on the same inputs upcast to
    float32 at ``precision="highest"`` (no TF32): max abs error of o and of dq, dk, dv, where
    do ~ N(0, 1) and delta = rowsum(do * o) (FA-2 Alg. 2 line 4). The row passes when every
    error is at most ``tol * max(1, max|reference|)`` (tol 2e-2 for bf16/fp16, 2e-5 for float32).
@@ -108,15 +108,14 @@ def time_call(fn, args, warmup, repeats):
 def make_functions(opts, blocks, ref_blocks, ref_impl):
     """Jitted (ours_fwd, ours_fwd_bwd, xla_fwd_bwd, ref_fwd, ref_fwd_bwd); all take (q, k, v, pos, do).
 
-    ours (``pallas_gpu``, tiles ``blocks``) and xla (``hop``, tiles ``ref_blocks``) follow the per-hop
+    ours (``pallas_gpu``, tiles ``blocks``) and xla (``kernels.xla``, tiles ``ref_blocks``) follow the per-hop
     contract, one hop = the whole sequence; ref is ``jax.nn.dot_product_attention`` with
     ``implementation=ref_impl`` and its VJP. fwd_bwd functions return (o, dq, dk, dv).
     """
     import jax
     import jax.numpy as jnp
 
-    from ringattn_fast import hop
-    from ringattn_fast.kernels import pallas_gpu
+    from ringattn_fast.kernels import pallas_gpu, xla
     from ringattn_fast.schedule import HopConfig, KVShard, QShard
 
     def fwd_bwd(module, block_q, block_kv):
@@ -141,7 +140,7 @@ def make_functions(opts, blocks, ref_blocks, ref_impl):
         o, vjp = jax.vjp(ref_attention, q, k, v)
         return (o,) + vjp(do.astype(o.dtype))
 
-    return (jax.jit(ours_fwd), jax.jit(fwd_bwd(pallas_gpu, *blocks)), jax.jit(fwd_bwd(hop, *ref_blocks)),
+    return (jax.jit(ours_fwd), jax.jit(fwd_bwd(pallas_gpu, *blocks)), jax.jit(fwd_bwd(xla, *ref_blocks)),
             jax.jit(lambda q, k, v, pos, do: ref_attention(q, k, v)), jax.jit(ref_fwd_bwd))
 
 

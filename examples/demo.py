@@ -6,7 +6,7 @@ Run it as::
 
 Runs ``ring_attention(..., return_trace=True)`` for non-causal and causal attention with the
 contiguous, striped and zigzag layouts, compares each with ``attention`` (float64), prints the max
-error, per-host peak bytes, bytes sent per step and the schedule (which K/V block each host holds at
+error, per-host peak bytes, bytes sent per step and the schedule (which K/V shard each host holds at
 each step), and saves the schedule and work figures as PNG files in ``--out`` (default ``out/``).
 ``bash scripts/demo.sh`` runs it from the repository root after installing what it needs: it imports
 ``ringattn_ref``, numpy and matplotlib only (no jax), so that is all the script installs.
@@ -45,7 +45,7 @@ def _args(argv):
 
 
 def schedule_table(trace):
-    """The schedule as text: row = host, column = step, entry = K/V block held ('.' = hop skipped)."""
+    """The schedule as text: row = host, column = step, entry = K/V shard held ('.' = hop skipped)."""
     n_hosts, n_steps = trace.kv_idx.shape
     lines = ["         " + " ".join(f"s{s:<2}" for s in range(n_steps))]
     for i in range(n_hosts):
@@ -90,7 +90,7 @@ def main(argv=None):
           + ", ".join(f"s{s}: {int(b):,}" for s, b in enumerate(sent))
           + f"  (no send after the last step; cost.step_bytes = {model:,.0f};"
           f" plus {int(base.meta_bytes_sent[0, 0]):,} bytes of positions)\n")
-    print("schedule, causal contiguous: host i holds K/V block (i - step) mod N; '.' = hop skipped")
+    print("schedule, causal contiguous: host i holds K/V shard (i - step) mod N; '.' = hop skipped")
     print(schedule_table(base) + "\n")
 
     os.makedirs(a.out, exist_ok=True)

@@ -1,6 +1,6 @@
 """A small decoder-only transformer whose every attention layer runs around the ring.
 
-The model the course trains (``python -m ringattn_fast.train``, notebook 12): token embedding,
+The model the course trains (``python -m examples.recall.train``, notebook 12): token embedding,
 pre-norm blocks of RMSNorm -> grouped-query attention (rotary positions) -> RMSNorm -> SwiGLU
 feedforward, a final RMSNorm and an untied output projection. The whole forward runs inside one
 ``jax.shard_map``: each host holds its shard of the (layout-ordered) tokens and *their true

@@ -1,6 +1,6 @@
 """Cost and memory model of Ring Attention (Liu, Zaharia, Abbeel, arXiv:2310.01889, §3, Tables 1-2).
 
-One ring step on one host: its query block of ``c`` tokens attends to the K/V block of ``c`` tokens it
+One ring step on one host: its query block of ``c`` tokens attends to the K/V shard of ``c`` tokens it
 holds (``4 d c^2`` FLOPs: ``Q K^T`` and ``P V``, 2 FLOPs per multiply-add) while it sends that K/V
 block on (``4 c d`` bytes: K and V, ``c x d`` each, 2 bytes in bf16). The transfer hides behind the
 compute when ``4 d c^2 / F >= 4 c d / B``, i.e. when the block size is at least::
@@ -105,7 +105,7 @@ def min_block_size(flops_per_s, bandwidth_bytes_per_s, *, dtype_bytes=2, heads=1
 
 @dataclass(frozen=True)
 class HopTimes:
-    """Seconds one ring step takes to compute and to send its K/V block (arrays if ``block`` is)."""
+    """Seconds one ring step takes to compute and to send its K/V shard (arrays if ``block`` is)."""
     compute_s: float | np.ndarray
     transfer_s: float | np.ndarray
 

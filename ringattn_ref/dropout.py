@@ -12,7 +12,7 @@ hash (the murmur3 finaliser, ``fmix32``) of the key's two 32-bit words, the batc
 ``h`` and the *true* positions of query ``i`` and key ``j``: any host can compute any entry, and the
 result is identical for every ring size, layout and block size (the backward recomputes the same
 mask). The functions use array operators only, so the same code serves numpy (this package) and
-``jnp`` (``ringattn_fast.hop``), as ``masks.allowed`` does.
+``jnp`` (``ringattn_fast.kernels.xla``), as ``masks.allowed`` does.
 """
 from __future__ import annotations
 

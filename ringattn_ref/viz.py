@@ -35,7 +35,7 @@ def _layout_name(trace):
 
 
 def plot_schedule(trace):
-    """Which K/V block each host holds at each step: a hosts x steps grid (Algorithm 1).
+    """Which K/V shard each host holds at each step: a hosts x steps grid (Algorithm 1).
 
     Cell ``(host i, step s)`` shows ``kv_idx[i, s] = (i - s) mod N``: blocks move one host down per
     step. Hops the mask leaves empty (skipped, no compute) are grey.
@@ -70,9 +70,9 @@ def plot_schedule(trace):
     ax.set_xlabel("step")
     ax.set_ylabel("host")
     ax.set_title(f"Ring schedule, {n_hosts} hosts, layout={_layout_name(trace)}\n"
-                 f"host i holds K/V block (i - step) mod {n_hosts}", fontsize=10)
+                 f"host i holds K/V shard (i - step) mod {n_hosts}", fontsize=10)
     sm = plt.cm.ScalarMappable(norm=norm, cmap=cmap)
-    fig.colorbar(sm, ax=ax, ticks=range(n_hosts), label="K/V block index")
+    fig.colorbar(sm, ax=ax, ticks=range(n_hosts), label="K/V shard index")
     if skipped.any():
         fig.legend(handles=[Patch(color=SKIPPED_GREY, label="hop skipped (mask empty, no compute)")],
                    loc="outside lower center", fontsize=8, frameon=False)
@@ -83,7 +83,7 @@ def plot_hop_masks(seq, n_hosts, layout="contiguous", causal=True, window=None, 
     """The mask each host applies at each hop, from true positions (blue = query may see key).
 
     Rows are hosts (or only ``host``), columns are steps; panel ``(r, s)`` is the
-    ``[shard, shard]`` mask between host r's queries and K/V block ``(r - s) mod N``. Grey panels are
+    ``[shard, shard]`` mask between host r's queries and K/V shard ``(r - s) mod N``. Grey panels are
     hops skipped as provably empty (``masks.tile_is_empty``). The title of each panel gives the
     number of visible pairs: with a causal mask, contiguous hosts get 0 or all of them, striped and
     zigzag hosts about half each (Brandon et al. 2023).
@@ -201,7 +201,7 @@ def plot_overlap(blocks=None, hardware=("A100 NVLink", "TPU v5e", "A100 InfiniBa
                  batch=1, heads=1, dtype_bytes=2):
     """Per-hop compute time (solid, ``∝ c^2``) vs K/V transfer time (dashed, ``∝ c``) against block size.
 
-    They cross at ``c = F/B`` (§3): above it the next K/V block arrives before the current one is
+    They cross at ``c = F/B`` (§3): above it the next K/V shard arrives before the current one is
     done, so communication is hidden. hardware: names of :data:`ringattn_ref.cost.HARDWARE` or
     ``Hardware`` objects.
     """
@@ -265,7 +265,7 @@ def plot_ring_gantt(trace, flops_per_s, bandwidth_bytes_per_s, *, title=None):
     ideal = float(np.asarray(trace.flops).sum(axis=1).max()) / flops_per_s
     ax.set_title(title or (f"{n_hosts} hosts, layout={_layout_name(trace)}: ring takes {tl.total_s * us:.3g} µs, "
                            f"the busiest host computes {ideal * us:.3g} µs"), fontsize=10)
-    fig.legend(handles=[Patch(color=compute_c, label="compute (label: K/V block)"),
+    fig.legend(handles=[Patch(color=compute_c, label="compute (label: K/V shard)"),
                         Patch(color=send_c, label="send K/V to host i + 1")],
                loc="outside lower center", ncol=2, fontsize=8, frameon=False)
     return fig

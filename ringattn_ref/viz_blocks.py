@@ -66,7 +66,7 @@ def plot_online_softmax(logits, values, block):
 def plot_tiles(q_pos, k_pos, block_q, block_kv, *, causal=True, window=None, title=None):
     """The ``block_q x block_kv`` tile grid of one attention problem: mask, computed and skipped tiles.
 
-    q_pos: int [sq], k_pos: int [sk] true positions (a host's queries and the K/V block it holds, or
+    q_pos: int [sq], k_pos: int [sk] true positions (a host's queries and the K/V shard it holds, or
     ``arange(seq)`` twice for one device). Blue: the query may see the key. Grey hatched tiles are
     skipped without computing, because :func:`ringattn_ref.masks.tile_is_empty` proves them empty
     from the min/max positions alone. The title counts computed / all tiles.

@@ -17,17 +17,17 @@ def test_memory_vs_devices_plots_one_line_per_series():
         figures.plot_memory_vs_devices([2, 4], {"forward": [1, 2, 3]}, local_seq=8)
 
 
-def test_tile_schedule_counts_tiles_per_host():
+def test_empty_tiles_figure_counts_tiles_per_host():
     visible = np.zeros((2, 2, 3, 3), dtype=bool)
     visible[0, 0] = np.tril(np.ones((3, 3), dtype=bool))  # host 0: 6 tiles, host 1: 9 + 0
     visible[1, 0] = True
-    fig = figures.plot_tile_schedule(visible)
+    fig = figures.plot_empty_tiles(~visible)
     assert len(fig.axes) == 2 * 2 + 2  # a panel per (host, step) + the twin axes of the totals
     labels = [ax.get_ylabel() for ax in fig.axes if ax.get_ylabel().endswith("tiles")]
     assert labels == ["6 tiles", "9 tiles"]
     assert "1.20" in fig._suptitle.get_text()  # critical path 9 / mean 7.5
-    with pytest.raises(ValueError, match="visible must be bool"):
-        figures.plot_tile_schedule(np.zeros((2, 3, 3), dtype=bool))
+    with pytest.raises(ValueError, match="empty must be bool"):
+        figures.plot_empty_tiles(np.zeros((2, 3, 3), dtype=bool))
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])

@@ -187,9 +187,9 @@ def test_show_source_renders_highlighted_and_plain():
     from ringattn_course import show_source
     from ringattn_ref import merge, ring
 
-    listing = show_source(ring.KVBlock.payload_elements, merge)  # a method: dedented to column 0
+    listing = show_source(ring.Message.payload_elements, merge)  # a method: dedented to column 0
     data, _ = format_display_data(listing)
-    expected = textwrap.dedent(inspect.getsource(ring.KVBlock.payload_elements)).rstrip() + "\n\n" + \
+    expected = textwrap.dedent(inspect.getsource(ring.Message.payload_elements)).rstrip() + "\n\n" + \
         inspect.getsource(merge).rstrip()
     assert data["text/markdown"] == f"```python\n{expected}\n```\n"
     assert data["text/plain"] == str(listing) == repr(listing) == expected

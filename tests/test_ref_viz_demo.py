@@ -86,7 +86,7 @@ def test_hop_masks_one_host_with_window_and_bad_host():
     fig = viz.plot_hop_masks(16, 4, "contiguous", causal=False, window=(2, 0), host=2)
     axes = [ax for ax in fig.axes if ax.images]
     assert len(axes) == 4 and "host 2" in fig._suptitle.get_text()
-    q_pos, k_pos = np.arange(8, 12), np.arange(4, 8)  # host 2 at step 1 holds block 1
+    q_pos, k_pos = np.arange(8, 12), np.arange(4, 8)  # host 2 at step 1 holds shard 1
     want = allowed(q_pos[:, None], k_pos[None, :], window=(2, 0))
     np.testing.assert_array_equal(np.asarray(axes[1].images[0].get_array()), want)
     assert [("skip" in _texts(ax)) for ax in axes] == [False, False, True, True]
@@ -214,5 +214,5 @@ def test_demo_table_helper_marks_skipped_hops():
 
     trace = _trace(n_hosts=4, seq=16)
     lines = schedule_table(trace).splitlines()
-    assert lines[1].split()[2:] == ["0", "3.", "2.", "1."]  # host 0 causal: only its own block
+    assert lines[1].split()[2:] == ["0", "3.", "2.", "1."]  # host 0 causal: only its own shard
     assert lines[4].split()[2:] == ["3", "2", "1", "0"]  # host 3 causal: every block

@@ -3,7 +3,7 @@
 Notebook 03 (the ring) is the background; ``ringattn_ref/ring.py`` is the full simulation (do not
 call its ``send_to_next``, ``swap_buffers``, ``hop_is_empty`` or ``ring_forward``: that is the answer).
 Ring Attention (arXiv:2310.01889, Algorithm 1) on ``N`` virtual hosts: host ``my_idx`` keeps its
-query shard; the K/V blocks travel around the ring, host ``i -> i + 1``. Write ``ring_step``: what
+query shard; the K/V shards travel around the ring, host ``i -> i + 1``. Write ``ring_step``: what
 all hosts do at ring step ``step``:
 
 1. post the sends first (on hardware they overlap this step's compute): every host puts the block
@@ -18,7 +18,7 @@ all hosts do at ring step ``step``:
    becomes the held block and the receive buffer is emptied (``None``).
 
 So at step ``s`` host ``i`` holds block ``(i - s) % N`` (the authors' index arithmetic: with 4
-hosts, at step 1 host 0 holds K/V block 3). Return one bool per host: True if it computed the hop,
+hosts, at step 1 host 0 holds K/V shard 3). Return one bool per host: True if it computed the hop,
 False if it skipped it.
 
 The objects (``ringattn_ref.ring``): ``hosts[i]`` is a ``Host`` with ``my_idx``, ``q`` [b, c, h, d],

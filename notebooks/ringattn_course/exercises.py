@@ -22,7 +22,7 @@ import numpy as np
 from ringattn_ref import cost
 from ringattn_ref.attention import attention
 from ringattn_ref.layouts import layout_permutation
-from ringattn_ref.ring import KVBlock, ring_attention
+from ringattn_ref.ring import ring_attention
 from ringattn_ref.softmax import init_state, online_update
 
 
@@ -149,7 +149,7 @@ def check_merged_lse(answer):
 def check_kv_outer_blockwise(kv_outer_attention):
     """02, exercise 1: ``kv_outer_attention(q, k, v, block_kv) -> o`` with the K/V loop outermost.
 
-    This is the loop order of a ring host: for each K/V block, update (m, l, o) of *all* queries.
+    This is the loop order of a ring host: for each K/V shard, update (m, l, o) of *all* queries.
     """
     if _pending(kv_outer_attention, "kv_outer_attention(q, k, v, block_kv)"):
         return False
@@ -192,13 +192,13 @@ def check_kv_index_reverse(kv_index):
     if _pending(kv_index, "kv_index(my_idx, step, n_hosts) for the reversed ring"):
         return False
     for n in range(1, 9):
-        # Simulate the reversed ring: block b sits on host b at step 0, moves to b - 1 each step.
-        where = np.arange(n)  # where[b] = host holding block b
+        # Simulate the reversed ring: shard b sits on host b at step 0, moves to b - 1 each step.
+        where = np.arange(n)  # where[b] = host holding shard b
         for step in range(n):
             for b_idx, host in enumerate(where):
                 got = kv_index(int(host), step, n)
                 if got != b_idx:
-                    raise AssertionError(f"n_hosts={n}, step={step}: host {host} holds block "
+                    raise AssertionError(f"n_hosts={n}, step={step}: host {host} holds shard "
                                          f"{b_idx}, your kv_index says {got}")
             where = (where - 1) % n
     return _correct("(my_idx + step) % n_hosts")
@@ -375,12 +375,12 @@ def check_reverse_ring_perm(reverse_perm):
         after = np.empty_like(held)
         for a, b in pairs:
             after[b] = held[a]
-        want = np.roll(held, -1)  # device i now holds block i + 1: it came from the right
+        want = np.roll(held, -1)  # device i now holds shard i + 1: it came from the right
         if not np.array_equal(after, want):
             raise AssertionError(f"n={n}: after one ppermute the devices hold blocks {after.tolist()}; "
                                  f"a ring run backwards gives {want.tolist()} (device i receives from i + 1)")
     _run_on_devices(pairs)
-    return _correct("K/V would travel i -> i - 1, and host i holds block (i + step) % n at step `step`")
+    return _correct("K/V would travel i -> i - 1, and host i holds shard (i + step) % n at step `step`")
 
 
 def _run_on_devices(pairs):
@@ -434,11 +434,11 @@ def check_bwd_bytes_sent(answer, *, batch=1, seq=256, kv_heads=2, dim=16, n_devi
 def _tiles_computed(seq, block, causal, window, block_kv=None):
     import jax.numpy as jnp
 
-    from ringattn_fast.kernels.tiles import tile_schedule
+    from ringattn_fast.kernels.tiles import empty_tiles
 
     pos = jnp.arange(seq, dtype=jnp.int32)[None]
-    return int(np.asarray(tile_schedule(pos, pos, causal=causal, window=window, block_q=block,
-                                        block_kv=block if block_kv is None else block_kv)).sum())
+    return int((~np.asarray(empty_tiles(pos, pos, causal=causal, window=window, block_q=block,
+                                        block_kv=block if block_kv is None else block_kv))).sum())
 
 
 def check_causal_tiles(answer, *, seq=1024, block=128):
@@ -483,7 +483,7 @@ def check_recv_slot(recv_slot):
     if _pending(recv_slot, "recv_slot(step)"):
         return False
     for step in range(8):
-        want = 1 - step % 2  # tpu_ring_fused._sends: compute on slot step % 2, receive into the other
+        want = 1 - step % 2  # pallas_tpu_fused._sends: compute on slot step % 2, receive into the other
         got = _as_int(recv_slot(step), f"recv_slot({step})")
         if got != want:
             raise AssertionError(f"step {step}: the device computes on slot {step % 2}; you say it receives "
@@ -512,7 +512,7 @@ def check_remote_copies(n_copies):
     if _pending(n_copies, "n_copies(n_devices)"):
         return False
     for n in range(1, 9):
-        want = sum(1 for step in range(n) if step < n - 1)  # tpu_ring_fused: no send after the last step
+        want = sum(1 for step in range(n) if step < n - 1)  # pallas_tpu_fused: no send after the last step
         got = _as_int(n_copies(n), f"n_copies({n})")
         if got != want:
             raise AssertionError(f"n_devices={n}: a device starts {want} K/V copies, you say {got}")

@@ -6,8 +6,8 @@ not need it), with the non-interactive Agg backend when there is no display.
 
 - :func:`plot_memory_vs_devices` -- per-device temp bytes measured with ``memory_analysis()`` as the
   ring grows at a fixed local sequence (notebook 07);
-- :func:`plot_tile_schedule` -- which ``block_q x block_kv`` tiles each host computes at each ring
-  step, from the kernels' skip predicate ``kernels.tiles.tile_schedule`` (notebook 08);
+- :func:`plot_empty_tiles` -- which ``block_q x block_kv`` tiles each host computes at each ring
+  step, from the kernels' skip test ``kernels.tiles.empty_tiles`` (notebook 08);
 - :func:`plot_double_buffer` -- the fused TPU ring's double buffer, remote DMAs and handshake as a
   time-space diagram (notebook 09);
 - :func:`plot_decode_schedules` -- seconds per decoded token, ring against the merge reduction, over
@@ -70,19 +70,20 @@ def plot_memory_vs_devices(n_devices, ring_bytes, dense_bytes=None, *, local_seq
     return fig
 
 
-def plot_tile_schedule(visible, *, title=None):
+def plot_empty_tiles(empty, *, title=None):
     """Tiles each host computes at each ring step: a hosts x steps grid of tile maps.
 
-    visible: bool ``[hosts, steps, n_q_tiles, n_kv_tiles]`` -- ``visible[i, s]`` is
-    ``kernels.tiles.tile_schedule`` for host ``i``'s queries against the K/V shard it holds at step
-    ``s`` (``kv_idx = (i - s) % N``). Blue tiles are computed, grey ones skipped; a hop with no visible
-    tile is skipped whole. The right-hand labels give each host's total, whose maximum is the
-    critical path of the ring.
+    empty: bool ``[hosts, steps, n_q_tiles, n_kv_tiles]`` -- ``empty[i, s]`` is
+    ``kernels.tiles.empty_tiles`` for host ``i``'s queries against the K/V shard it holds at step
+    ``s`` (``kv_idx = (i - s) % N``). Blue tiles are computed, grey (empty) ones skipped; a hop whose
+    tiles are all empty is skipped whole. The right-hand labels give each host's total, whose maximum
+    is the critical path of the ring.
     """
     plt = _pyplot()
-    visible = np.asarray(visible, dtype=bool)
-    if visible.ndim != 4:
-        raise ValueError(f"visible must be bool [hosts, steps, n_q_tiles, n_kv_tiles]; got shape {visible.shape}")
+    empty = np.asarray(empty, dtype=bool)
+    if empty.ndim != 4:
+        raise ValueError(f"empty must be bool [hosts, steps, n_q_tiles, n_kv_tiles]; got shape {empty.shape}")
+    visible = ~empty  # the tiles computed
     hosts, steps, nq, nk = visible.shape
     totals = visible.sum(axis=(1, 2, 3))
     fig, axes = plt.subplots(hosts, steps, figsize=(1.0 + 1.25 * steps, 0.8 + 1.2 * hosts), squeeze=False,

@@ -40,7 +40,7 @@ class Listing:
 def show_source(*objs) -> Listing:
     """The source of each of ``objs`` (functions, classes, methods, modules), as one :class:`Listing`.
 
-    ``show_source(ring.KVBlock, ring.send_to_next)`` as a cell's last line shows both definitions,
+    ``show_source(ring.Message, ring.send_to_next)`` as a cell's last line shows both definitions,
     highlighted. The code is found by ``inspect.getsource`` (``OSError`` where it finds none).
     """
     if not objs:

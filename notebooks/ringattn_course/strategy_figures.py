@@ -13,7 +13,7 @@ import numpy as np
 from ringattn_ref.strategies import ulysses_heads
 
 STRATEGY_COLORS = {"ring": "#2c66b0", "allgather": "#c0392b", "ulysses": "#27ae60"}
-TITLES = {"ring": "ring: its queries, one K/V block at a time",
+TITLES = {"ring": "ring: its queries, one K/V shard at a time",
           "allgather": "all-gather: its queries, all K/V",
           "ulysses": "Ulysses: all tokens, heads / N"}
 

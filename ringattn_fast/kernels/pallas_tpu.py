@@ -1,6 +1,6 @@
 """One ring hop as FlashAttention-2 kernels on Pallas Mosaic TPU (TPU; interpreted on CPU).
 
-Same contract as `pallas_gpu` and ``ringattn_fast.hop`` (docs/design.md, "Per-hop contract"):
+Same contract as `pallas_gpu` and ``kernels/xla.py`` (docs/design.md, "Per-hop contract"):
 ``hop_fwd(QShard, KVShard, HopConfig) -> (o, lse)``, ``hop_bwd(...) -> HopGrads``.
 
 Notation: FlashAttention-2 (Dao 2023, arXiv:2307.08691) -> code

@@ -1,6 +1,6 @@
 """Fused TPU ring attention: one ``pallas_call`` per layer and direction runs the whole ring.
 
-Ring Attention (Liu, Zaharia, Abbeel 2023, Algorithm 1) overlaps the transfer of the next K/V block
+Ring Attention (Liu, Zaharia, Abbeel 2023, Algorithm 1) overlaps the transfer of the next K/V shard
 with the attention over the current one. The other impls write that overlap as ``lax.ppermute`` plus
 a per-hop kernel and hope that XLA schedules them concurrently. Here the kernel moves K/V itself with
 remote DMA (``pltpu.make_async_remote_copy``), so the overlap is in the program text: a send starts,
