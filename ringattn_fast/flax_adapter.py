@@ -95,7 +95,7 @@ def flax_attention_fn(*, mesh=None, axis_name="sp", causal=False, window=None, l
     causal = val.check_bool(causal, "causal")
     window = val.check_window(window)
 
-    def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
+    def attention_fn(query, key, value, bias=None, mask=None, *, broadcast_dropout=True, dropout_rng=None,
                      dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
                      is_causal=False, force_fp32_for_softmax=False, qk_attn_weights_einsum=None,
                      attn_weights_value_einsum=None, **unsupported):

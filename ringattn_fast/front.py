@@ -304,14 +304,27 @@ def on_mesh(strategy, q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
                               padding_segment=padding_segment, comm_dtype=comm_dtype,
                               grad_comm_dtype=grad_comm_dtype, dropout_rate=dropout_rate, dropout_key=dropout_key)
     seed = dropout_seed(dropout_key) if settings.cfg.hop.dropout_rate > 0 else None
-    run = partial(_run, strategy, settings, auto_mesh(mesh), axes, return_lse)
+    run = partial(_run, _Call(strategy, settings, auto_mesh(mesh), axes, return_lse))
     qb, qseq, qh, _ = spec_of(q, 4)
     out_specs = (jax.P(qb, qseq, qh, None), jax.P(qb, qh, qseq)) if return_lse else jax.P(qb, qseq, qh, None)
-    return call_auto(mesh, run, q, k, v, segment_ids, bias, seed, out_specs=out_specs)
+    arrays = dict(q=q, k=k, v=v, segment_ids=segment_ids, bias=bias, seed=seed)
+    return call_auto(mesh, run, arrays, out_specs=out_specs)
 
 
-def _run(strategy, settings, mesh, axes, return_lse, q, k, v, segment_ids, bias, seed):
-    """The global computation of :func:`on_mesh` on validated arguments: pad, permute, shard, attend."""
+class _Call(NamedTuple):
+    """The static half of a validated global call: what :func:`_run` needs besides the arrays."""
+    strategy: Strategy
+    settings: Settings
+    mesh: object
+    axes: object
+    return_lse: bool
+
+
+def _run(call, arrays):
+    """The global computation of :func:`on_mesh` on validated arguments: pad, permute, shard, attend.
+    arrays: q, k, v, segment_ids, bias (or None) and the dropout seed (or None)."""
+    strategy, settings, mesh, axes, return_lse = call
+    q, k, v, segment_ids, bias, seed = (arrays[name] for name in ("q", "k", "v", "segment_ids", "bias", "seed"))
     n, layout = axes.n, settings.layout
     padded = padding.pad_for_ring(q, k, v, n_hosts=n, layout=layout, segment_ids=segment_ids, bias=bias,
                                   padding_segment=settings.padding_segment)

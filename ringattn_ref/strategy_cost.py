@@ -66,7 +66,7 @@ class StrategyChoice:
         return self.reason
 
 
-def _check_shape(seq, heads, kv_heads, dim, devices, batch, block):
+def _check_shape(*, seq, heads, kv_heads, dim, devices, batch, block):
     for name, x in (("seq", seq), ("heads", heads), ("kv_heads", kv_heads), ("dim", dim),
                     ("devices", devices), ("batch", batch), ("block", block)):
         if not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < 1:
@@ -114,7 +114,8 @@ def strategy_costs(*, seq, heads, kv_heads, dim, devices, hardware, batch=1, dty
     memory_limit_bytes: a strategy whose peak exceeds it is not feasible.
     """
     hw = _hardware(hardware)
-    _check_shape(seq, heads, kv_heads, dim, devices, batch, 1 if block is None else block)
+    _check_shape(seq=seq, heads=heads, kv_heads=kv_heads, dim=dim, devices=devices, batch=batch,
+                 block=1 if block is None else block)
     block = default_block(seq // devices) if block is None else block  # the simulations' default
     e, n = _positive("dtype_bytes", dtype_bytes), devices
     compute = 4.0 * batch * heads * seq * seq * dim / n / hw.flops_per_s  # same for all three

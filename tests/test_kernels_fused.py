@@ -185,7 +185,7 @@ def test_skips_empty_tiles():
         qs, kv = QShard(q, pos, seg), KVShard(k, v, pos, seg)
         cfg = fused.make_config(qs, kv, hop, axis_name="x", interpret=RACES, count=True)
         o, lse, fwd_count = fused._forward(cfg, qs, kv)
-        *_, bwd_count = fused._backward(cfg, qs, kv, o, lse, do, jnp.zeros_like(lse))
+        *_, bwd_count = fused._backward(cfg, qs, kv, o=o, lse=lse, do=do, dlse=jnp.zeros_like(lse))
         return fwd_count, bwd_count
 
     counts = jax.jit(jax.shard_map(shard_fn, mesh=mesh, in_specs=(P(None, "x"),) * 6,

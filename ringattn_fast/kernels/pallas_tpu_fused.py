@@ -237,9 +237,11 @@ def _dot(a, b, contract):
     return lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
 
 
-def _for_each_tile_unless_empty(cfg, shape, hop_empty_ref, empty_ref, kv_idx, cnt_ref, tile_fn):
-    """Run ``tile_fn(bi, hi, kv_head, rows, cols)`` on every tile of hop ``kv_idx`` that the table does
-    not mark empty (``kv_head`` of query head ``hi``); count them in ``cnt_ref`` (None: no counting)."""
+def _for_each_tile_unless_empty(cfg, shape, tables, kv_idx, cnt_ref, tile_fn):
+    """Run ``tile_fn(bi, hi, kv_head, rows, cols)`` on every tile of hop ``kv_idx`` that the tables
+    ``(hop_empty_ref, empty_ref)`` do not mark empty (``kv_head`` of query head ``hi``); count them in
+    ``cnt_ref`` (None: no counting)."""
+    hop_empty_ref, empty_ref = tables
     b, h, sq, hk, sk = shape
     nq, nk = sq // cfg.hop.block_q, sk // cfg.hop.block_kv
 
@@ -300,7 +302,7 @@ def _fwd_kernel(cfg, ring_ref, hop_empty_ref, empty_ref,                        
         acc_scr[bi, hi, rows, :] = alpha * acc_scr[bi, hi, rows, :] + _dot(p.astype(v.dtype), v, ((1,), (0,)))
         m_scr[bi, hi, rows, :] = m_new
 
-    _for_each_tile_unless_empty(cfg, (b, h, sq, hk, sk), hop_empty_ref, empty_ref, ring.kv_idx, cnt_ref, tile)
+    _for_each_tile_unless_empty(cfg, (b, h, sq, hk, sk), (hop_empty_ref, empty_ref), ring.kv_idx, cnt_ref, tile)
 
     @pl.when(ring.step <= last_send)
     def _():
@@ -410,7 +412,7 @@ def _bwd_kernel(cfg, ring_ref, hop_empty_ref, empty_ref,                        
         dkv_buf[slot, 0, bi, kv_head, cols, :] += _dot(ds.astype(q.dtype), q, ((0,), (0,))) * cfg.hop.scale
         dkv_buf[slot, 1, bi, kv_head, cols, :] += _dot(p.astype(do.dtype), do, ((0,), (0,)))
 
-    _for_each_tile_unless_empty(cfg, (b, h, sq, hk, sk), hop_empty_ref, empty_ref, ring.kv_idx, cnt_ref, tile)
+    _for_each_tile_unless_empty(cfg, (b, h, sq, hk, sk), (hop_empty_ref, empty_ref), ring.kv_idx, cnt_ref, tile)
 
     for c in dkv_copies:
         c.start()  # every step, the last one included: it carries dK/dV home
@@ -455,7 +457,7 @@ def _forward(cfg, qs, kv):
     return o.transpose(0, 2, 1, 3), lse[..., 0], cnt
 
 
-def _backward(cfg, qs, kv, o, lse, do, dlse):
+def _backward(cfg, qs, kv, *, o, lse, do, dlse):
     """-> (dq, dk, dv) in the input dtypes and the tiles computed; ``dlse`` is the lse cotangent.
 
     d lse / d s = P, so an lse cotangent only shifts FA-2's D: dS = P o (dP - (D - dlse)).
@@ -487,7 +489,7 @@ def _ring_fwd(cfg, qs, kv):
 def _ring_bwd(cfg, res, cotangents):
     qs, kv, o, lse = res
     do, dlse = cotangents
-    dq, dk, dv, _ = _backward(cfg, qs, kv, o, lse, do, dlse)
+    dq, dk, dv, _ = _backward(cfg, qs, kv, o=o, lse=lse, do=do, dlse=dlse)
     return (QShard(dq, _int_zeros(qs.pos), _int_zeros(qs.seg)),
             KVShard(dk, dv, _int_zeros(kv.pos), _int_zeros(kv.seg), None))
 

@@ -245,10 +245,10 @@ def hop_bwd(qs, kv, cfg, *, do, lse, delta, drop=None):
     unchanged). Returns :class:`HopGrads` in float32 (float64 for float64).
     """
     cfg = cfg.resolve(qs.q.shape[-1], qs.q.shape[1], kv.k.shape[1])
-    return HopGrads(*_whole_hop(partial(_hop_bwd, qs, kv, cfg, do, lse, delta, drop), qs, kv, cfg))
+    return HopGrads(*_whole_hop(partial(_hop_bwd, qs, kv, cfg, do=do, lse=lse, delta=delta, drop=drop), qs, kv, cfg))
 
 
-def _hop_bwd(qs, kv, cfg, do, lse, delta, drop, *, per_tile):
+def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, per_tile):
     (q, q_pos, q_seg), (k, v, k_pos, k_seg, bias) = qs, kv
     scale, block_q, block_kv = cfg.scale, cfg.block_q, cfg.block_kv
     b, sq, h, d = q.shape
