@@ -35,7 +35,7 @@ out-of-range slots are dropped by the scatter (``mode="drop"``), never clamped.
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -89,11 +89,18 @@ def init_cache(batch, max_seq, kv_heads, dim, *, mesh=None, axis_name="sp", dtyp
     if max_seq % axes.n:
         raise ValueError(f"max_seq ({max_seq}) must be divisible by the size of mesh axis {axis_name!r} "
                          f"({axes.n}): every host holds max_seq / {axes.n} slots")
-    shard = lambda spec: jax.sharding.NamedSharding(mesh, spec)  # noqa: E731
-    zeros = jax.jit(lambda: (jnp.zeros((batch, max_seq, kv_heads, dim), dtype),) * 2
-                    + (jnp.zeros(batch, jnp.int32), jnp.zeros(batch, bool)),
-                    out_shardings=(shard(kv_spec),) * 2 + (shard(row_spec),) * 2)()
+    if not val.is_float_dtype(getattr(dtype, "dtype", dtype)):
+        raise ValueError(f"dtype must be a floating-point dtype (the cache holds K and V); got {dtype!r}")
+    zeros = _zeros_on_mesh(mesh, kv_spec, row_spec, (batch, max_seq, kv_heads, dim), jnp.dtype(dtype))()
     return KVCache(*zeros, n_hosts=axes.n, axis_name=axis_name, mesh=mesh)
+
+
+@lru_cache(maxsize=64)
+def _zeros_on_mesh(mesh, kv_spec, row_spec, shape, dtype):
+    """A jitted function making an empty cache's arrays on ``mesh`` (one compile per configuration)."""
+    shard = lambda spec: jax.sharding.NamedSharding(mesh, spec)  # noqa: E731
+    return jax.jit(lambda: (jnp.zeros(shape, dtype),) * 2 + (jnp.zeros(shape[0], jnp.int32), jnp.zeros(shape[0], bool)),
+                   out_shardings=(shard(kv_spec),) * 2 + (shard(row_spec),) * 2)
 
 
 def _check(q, k, v, cache, mesh):

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from einops import repeat
 
 from .feedforward import blockwise_feedforward
+from .mesh import auto_mesh, call_auto, spec_of
 from .ring import ring_attention_shard
 
 
@@ -180,13 +181,14 @@ def forward(params, tokens, positions, cfg, *, axis_name=None, segment_ids=None)
 
 def sharded_forward(params, tokens, positions, cfg, mesh, *, axis_name="sp"):
     """:func:`forward` on global arrays in layout order: tokens and positions int [b, S] sharded over
-    ``axis_name`` of ``mesh`` (params replicated). A 1-device mesh uses dense attention."""
+    ``axis_name`` of ``mesh`` (params replicated; Auto or Explicit axes). A 1-device mesh uses dense
+    attention."""
     if mesh.shape[axis_name] == 1:
         return forward(params, tokens, positions, cfg)
     spec = jax.P(None, axis_name)
-    fn = partial(forward, cfg=cfg, axis_name=axis_name)
-    return jax.shard_map(fn, mesh=mesh, in_specs=(jax.P(), spec, spec),
-                         out_specs=jax.P(None, axis_name))(params, tokens, positions)
+    fn = jax.shard_map(partial(forward, cfg=cfg, axis_name=axis_name), mesh=auto_mesh(mesh),
+                       in_specs=(jax.P(), spec, spec), out_specs=spec)
+    return call_auto(mesh, fn, params, tokens, positions, out_specs=jax.P(*spec_of(tokens, 2), None))
 
 
 def n_params(params):

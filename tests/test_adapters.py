@@ -7,6 +7,7 @@ scale, return_residual; on a 4-device ring, float32. Each drawn call compiles bo
 mask leaves without a key are drawn often (short kv lengths, sparse masks): JAX's rule for them
 (the mean of all values, a large negative residual) is part of what must match.
 """
+from functools import partial
 import subprocess
 import sys
 
@@ -17,16 +18,14 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import ringattn_fast as rf
+from helpers import assert_close, examples
 
 TOL = 2e-5  # float32, relative to max(1, max |jax.nn's value|)
 MESH = rf.make_mesh(4)
 
 
-def close(got, want, what):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape, (what, got.shape, want.shape)
-    err = np.abs(got - want).max(initial=0.0) / max(1.0, np.abs(want).max(initial=0.0))
-    assert err <= TOL, f"{what}: relative error {err:.2e}"
+close = partial(assert_close, tol=TOL)  # relative to max(1, max |want|)
+
 
 
 @st.composite
@@ -77,7 +76,7 @@ def with_grads(fn, arrays, static):
     return run({name: arrays[name] for name in wrt}, rest, do)
 
 
-@settings(max_examples=12)
+@settings(max_examples=examples(12))
 @given(calls())
 def test_equals_jax_nn_dot_product_attention(call):
     arrays, static = call

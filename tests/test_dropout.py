@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import ringattn_fast as rf
+from helpers import rel_err
 import ringattn_ref as ref
 from ringattn_ref.dropout import check_dropout, dropout_mask, keep_bits, row_hash
 from ringattn_ref.masks import allowed
@@ -21,11 +22,6 @@ def arrays(b=2, s=32, h=4, hk=2, d=8, seed=0, dtype=np.float32):
     q, do = rng.standard_normal((2, b, s, h, d)).astype(dtype)
     k, v = rng.standard_normal((2, b, s, hk, d)).astype(dtype)
     return q, k, v, do
-
-
-def rel_err(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return np.abs(got - want).max() / max(1.0, np.abs(want).max())
 
 
 def test_hash_is_the_same_in_numpy_and_jnp_and_keeps_one_minus_rate():

@@ -7,17 +7,11 @@ import numpy as np
 import pytest
 
 import ringattn_fast as rf
+from helpers import rel_err
 import ringattn_ref as ref
 from ringattn_ref.masks import allowed
 
 TOL = 2e-5
-
-
-def rel_err(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert np.array_equal(np.isneginf(got), np.isneginf(want)), "-inf patterns differ"
-    ok = np.isfinite(want)
-    return np.abs(got[ok] - want[ok]).max(initial=0.0) / max(1.0, np.abs(want[ok]).max(initial=0.0))
 
 
 def arrays(b, s, h, hk, d, seed=0, dtype=np.float32):

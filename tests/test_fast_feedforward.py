@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import ringattn_fast as rf
 import ringattn_ref
 from ringattn_ref.feedforward import relu_ffn
+from helpers import examples
 
 
 def make_ffn(rng, hidden, ffn_hidden):
@@ -24,7 +25,7 @@ def make_ffn(rng, hidden, ffn_hidden):
     return ffn, params, (w1, b1, w2, b2)
 
 
-@settings(max_examples=6)
+@settings(max_examples=examples(6))
 @given(st.integers(1, 2), st.sampled_from([(8, 1), (8, 4), (12, 3), (16, 16)]), st.booleans(),
        st.integers(0, 2**31 - 1))
 def test_equals_whole_sequence_ffn_and_its_gradients(batch, seq_block, remat, seed):

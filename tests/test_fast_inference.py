@@ -11,6 +11,7 @@ import ringattn_fast as rf
 from ringattn_fast import inference as fi
 from ringattn_ref import inference as ri
 from ringattn_ref.testing import inference_problems
+from helpers import examples
 
 STATIC = ("window", "scale", "mesh")
 PREFILL = jax.jit(fi.prefill, static_argnames=STATIC, donate_argnums=3)
@@ -39,7 +40,7 @@ def run_both(problem, mesh, dtype):
     return err, np.abs(np.asarray(fc.k, np.float64) - stored).max()
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(inference_problems(max_hosts=8, max_batch=2, max_steps=2))
 def test_float64_matches_the_reference(problem):
     with jax.enable_x64(True):

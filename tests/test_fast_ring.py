@@ -13,6 +13,7 @@ from hypothesis import given, settings
 import ringattn_fast as rf
 from ringattn_ref import attention, ring_attention as ref_ring_attention, ring_attention_vjp
 from ringattn_ref.testing import AttentionProblem, attention_problems
+from helpers import examples, max_abs_error as max_err
 
 # bf16 inputs: the output is computed in float32 and rounded once to bf16 (rel. step 2**-8), so the
 # max error vs the float64 oracle is a few bf16 ulps of the largest value (measured: o 3e-3, dq 7e-3,
@@ -86,11 +87,7 @@ def reference_with_grads(problem):
     return want, [dq, dk, dv, dbias]
 
 
-def max_err(a, b):
-    return float(np.max(np.abs(a - b))) if a.size else 0.0
-
-
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(attention_problems(max_hosts=8, max_shard=8, max_dim=8, max_group=2))
 def test_float64_matches_reference(problem):
     with jax.enable_x64(True):
@@ -106,7 +103,7 @@ def test_float64_matches_reference(problem):
             assert max_err(got, ref) <= 1e-10, name
 
 
-@settings(max_examples=4)
+@settings(max_examples=examples(4))
 @given(attention_problems(min_hosts=2, max_hosts=8, max_shard=8, max_dim=8, max_group=2))
 def test_float32_matches_reference(problem):
     o, grads = fast_with_grads(problem, jnp.float32)

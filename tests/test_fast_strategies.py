@@ -22,6 +22,7 @@ import ringattn_fast as rf
 from benchmarks.strategies import collective_bytes
 from ringattn_ref.testing import AttentionProblem, attention_problems
 from test_fast_ring import max_err, reference_with_grads
+from helpers import examples
 
 STRATEGIES = {"allgather": rf.allgather_attention, "ulysses": rf.ulysses_attention}
 
@@ -57,7 +58,7 @@ def assert_matches_oracle(fn, problem, tol=1e-10):
             assert max_err(got, ref) <= tol, name
 
 
-@settings(max_examples=3)
+@settings(max_examples=examples(3))
 @given(attention_problems(min_hosts=2, max_hosts=8, max_shard=8, max_dim=8, max_group=2))
 def test_allgather_float64_matches_reference(problem):
     assert_matches_oracle(rf.allgather_attention, problem)
@@ -70,7 +71,7 @@ def ulysses_problems(draw):
     return dataclasses.replace(p, n_hosts=gcd(p.q.shape[2], p.n_hosts))
 
 
-@settings(max_examples=3)
+@settings(max_examples=examples(3))
 @given(ulysses_problems())
 def test_ulysses_float64_matches_reference(problem):
     assert_matches_oracle(rf.ulysses_attention, problem)

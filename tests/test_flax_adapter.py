@@ -8,6 +8,7 @@ errors for what the ring cannot honour (sown weights, precision, RoPE positions,
 decode mode, dropout without an rng). The training recipe of ``docs/flax.md`` runs as written in a
 fresh process, and its second step traces and compiles nothing.
 """
+from functools import partial
 import json
 import os
 import pathlib
@@ -23,16 +24,15 @@ import pytest
 from flax import nnx
 
 import ringattn_fast as rf
+from helpers import assert_close
 import ringattn_ref as ref
 
 TOL = 2e-5  # float32, relative to max(1, max |stock value|)
 MESH = rf.make_mesh(8)
 
 
-def close(got, want, what):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    err = np.abs(got - want).max() / max(1.0, np.abs(want).max())
-    assert got.shape == want.shape and err <= TOL, f"{what}: {got.shape} vs {want.shape}, rel. error {err:.2e}"
+close = partial(assert_close, tol=TOL)  # relative to max(1, max |want|)
+
 
 
 def nnx_mha(attention_fn=nnx.dot_product_attention, **kw):

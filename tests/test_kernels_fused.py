@@ -26,6 +26,7 @@ from ringattn_ref import hop_attention, hop_attention_vjp
 from ringattn_ref.layouts import layout_permutation
 from ringattn_ref.testing import attention_problems
 from ringattn_ref.validation import check_window
+from helpers import examples
 
 P = jax.P
 RACES = pltpu.InterpretParams(detect_races=True)
@@ -86,7 +87,7 @@ def assert_matches(got, want, tol=2e-5):
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
-@settings(max_examples=5)
+@settings(max_examples=examples(5))
 @given(data=st.data())
 def test_matches_oracle(n, data):
     """Outputs, lse and gradients agree with float64 attention on drawn problems (causal, window,

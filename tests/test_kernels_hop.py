@@ -20,15 +20,11 @@ from ringattn_fast.masks import mark_bad_keys
 from ringattn_fast.schedule import HopConfig, KVShard, QShard
 from ringattn_ref import hop_attention, hop_attention_vjp
 from ringattn_ref.masks import allowed
+from helpers import examples, rel_err
 
 MODULES = {"pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
 TOL = 2e-5  # float32, relative to the largest oracle magnitude (at least 1)
 BF16_TOL = 1e-2  # bf16 inputs, fp32 accumulation (measured ~2e-3: P is rounded to bf16 before P @ V)
-
-
-def max_rel_err(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return np.max(np.abs(x - ref), initial=0.0) / max(1.0, np.max(np.abs(ref), initial=0.0))
 
 
 def hop_problem(q, k, v, do, q_pos, k_pos, q_seg=None, k_seg=None, **cfg):
@@ -110,11 +106,11 @@ def assert_matches_oracle(got, want, tol):
         np.testing.assert_array_equal(np.isnan(x), np.isnan(ref), err_msg=f"{name}: NaN pattern")
         np.testing.assert_array_equal(np.isneginf(x), np.isneginf(ref), err_msg=f"{name}: -inf pattern")
         finite = np.isfinite(ref)
-        assert max_rel_err(x[finite], ref[finite]) <= tol, (name, max_rel_err(x[finite], ref[finite]))
+        assert rel_err(x[finite], ref[finite]) <= tol, (name, rel_err(x[finite], ref[finite]))
 
 
 @pytest.mark.slow
-@settings(max_examples=6)
+@settings(max_examples=examples(6))
 @given(problems())
 def test_gpu_kernel_matches_oracle_and_counts_tiles(pb):
     assert_matches_oracle(run_hop(pallas_gpu, pb), run_oracle(pb), TOL)
@@ -125,7 +121,7 @@ def test_gpu_kernel_matches_oracle_and_counts_tiles(pb):
 
 
 @pytest.mark.slow
-@settings(max_examples=3)
+@settings(max_examples=examples(3))
 @given(problems(batches=(1,), max_tiles=3))
 def test_tpu_kernel_matches_oracle(pb):
     assert_matches_oracle(run_hop(pallas_tpu, pb), run_oracle(pb), TOL)
@@ -145,7 +141,7 @@ def tile_any(mask, block_q, block_kv):
     return np.asarray(mask).reshape(b, sq // block_q, block_q, sk // block_kv, block_kv).any(axis=(2, 4))
 
 
-@settings(max_examples=30)
+@settings(max_examples=examples(30))
 @given(problems(blocks=(4, 8)))
 def test_empty_tiles_are_only_empty_tiles(pb):
     """Any layout (contiguous, striped, permuted), masks and segments: a tile called empty has an empty mask."""
@@ -253,7 +249,7 @@ def check_nan_semantics(got, pb):
     assert np.isnan(o[0, 29:]).all() and np.isnan(o[1, 13:]).all()
     for ex, rows in ((0, slice(0, 29)), (1, slice(0, 13))):  # the keys they cannot see contribute nothing
         assert np.isfinite(o[ex, rows]).all()
-        assert max_rel_err(o[ex, rows], clean[0][ex, rows]) <= TOL
+        assert rel_err(o[ex, rows], clean[0][ex, rows]) <= TOL
 
 
 @pytest.mark.slow

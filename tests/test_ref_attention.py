@@ -11,6 +11,7 @@ from ringattn_ref import attention, blockwise_attention, merge
 from ringattn_ref.masks import allowed, tile_is_empty
 from ringattn_ref.softmax import finalize, init_state, online_update
 from ringattn_ref.testing import attention_problems, max_abs_error as max_err
+from helpers import examples
 
 TOL = 1e-12
 
@@ -46,7 +47,7 @@ def loop_attention(q, k, v, *, causal, segment_ids, bias, window, scale):
     return o, lse
 
 
-@settings(max_examples=30)
+@settings(max_examples=examples(30))
 @given(attention_problems(max_hosts=3, max_shard=4))
 def test_oracle_matches_row_loop(p):
     o, lse = attention(p.q, p.k, p.v, return_lse=True, **p.mask_kwargs())

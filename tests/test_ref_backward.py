@@ -6,6 +6,7 @@ from hypothesis import given, settings
 
 from ringattn_ref import attention, ring_attention_vjp
 from ringattn_ref.testing import attention_problems
+from helpers import examples
 
 TOL = 1e-12
 
@@ -47,7 +48,7 @@ def jax_grads(p):
         return np.asarray(o), [np.asarray(g) for g in grads]
 
 
-@settings(max_examples=20)  # each example compiles a jax function
+@settings(max_examples=examples(20))  # each example compiles a jax function
 @given(attention_problems(max_hosts=8, max_shard=6))
 def test_ring_vjp_equals_jax_vjp(p):
     o_jax, grads_jax = jax_grads(p)

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from ringattn_ref import cost
 from ringattn_ref.cost import (HARDWARE, Hardware, activation_bytes, hop_times, min_block_size,
                                step_bytes, step_flops, table1, table2)
+from helpers import examples
 
 # Table 2 of arXiv:2310.01889 as printed: (min block, min seq) in thousands of tokens.
 PAPER_TABLE2 = {
@@ -49,7 +50,7 @@ def test_table2_custom_hardware_and_dtype():
     assert row.min_block == pytest.approx(4000.0)
 
 
-@settings(max_examples=50)
+@settings(max_examples=examples(50))
 @given(st.sampled_from(sorted(HARDWARE)), st.integers(1, 4), st.integers(1, 8),
        st.sampled_from([32, 64, 128, 256]), st.sampled_from([1, 2, 4]))
 def test_overlap_condition_is_where_compute_meets_transfer(name, batch, heads, dim, dtype_bytes):

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 import ringattn_ref
 from ringattn_ref.feedforward import blockwise_feedforward, relu_ffn
+from helpers import examples
 
 
 def _weights(rng, hidden, ffn_hidden):
@@ -24,7 +25,7 @@ def ffn_problems(draw):
     return batch, n_blocks * block, block, hidden, ffn_hidden, seed
 
 
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 @given(ffn_problems())
 def test_blockwise_equals_whole_sequence(problem):
     batch, seq, block, hidden, ffn_hidden, seed = problem
@@ -37,7 +38,7 @@ def test_blockwise_equals_whole_sequence(problem):
     np.testing.assert_array_equal(out, full)  # bit for bit: same row-wise operations
 
 
-@settings(max_examples=30)
+@settings(max_examples=examples(30))
 @given(ffn_problems())
 def test_blas_matmul_ffn_agrees_to_rounding(problem):
     # A BLAS matmul may choose another kernel for another row count: equal up to the last bits.
@@ -51,7 +52,7 @@ def test_blas_matmul_ffn_agrees_to_rounding(problem):
                                rtol=0, atol=1e-13 * max(1.0, np.abs(full).max()))
 
 
-@settings(max_examples=30)
+@settings(max_examples=examples(30))
 @given(st.integers(1, 5), st.sampled_from([1, 2, 3, 4, 6, 12]))
 def test_elementwise_ffn_is_bit_exact(batch, block):
     x = np.random.default_rng(batch).standard_normal((batch, 12, 5))

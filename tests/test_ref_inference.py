@@ -6,6 +6,7 @@ from hypothesis import given, settings
 
 from ringattn_ref import inference as inf
 from ringattn_ref.testing import PrefixOracle, inference_problems
+from helpers import examples
 
 
 def run(problem, decode_schedule="tree"):
@@ -24,7 +25,7 @@ def run(problem, decode_schedule="tree"):
     return err, cache
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(inference_problems(max_hosts=8))
 def test_prefill_then_decode_matches_attention_over_the_prefix(problem):
     err, cache = run(problem)
@@ -33,7 +34,7 @@ def test_prefill_then_decode_matches_attention_over_the_prefix(problem):
     np.testing.assert_array_equal(cache.lengths, want)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(inference_problems(max_hosts=5, max_steps=2))
 def test_ring_decode_gives_the_tree_result(problem):
     assert run(problem, "ring")[0] <= 1e-12

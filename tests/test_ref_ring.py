@@ -10,11 +10,12 @@ from ringattn_ref.blockwise import bias_tile
 from ringattn_ref.layouts import layout_permutation
 from ringattn_ref.shards import HopConfig, KVShard, QShard
 from ringattn_ref.testing import attention_problems, max_abs_error as max_err
+from helpers import examples
 
 TOL = 1e-12
 
 
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 @given(attention_problems(max_hosts=8))
 def test_ring_equals_attention(p):
     o, trace = ring_attention(p.q, p.k, p.v, return_trace=True, **p.ring_kwargs())
@@ -27,7 +28,7 @@ def test_ring_equals_attention(p):
                   == (c // p.block_q) * (c // p.block_kv))
 
 
-@settings(max_examples=20)
+@settings(max_examples=examples(20))
 @given(attention_problems(max_hosts=1, layouts=("contiguous",)))
 def test_one_host_equals_blockwise(p):
     o = ring_attention(p.q, p.k, p.v, **p.ring_kwargs())
@@ -36,7 +37,7 @@ def test_one_host_equals_blockwise(p):
     assert max_err(o, o_bw) <= TOL
 
 
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(attention_problems(max_hosts=6), st.randoms(use_true_random=False))
 def test_result_independent_of_hop_order(p, random):
     """Each host's per-hop partials, merged in a random order, give the same attention."""

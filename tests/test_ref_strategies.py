@@ -11,11 +11,12 @@ from ringattn_ref import (HARDWARE, allgather_attention, attention, choose_strat
                           ring_attention, strategy_costs, table2, ulysses_attention)
 from ringattn_ref.strategy_cost import SIMPLICITY
 from ringattn_ref.testing import attention_problems, max_abs_error as max_err
+from helpers import examples
 
 TOL = 1e-12
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(attention_problems(max_hosts=6))
 def test_allgather_equals_attention(p):
     o, trace = allgather_attention(p.q, p.k, p.v, return_trace=True, **p.ring_kwargs())
@@ -26,7 +27,7 @@ def test_allgather_equals_attention(p):
     assert np.all(trace.bytes_sent[:, -1] == 0) and np.all(trace.flops[:, :-1] == 0)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(attention_problems(max_hosts=4, max_kv_heads=4, max_group=3).filter(
     lambda p: p.q.shape[2] % p.n_hosts == 0))
 def test_ulysses_equals_attention(p):
@@ -58,7 +59,7 @@ def test_ulysses_needs_heads_divisible_by_hosts(heads, n_hosts):
     assert choice.strategy != "ulysses" and "ulysses: not possible" in choice.reason
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 3), st.sampled_from([1, 2, 4]),
        st.integers(1, 2), st.data())
 def test_model_counts_what_the_simulations_count(n, kv_heads, group, c, batch, data):
@@ -79,7 +80,7 @@ def test_model_counts_what_the_simulations_count(n, kv_heads, group, c, batch, d
         assert costs[name].bytes_sent == trace.bytes_sent.sum(axis=1).max(), name
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(st.sampled_from([64, 128, 512]), st.sampled_from([8, 32]), st.sampled_from([1, 4]))
 def test_allgather_memory_grows_with_seq_the_others_stay_flat(c, heads, group):
     """Fixed tokens per device, more devices: the all-gather holds all S tokens of K/V."""
@@ -107,7 +108,7 @@ def test_ring_hides_its_transfers_iff_block_at_least_F_over_B(row, group):
         assert not costs["allgather"].overlapped and costs["allgather"].exposed_comm_s > 0
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(st.sampled_from([1, 2, 4, 8, 16]), st.sampled_from([4, 8, 12, 32, 128]), st.sampled_from([1, 2, 4, 8]),
        st.sampled_from([1024, 8192, 65536]), st.sampled_from(sorted(HARDWARE)),
        st.one_of(st.none(), st.sampled_from([2**28, 2**31, 2**34])))
