@@ -45,6 +45,7 @@ def site(tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.slow
 def test_docs_build_without_warnings(site):
     out, proc = site
     assert proc.returncode == 0, f"sphinx-build failed:\n{proc.stdout[-5000:]}\n{proc.stderr[-8000:]}"
@@ -62,6 +63,7 @@ def test_docs_build_without_warnings(site):
     assert any(p.startswith("_autosummary/ringattn_fast") for p in pages), "no API pages for ringattn_fast"
 
 
+@pytest.mark.slow
 def test_notebook_pages_offer_colab_and_download(site):
     """Each course page links its Colab copy (install cell first) for download and in Colab."""
     out, proc = site
@@ -94,6 +96,7 @@ def _chromium_or_skip(browser):
         pytest.skip(reason)
 
 
+@pytest.mark.slow
 def test_browser_check_sees_breakage(tmp_path):
     """The check itself, on a two-page site with one of each fault: it must report them all."""
     browser = _browser()
@@ -111,6 +114,7 @@ def test_browser_check_sees_breakage(tmp_path):
     assert "#here" not in text
 
 
+@pytest.mark.slow
 def test_site_in_browser(site, record_property):
     """Every page of the site in headless Chromium: no console error, broken image, failed request of
     the site or dead link inside it. Screenshots for a person: ``docs/_build/screenshots/``."""

@@ -28,6 +28,7 @@ from ringattn_ref.testing import attention_problems
 from ringattn_ref.validation import check_window
 from helpers import examples
 
+pytestmark = pytest.mark.slow  # the TPU interpreter with its race detector: minutes for the file
 P = jax.P
 RACES = pltpu.InterpretParams(detect_races=True)
 

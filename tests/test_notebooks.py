@@ -74,6 +74,7 @@ def report_times(request):
         print("\n".join(lines))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, kernel_name, monkeypatch, record_property):
     # The kernel is a child process: make it import this checkout (also when not pip-installed).

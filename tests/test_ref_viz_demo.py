@@ -50,7 +50,7 @@ def test_schedule_figure_shows_blocks_and_greys_skipped_hops():
     assert len(colors) == 3  # one colour per K/V block
     assert (ax.get_xlabel(), ax.get_ylabel()) == ("step", "host")
     assert "Ring schedule" in ax.get_title() and "(i - step) mod 3" in ax.get_title()
-    assert fig.axes[1].get_ylabel() == "K/V block index"  # the colourbar
+    assert fig.axes[1].get_ylabel() == "K/V shard index"  # the colourbar
     assert fig.legends and "hop skipped" in fig.legends[0].texts[0].get_text()
 
 
