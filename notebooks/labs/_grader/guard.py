@@ -79,6 +79,7 @@ class Guard:
         if name in self.registered or name.split(".")[0] not in LIBRARY:
             return
         self.registered.add(name)
+        home = os.path.realpath(getattr(module, "__file__", None) or "?")
         for attr, obj in list(vars(module).items()):
             members = [(attr, obj)]
             if isinstance(obj, type) and obj.__module__ == name:
@@ -88,8 +89,8 @@ class Guard:
             for dotted, member in members:
                 for fn in _unwrap(member):
                     code = fn.__code__
-                    if code in self.names:
-                        continue
+                    if code in self.names or os.path.realpath(code.co_filename) != home:
+                        continue  # seen, or not the library's code (a namedtuple's _replace, a dataclass __init__)
                     self.names[code] = f"{name}.{dotted}"
                     if self._is_allowed(f"{name}.{dotted}"):
                         self.ok_codes.add(code)
