@@ -37,8 +37,9 @@ class Program:
         except Exception as e:  # noqa: BLE001 - anything the child wrote
             raise Fail(f"the program the child exported for {name} does not deserialize: {one_line(e, 200)}") from None
         if exp.nr_devices != devices or tuple(exp.platforms) != ("cpu",):
-            raise Fail(f"{name}'s program was exported for {exp.nr_devices} devices on {exp.platforms}; the grader "
-                       f"asked for {devices} on cpu{self._on()}")
+            raise Fail(f"property 'the program runs on the {devices} devices of the mesh' failed: {name}'s program "
+                       f"uses {exp.nr_devices} device(s) on {exp.platforms} (is it attention on one device?)"
+                       f"{self._on()}")
         if exp.ordered_effects or exp.unordered_effects:
             raise Fail(f"{name}'s program has side effects ({exp.ordered_effects + exp.unordered_effects}): no "
                        f"callbacks or prints to the host{self._on()}")
