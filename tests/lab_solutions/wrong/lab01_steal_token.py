@@ -1,8 +1,9 @@
 """Wrong (lab01): walks the grader's stack frames for a one-time verdict token and prints a PASS line
-with it, then exits before anything is checked. The child holds no token and never prints the verdict.
+with it, then exits before anything is checked. The source check refuses it; without that check (a test
+runs it so) the child holds no token, never prints the verdict, and the exit leaves no results.
 
 lab: lab01
-expect: died without a verdict
+expect: uses sys
 """
 import os
 import sys
