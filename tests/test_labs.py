@@ -1,15 +1,18 @@
 """The labs' grader (``notebooks/labs/grade.py``) passes every reference solution and fails, with
-one clear line, every untouched skeleton, a deliberately wrong variant of each reference, and a
-solution that does not import, lacks a function, raises, returns the wrong shape or dtype, or runs
-past the time limit.
+one clear line, every untouched skeleton, a wrong variant for each loophole class (the files in
+``tests/lab_solutions/wrong/``, each naming its lab and the property its FAIL line must name), edits
+of the references, and solutions that do not import, lack a function, raise, return the wrong shape
+or dtype, or run past the time limit. A handout built by ``scripts/build_handout.py`` holds no
+reference solution and grades one there.
 
 Each case is one ``grade.py`` run (a subprocess that starts its own child); they all run once, two
-at a time, in a module fixture, and each test reads its result. Wrong variants are made here by
-editing the reference source (the edit must match exactly once, so a changed reference cannot turn
-a wrong-variant test into a no-op).
+at a time, in a module fixture, and each test reads its result. Edited variants must match their
+edit exactly once, so a changed reference cannot turn a wrong-variant test into a no-op.
 """
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -17,23 +20,27 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # about a minute of subprocesses (three JAX labs compile rings)
+pytestmark = pytest.mark.slow  # a few minutes of subprocesses (the JAX labs compile rings, twice)
 
 ROOT = Path(__file__).resolve().parent.parent
 LABS = ROOT / "notebooks" / "labs"
 SOLUTIONS = ROOT / "tests" / "lab_solutions"
+WRONG_FILES = sorted((SOLUTIONS / "wrong").glob("lab*.py"))
 sys.path.insert(0, str(LABS))
 from grade import LABS as LAB_FILES  # noqa: E402
 
 # lab -> (text in the reference, its wrong replacement, what the FAIL line must say)
 WRONG = {
     "lab01": ("lse = np.logaddexp(lse1, lse2)", "lse = np.maximum(lse1, lse2)",
-              "merging the oracle over two disjoint key sets"),
+              "merging two partial results gives the oracle"),
     "lab02": ("hosts[(host.my_idx + 1) % n].recv", "hosts[(host.my_idx - 1) % n].recv", "holds block"),
     "lab03": ("chunks[2 * n_hosts - 1 - r]", "chunks[n_hosts + r]", "every host gets the same causal work"),
-    "lab04": ("counter = [(i, (i - 1) % n)", "counter = [(i, (i + 1) % n)", "K/V travel both ways"),
+    "lab04": ("counter = [(i, (i - 1) % n)", "counter = [(i, (i + 1) % n)", "each direction moves N - 1 half"),
     "lab05": ("acc_ref[...] = alpha * acc_ref[...] +", "acc_ref[...] = acc_ref[...] +",
               "o matches the float64 hop oracle"),
+    "lab06": ("return dq, dk, dv", "return dq, dk * 0.5, dv", "dk is the oracle's"),
+    "lab07": ("top = lax.pmax(lse, axis_name)", "top = lse", "is the oracle's over the row's"),
+    "lab08": ("return fits[0], measured", "return fits[-1], measured", "the simplest strategy that fits"),
 }
 RACY = ("    s = scale * jnp.dot(q_ref[...], k_ref[...].T,", """    def read_before_wait(buf, sem):
         copy = pltpu.make_async_copy(k_ref, buf, sem)
@@ -47,7 +54,7 @@ RACY = ("    s = scale * jnp.dot(q_ref[...], k_ref[...].T,", """    def read_bef
 
 LAB01 = (SOLUTIONS / "lab01_online_softmax.py").read_text()
 MERGE_RETURN = "    return _rows_to_o(w1) * o1 + _rows_to_o(w2) * o2, lse"
-# name -> (lab, solution source or a path, extra arguments, what the FAIL line must say)
+# name -> (lab, solution source, extra arguments, what the FAIL line must say)
 BROKEN = {
     "import_error": ("lab01", "import numpy as np\nimport no_such_module_for_lab01\n", (), "cannot import"),
     "syntax_error": ("lab01", "def merge(o1, lse1, o2, lse2)\n    return o1\n", (), "cannot import"),
@@ -59,10 +66,14 @@ BROKEN = {
     "timeout": ("lab01", LAB01.replace("def online_update(m, l, o, s, v):\n",
                                        "def online_update(m, l, o, s, v):\n    while True:\n        pass\n"),
                 ("--time-limit", "4"), "TIMEOUT"),
-    # a solution that prints a look-alike verdict and leaves before the grader's own verdict
+    # a solution that prints a look-alike verdict and leaves before anything is checked
     "fake_pass": ("lab01", "import os\nprint('PASS lab01: every property holds', flush=True)\nos._exit(0)\n", (),
                   "died without a verdict"),
 }
+# wrong files that attack the grader itself, graded a second time with the source check off: the
+# parent/child split alone must stop them
+UNGUARDED = ("lab01_patch_grader.py", "lab01_steal_token.py")
+UNGUARDED_EXPECT = {"lab01_patch_grader.py": "merging two partial results", "lab01_steal_token.py": "died without"}
 
 
 def _edit(source, old, new):
@@ -70,29 +81,43 @@ def _edit(source, old, new):
     return source.replace(old, new)
 
 
+def _declared(path):
+    """(lab, expected substring) from a wrong file's docstring lines ``lab: ...`` and ``expect: ...``."""
+    text = path.read_text()
+    lab, expect = re.search(r"^lab: (\w+)$", text, re.M), re.search(r"^expect: (.+)$", text, re.M)
+    assert lab and expect, f"{path.name} must declare 'lab:' and 'expect:' in its docstring"
+    return lab.group(1), expect.group(1).strip()
+
+
 def _cases(tmp):
-    """name -> (lab, solution path, extra args, expected substring or None for a pass)."""
+    """name -> (lab, solution path, extra args, expected substring or None for a pass, env)."""
     cases = {}
     for lab, (name, _, _) in LAB_FILES.items():
-        cases[f"{lab}_reference"] = (lab, SOLUTIONS / name, (), None)
-        cases[f"{lab}_skeleton"] = (lab, LABS / name, (), "NotImplementedError")
+        cases[f"{lab}_reference"] = (lab, SOLUTIONS / name, (), None, {})
+        cases[f"{lab}_skeleton"] = (lab, LABS / name, (), "NotImplementedError", {})
         old, new, expect = WRONG[lab]
-        wrong = tmp / f"wrong_{name}"
+        wrong = tmp / f"edited_{name}"
         wrong.write_text(_edit((SOLUTIONS / name).read_text(), old, new))
-        cases[f"{lab}_wrong"] = (lab, wrong, (), expect)
+        cases[f"{lab}_edited"] = (lab, wrong, (), expect, {})
     racy = tmp / "racy_lab05_pallas_hop.py"
     racy.write_text(_edit((SOLUTIONS / "lab05_pallas_hop.py").read_text(), *RACY))
-    cases["lab05_racy"] = ("lab05", racy, (), "the race detector reports nothing")
+    cases["lab05_racy"] = ("lab05", racy, (), "the race detector reports nothing", {})
+    for path in WRONG_FILES:
+        lab, expect = _declared(path)
+        cases[f"wrong/{path.name}"] = (lab, path, (), expect, {})
+    for name in UNGUARDED:
+        cases[f"unguarded/{name}"] = ("lab01", SOLUTIONS / "wrong" / name, (), UNGUARDED_EXPECT[name],
+                                      {"_RINGATTN_GRADER_TEST_SKIP_SOURCE_CHECK": "1"})
     for name, (lab, source, extra, expect) in BROKEN.items():
         path = tmp / f"{name}.py"
         path.write_text(source)
-        cases[name] = (lab, path, extra, expect)
+        cases[name] = (lab, path, extra, expect, {})
     return cases
 
 
-def _grade(lab, path, extra):
-    return subprocess.run([sys.executable, str(LABS / "grade.py"), lab, str(path), *extra], capture_output=True,
-                          text=True, timeout=400)
+def _grade(lab, path, extra, env, cwd=ROOT, grade=LABS / "grade.py"):
+    return subprocess.run([sys.executable, str(grade), lab, str(path), *extra], capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, **env), cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +126,7 @@ def graded(tmp_path_factory):
     cases = _cases(tmp_path_factory.mktemp("labs"))
     order = sorted(cases, key=lambda n: not n.endswith(("reference", "racy")))  # the long runs first
     with ThreadPoolExecutor(max_workers=2) as pool:
-        runs = dict(zip(order, pool.map(lambda n: _grade(*cases[n][:3]), order)))
+        runs = dict(zip(order, pool.map(lambda n: _grade(*cases[n][:3], cases[n][4]), order)))
     return {name: (cases[name], runs[name]) for name in cases}
 
 
@@ -113,13 +138,13 @@ def _verdict(proc):
 
 @pytest.mark.parametrize("lab", list(LAB_FILES))
 def test_reference_solution_passes(graded, lab):
-    (_, _, _, _), proc = graded[f"{lab}_reference"]
+    _, proc = graded[f"{lab}_reference"]
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert _verdict(proc).startswith(f"PASS {lab}:")
 
 
 def _assert_fails(graded, name):
-    (lab, _, _, expect), proc = graded[name]
+    (lab, _, _, expect, _), proc = graded[name]
     verdict = _verdict(proc)
     assert proc.returncode != 0, proc.stdout
     assert verdict.startswith(f"FAIL {lab}:") and expect in verdict, proc.stdout + proc.stderr[-3000:]
@@ -134,9 +159,24 @@ def test_untouched_skeleton_fails(graded, lab):
 
 
 @pytest.mark.parametrize("lab", list(LAB_FILES))
-def test_wrong_variant_fails_naming_the_property(graded, lab):
-    verdict = _assert_fails(graded, f"{lab}_wrong")
+def test_edited_reference_fails_naming_the_property(graded, lab):
+    verdict = _assert_fails(graded, f"{lab}_edited")
     assert "property" in verdict and "example" in verdict, verdict
+
+
+@pytest.mark.parametrize("name", [p.name for p in WRONG_FILES])
+def test_wrong_variant_fails_naming_its_property(graded, name):
+    _assert_fails(graded, f"wrong/{name}")
+
+
+def test_every_new_lab_has_a_wrong_variant():
+    labs = {_declared(p)[0] for p in WRONG_FILES}
+    assert labs >= {"lab01", "lab02", "lab03", "lab04", "lab05", "lab06", "lab07", "lab08"}, labs
+
+
+@pytest.mark.parametrize("name", UNGUARDED)
+def test_attack_on_the_grader_fails_without_the_source_check(graded, name):
+    _assert_fails(graded, f"unguarded/{name}")
 
 
 def test_pallas_race_is_reported(graded):
@@ -150,11 +190,32 @@ def test_broken_solution_gets_one_clear_line(graded, name):
 
 
 def test_timeout_exit_code(graded):
-    (_, _, _, _), proc = graded["timeout"]
+    _, proc = graded["timeout"]
     assert proc.returncode == 3, proc.stdout
+
+
+def test_printed_verdict_is_marked_as_the_solutions(graded):
+    _, proc = graded["fake_pass"]
+    assert "| PASS lab01" in proc.stdout and proc.returncode == 4, proc.stdout
 
 
 def test_bad_command_line():
     proc = subprocess.run([sys.executable, str(LABS / "grade.py"), "lab99", __file__], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and "no lab 'lab99'" in proc.stdout
+
+
+def test_handout_has_no_solutions_and_grades(tmp_path):
+    """The handout: skeletons, grader, notebooks, libraries; no tests/; a reference passes there."""
+    dest = tmp_path / "handout"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_handout.py"), str(dest)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not (dest / "tests").exists() and (dest / "notebooks" / "labs" / "_grader" / "common.py").is_file()
+    solutions = {p.read_text() for p in SOLUTIONS.glob("lab*.py")}
+    assert not [p for p in dest.rglob("*.py") if p.read_text() in solutions]
+    for lab in ("lab01", "lab07"):  # numpy and JAX, graded from the handout's own copy of everything
+        mine = tmp_path / f"my_{lab}.py"
+        mine.write_text((SOLUTIONS / LAB_FILES[lab][0]).read_text())
+        run = _grade(lab, mine, (), {"PYTHONPATH": ""}, cwd=dest, grade=dest / "notebooks" / "labs" / "grade.py")
+        assert run.returncode == 0 and _verdict(run).startswith(f"PASS {lab}"), run.stdout + run.stderr[-2000:]

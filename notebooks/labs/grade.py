@@ -2,37 +2,42 @@
 
 Exit status 0 and a ``PASS`` line when every property holds; otherwise a non-zero exit and one
 ``FAIL labNN: ...`` line naming what went wrong: the solution does not import, a function is missing,
-raises, returns the wrong shape or dtype, a property fails on a drawn example (hypothesis strategies
-of ``ringattn_ref.testing``, the float64 oracle ``ringattn_ref.attention``), or the grade ran past
-the lab's time limit. The lines before it say which properties passed.
+raises, returns the wrong shape or dtype, calls the library's answer, a property fails on an example
+(fixed ones and hypothesis draws of ``ringattn_ref.testing``, against the float64 oracle), or the
+solution ran past the lab's time limit. The lines before it say which properties passed.
 
-The grader never hangs: the solution runs in a child process (this file with ``--child``) with 8
-simulated CPU devices set before JAX is imported, killed at the time limit (``--time-limit`` to
-change it). Exit codes: 0 pass, 1 fail, 2 bad command line, 3 time limit, 4 the child died.
+This process (the parent) never imports the solution. It writes the inputs to a temporary directory,
+runs the solution in a child process (this file with ``--child``; 8 simulated CPU devices set before
+JAX is imported, killed at the time limit: ``--time-limit``), reads back the child's arrays and
+exported programs, compiles and runs those itself and decides (threat model: ``_grader/common.py``).
+Exit codes: 0 pass, 1 fail, 2 bad command line, 3 time limit, 4 the child died without results.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import os
-import secrets
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
-# lab -> (skeleton file, time limit in seconds on a loaded 2-core machine, JAX: None (numpy only),
-# "x64" (the ring labs compare float64 with the float64 oracle) or "x32" (the Pallas lab: float32))
+# lab -> (skeleton file, time limit of the child in seconds on a loaded 2-core machine, JAX: None
+# (numpy only), "x64" (float64 against the float64 oracle) or "x32" (the Pallas lab: float32))
 LABS = {
     "lab01": ("lab01_online_softmax.py", 60, None),
     "lab02": ("lab02_ring_step.py", 60, None),
-    "lab03": ("lab03_zigzag.py", 150, "x64"),
-    "lab04": ("lab04_bidirectional_ring.py", 150, "x64"),
-    "lab05": ("lab05_pallas_hop.py", 180, "x32"),
+    "lab03": ("lab03_zigzag.py", 120, "x64"),
+    "lab04": ("lab04_bidirectional_ring.py", 120, "x64"),
+    "lab05": ("lab05_pallas_hop.py", 150, "x32"),
+    "lab06": ("lab06_ring_backward.py", 120, "x64"),
+    "lab07": ("lab07_decode.py", 120, "x64"),
+    "lab08": ("lab08_strategy.py", 120, "x32"),
 }
 
 
@@ -43,100 +48,105 @@ def _lab_name(text):
     return name if name in LABS else None
 
 
-def _child(lab, path):
-    """In the child process: set up JAX, import the solution, run the lab's checks, print a verdict.
-
-    The verdict line starts with a one-time token the parent sends on stdin (read before the solution
-    is imported), so a solution that prints its own "PASS" line does not pass.
-    """
-    token = sys.stdin.readline().strip()
-    sys.stdin.close()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+def _setup_jax(lab):
+    """8 CPU devices and the lab's float mode, before anything imports JAX."""
+    os.environ["JAX_PLATFORMS"] = "cpu"
     if LABS[lab][2]:
         import jax
 
         jax.config.update("jax_num_cpu_devices", 8)
         jax.config.update("jax_enable_x64", LABS[lab][2] == "x64")
     sys.path[:0] = [str(HERE), str(ROOT)]
-    from _grader.common import Fail, Solution, one_line
-
-    try:
-        try:
-            spec = importlib.util.spec_from_file_location("solution", path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        except Exception as e:  # noqa: BLE001 - SyntaxError, ImportError, an error at import time ...
-            raise Fail(f"cannot import {os.path.basename(path)}: {type(e).__name__}: {one_line(e, 300)}") from None
-        passed = importlib.import_module(f"_grader.{lab}").check(Solution(module, path))
-    except Fail as e:
-        print(f"{token} FAIL {lab}: {e}", flush=True)
-        return 1
-    print(f"{token} PASS {lab}: {passed}", flush=True)
-    return 0
 
 
-def _untokened(out, token):
-    """The child's output as the student sees it: the verdict's token removed, a look-alike marked."""
-    lines = []
-    for line in out.splitlines(keepends=True):
-        if line.startswith(token + " "):
-            lines.append(line[len(token) + 1:])
-        elif line.startswith(("PASS", "FAIL")):
-            lines.append("(printed by the solution) " + line)
-        else:
-            lines.append(line)
-    return "".join(lines)
+def _child(lab, workdir, path):
+    """In the child process: run the solution on the parent's tasks (``_grader/child.py``)."""
+    _setup_jax(lab)
+    from _grader import child
+
+    return child.main(lab, workdir, path)
 
 
-def _run(lab, path, limit):
-    """The parent: run the child with a time limit; print its lines and the verdict; the exit code."""
+def _forward(out):
+    """The child's output as the student sees it: every line marked as the solution's."""
+    for line in out.splitlines()[-200:]:
+        print(f"| {line}"[:1000])
+
+
+def _run_child(lab, path, workdir, limit):
+    """Run the child with a time limit; returns (exit code or None on timeout, last stderr line)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
         filter(None, [str(ROOT), str(ROOT / "notebooks"), os.environ.get("PYTHONPATH")])))
-    env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=8"]))
-    token = secrets.token_hex(16)
-    child = subprocess.Popen([sys.executable, __file__, "--child", lab, str(path)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                             start_new_session=True)
+    child = subprocess.Popen([sys.executable, __file__, "--child", lab, str(path), "--workdir", workdir],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env, start_new_session=True, cwd=workdir)
     try:
-        out, err = child.communicate(token + "\n", timeout=limit)
+        out, err = child.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         try:
             os.killpg(child.pid, signal.SIGKILL)  # the child and anything it started
         except ProcessLookupError:  # it ended just now
             pass
-        out, _ = child.communicate()
-        print(_untokened(out, token), end="")
-        print(f"FAIL {lab}: TIMEOUT: the grade ran past the lab's time limit of {limit:g} s and was stopped "
-              f"(an endless loop, or far too slow?)", flush=True)
-        return 3
-    verdict = [line for line in out.splitlines() if line.startswith((f"{token} PASS {lab}", f"{token} FAIL {lab}"))]
-    print(_untokened(out, token), end="")
-    if child.returncode in (0, 1) and verdict:
-        return 0 if verdict[-1].startswith(f"{token} PASS") and child.returncode == 0 else 1
-    last = (err.strip().splitlines() or ["(no output)"])[-1]
-    print(f"FAIL {lab}: the grading process died without a verdict (exit code {child.returncode}): {last[:300]}",
-          flush=True)
-    return 4
+        out, err = child.communicate()
+        _forward(out)
+        return None, ""
+    _forward(out)
+    return child.returncode, ((err or "").strip().splitlines() or ["(no output)"])[-1]
+
+
+def grade(lab, path, limit):
+    """The parent: plan the tasks, run the child, check its results; prints the verdict, returns the exit code."""
+    _setup_jax(lab)
+    from _grader.common import Died, Fail, Results, Tasks
+    from _grader.source import check_source
+
+    start = time.perf_counter()
+    try:
+        if os.environ.get("_RINGATTN_GRADER_TEST_SKIP_SOURCE_CHECK") != "1":  # tests/test_labs.py only: shows
+            check_source(path)  # that the parent/child split alone stops a solution that patches the grader
+        grader = importlib.import_module(f"_grader.{lab}")
+        tasks = Tasks()
+        verify = grader.build(tasks)
+        with tempfile.TemporaryDirectory(prefix=f"grade-{lab}-") as workdir:
+            tasks.write(workdir)
+            status, last = _run_child(lab, path, workdir, limit)
+            if status is None:
+                print(f"FAIL {lab}: TIMEOUT: the solution ran past the lab's time limit of {limit:g} s and was "
+                      f"stopped (an endless loop, or far too slow?)", flush=True)
+                return 3
+            results = Results(workdir, tasks, status)
+            try:
+                passed = verify(results)
+            except Died:
+                print(f"FAIL {lab}: the grading process died without a verdict (exit code {status}): {last[:300]}",
+                      flush=True)
+                return 4
+    except Fail as e:
+        print(f"FAIL {lab}: {e}", flush=True)
+        return 1
+    print(f"PASS {lab}: {passed} ({time.perf_counter() - start:.0f} s)", flush=True)
+    return 0
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("lab", help="lab01 ... lab05")
+    parser.add_argument("lab", help="lab01 ... lab08")
     parser.add_argument("solution", help="your solution file (start from notebooks/labs/labNN_*.py)")
     parser.add_argument("--time-limit", type=float, default=None, help="seconds (default: the lab's own)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     lab = _lab_name(args.lab)
     if lab is None:
         print(f"FAIL: no lab {args.lab!r}; the labs are {', '.join(LABS)}", flush=True)
         return 2
     if args.child:
-        return _child(lab, args.solution)
+        return _child(lab, args.workdir, args.solution)
     path = Path(args.solution)
     if not path.is_file():
         print(f"FAIL {lab}: no file {args.solution!r} (start from notebooks/labs/{LABS[lab][0]})", flush=True)
         return 2
-    return _run(lab, path.resolve(), LABS[lab][1] if args.time_limit is None else args.time_limit)
+    return grade(lab, path.resolve(), LABS[lab][1] if args.time_limit is None else args.time_limit)
 
 
 if __name__ == "__main__":

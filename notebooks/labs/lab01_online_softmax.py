@@ -22,12 +22,14 @@ a row that saw nothing stays ``m = -inf, l = 0, o = 0`` (``lse = -inf, o = 0`` i
 They must also not overflow: ``lse`` may be 800 (``exp(800)`` is inf in float64).
 
 Grade: ``python notebooks/labs/grade.py lab01 notebooks/labs/lab01_online_softmax.py``. The grader
-draws attention problems (``ringattn_ref.testing.attention_problems``: masks, GQA, rows that see
-nothing) and checks: shapes and dtypes; folding the keys block by block from the empty state gives,
-after every block, the float64 oracle's result over the keys so far (to 1e-12); merging the
-oracle's results over two disjoint key sets gives the oracle's result over their union (to 1e-12);
-merge is commutative; adding a constant to both lse (800) shifts lse and leaves o unchanged; no NaN.
-You may not call ``ringattn_ref.softmax`` (that is the answer).
+folds logits block by block with your ``online_update`` (from the empty state, and from a state that
+already holds keys) and checks after every block that the state is the float64 oracle's over the keys
+so far (to 1e-12); it merges the oracle's results over two disjoint key sets with your ``merge``, in
+both orders and with both lse + 800, and checks the union (to 1e-12); no NaN. Fixed examples: logits
+near +-900 whose max rises and falls from block to block (a fold without a running max overflows),
+rows that see nothing at first or at all, b, h, d > 1; then drawn problems
+(``ringattn_ref.testing.attention_problems``: masks, GQA). Numpy only: calling ``ringattn_ref`` or
+``ringattn_fast`` from your file (``softmax.merge`` under any name) fails the grade.
 """
 import numpy as np
 

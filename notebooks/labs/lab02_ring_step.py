@@ -29,11 +29,13 @@ or None), and the state ``m``, ``l`` [b, h, c], ``o`` [b, c, h, d]. A ``KVBlock`
 Send the block object itself (a real ring sends the buffer; the simulation passes a reference).
 
 Grade: ``python notebooks/labs/grade.py lab02 your_file.py``. The grader builds the hosts with
-``ringattn_ref.ring.setup_ring`` for drawn problems (every layout, masks, GQA, 1 to 6 hosts), calls
-your ``ring_step`` for ``step = 0 .. N-1`` and checks after every step: one bool per host; who holds
-which block, nothing left in a receive buffer, no send after the last step; a hop is computed
-exactly when its mask is not provably empty; each host's state is the float64 oracle's over the
-blocks it has seen so far (to 1e-12).
+``ringattn_ref.ring.setup_ring`` for fixed problems (5 hosts causal contiguous with empty hops and
+rows that see nothing, 8 hosts striped, 3 hosts zigzag with a window and documents; GQA, b, d > 1)
+and drawn ones (every layout, masks, 1 to 6 hosts), calls your ``ring_step`` for ``step = 0 .. N-1``
+and checks after every step: one bool per host; who holds which block, nothing left in a receive
+buffer, no send after the last step; a hop is computed exactly when its mask is not provably empty;
+each host's state is the float64 oracle's over the blocks it has seen so far (to 1e-12). Only
+``attend_kv_block``, ``ringattn_ref.masks`` and the classes of ``ringattn_ref.ring`` may be called.
 """
 
 

@@ -27,12 +27,14 @@ Building blocks (use them; do not call ``ringattn_fast.ring_attention_shard``):
 
 Return this host's output, [b, c, h, d] in q's dtype. q: [b, c, h, d]; k, v: [b, c, hk, d].
 
-Grade: ``python notebooks/labs/grade.py lab04 your_file.py``. On drawn problems (3 to 8 hosts,
-float64, JAX x64 on, causal and not, GQA) the grader checks: the output shape and dtype; the
-output is the float64 oracle's (to 1e-10); and, from the traced program (every ``ppermute`` in
-its jaxpr), that K/V travel both ways (``i -> i + 1`` and ``i -> i - 1``, no other pattern), that
-no ``ppermute`` moves more than half a shard of tokens, and that both directions carry the same
-number of elements.
+Grade: ``python notebooks/labs/grade.py lab04 your_file.py``. The grader exports your function in
+its shard_map, compiles and runs the program itself on 3, 5 and 8 hosts (float64, JAX x64 on, causal
+and not, GQA, b and d > 1; shards of 4 to 32 tokens) and checks: the output shape and dtype; the
+output is the float64 oracle's (to 1e-10); and, from the compiled program: every collective is a
+``ppermute`` to a neighbour (no all-gather); no array a ppermute moves is larger than half a shard of
+K; each direction moves ``N - 1`` halves of K and V in all (bytes counted from the operands, times
+the loop's trip count: use ``lax.fori_loop`` with Python int bounds or a Python loop; positions may
+travel too); the per-device scratch memory is at most 5 x one host's q, k, v, o (+ 16 KiB).
 """
 import jax
 import jax.numpy as jnp

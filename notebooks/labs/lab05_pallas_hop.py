@@ -20,16 +20,19 @@ q_ref [block_q, d], k_ref, v_ref [block_kv, d], qp_ref int32 [block_q], kp_ref i
 [block_q, 1], acc_ref [block_q, d], all float32. Use ``jnp`` and ``lax`` inside; ``pl.when(cond)``
 runs a function only where ``cond`` holds.
 
-Grade: ``python notebooks/labs/grade.py lab05 your_file.py``. The grader runs ``hop_fwd`` in the
-TPU interpreter (``interpret=pltpu.InterpretParams(detect_races=True)``) on drawn hops: a host's
-query shard against one K/V shard of a drawn layout (so whole hops and single rows see nothing
-under the causal mask), float32, GQA, tiles of any size dividing the shard. It checks: the shapes
-and dtypes of o and lse; no NaN; rows that see nothing give o = 0 and lse = -inf; o and lse match
-the float64 per-hop oracle ``ringattn_ref.hop_attention`` to 2e-5; and the interpreter's race
-detector reports nothing. The detector watches DMAs and semaphores: a kernel pipelined by BlockSpecs
-like this one has none of its own, but if you double-buffer K/V yourself with
-``pltpu.make_async_copy`` (as the fused ring kernel of notebook 09 does), reading a buffer before
-its copy's ``wait()`` is a race the grader reports.
+Grade: ``python notebooks/labs/grade.py lab05 your_file.py``. The grader puts your ``hop_kernel``
+into its own copy of ``hop_fwd`` (the one below; changing ``hop_fwd`` changes nothing, so the kernel
+inside ``pallas_call`` is yours and it alone computes the output). It runs two hops in the TPU
+interpreter with its race detector on, then every hop with ``interpret=True``: a host's query shard
+against one K/V shard (fixed: causal hops whose host is not the block's, so positions are the true
+ones, not tile indices; a hop where no row sees anything and one where a single row does not; logits
+past float32's ``exp`` range; GQA, b, d > 1, tiles smaller than the shard; plus drawn hops of every
+layout). It checks: the shapes and dtypes of o and lse; no NaN; rows that see nothing give o = 0 and
+lse = -inf; o and lse match the float64 per-hop oracle ``ringattn_ref.hop_attention`` to 2e-5; and
+the race detector reports nothing. The detector watches DMAs and semaphores: a kernel pipelined by
+BlockSpecs like this one has none of its own, but if you double-buffer K/V yourself with
+``pltpu.make_async_copy`` (as the fused ring kernel of notebook 09 does), reading a buffer before its
+copy's ``wait()`` is a race the grader reports.
 """
 from functools import partial
 
