@@ -33,7 +33,7 @@ from grade import LABS as LAB_FILES  # noqa: E402
 WRONG = {
     "lab01": ("lse = np.logaddexp(lse1, lse2)", "lse = np.maximum(lse1, lse2)",
               "merging two partial results gives the oracle"),
-    "lab02": ("hosts[(host.my_idx + 1) % n].recv", "hosts[(host.my_idx - 1) % n].recv", "holds block"),
+    "lab02": ("hosts[(host.my_idx + 1) % n].recv", "hosts[(host.my_idx - 1) % n].recv", "holds shard"),
     "lab03": ("chunks[2 * n_hosts - 1 - r]", "chunks[n_hosts + r]", "every host gets the same causal work"),
     "lab04": ("counter = [(i, (i - 1) % n)", "counter = [(i, (i + 1) % n)", "each direction moves N - 1 half"),
     "lab05": ("acc_ref[...] = alpha * acc_ref[...] +", "acc_ref[...] = acc_ref[...] +",

@@ -18,7 +18,7 @@ Building blocks (use them; do not call ``ringattn_fast.ring_attention_shard``):
 - ``ringattn_fast.schedule.QShard(q, pos)``, ``KVShard(k, v, pos)``: a shard and the true positions
   of its tokens, int32 [b, tokens]; ``HopConfig(scale=d ** -0.5, causal=causal, block_q=...,
   block_kv=...)`` (blocks dividing the query shard and the half);
-- ``ringattn_fast.hop.hop_fwd(qs, kv, cfg) -> (o, lse)``: one hop's normalised result (lse -inf
+- ``ringattn_fast.kernels.xla.hop_fwd(qs, kv, cfg) -> (o, lse)``: one hop's normalised result (lse -inf
   where a row saw nothing);
 - ``ringattn_fast.softmax.merge(o1, lse1, o2, lse2)``: combine two results (safe for -inf);
 - ``lax.ppermute(x, axis_name, perm)`` with ``perm`` a list of ``(source, destination)`` pairs
@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ringattn_fast.hop import hop_fwd
+from ringattn_fast.kernels.xla import hop_fwd
 from ringattn_fast.schedule import HopConfig, KVShard, QShard
 from ringattn_fast.softmax import merge
 

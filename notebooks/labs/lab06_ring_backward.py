@@ -22,7 +22,7 @@ own tokens, shaped and typed like q, k, v. Building blocks:
 
 - ``ringattn_fast.schedule.QShard(q, pos)``, ``KVShard(k, v, pos)``, ``HopConfig(scale=d ** -0.5,
   causal=causal, block_q=..., block_kv=...)`` (positions: int32 [b, c], the true ones);
-- ``ringattn_fast.hop.hop_bwd(qs, kv, cfg, *, do, lse, delta) -> HopGrads(dq, dk, dv, dbias)``: one
+- ``ringattn_fast.kernels.xla.hop_bwd(qs, kv, cfg, *, do, lse, delta) -> HopGrads(dq, dk, dv, dbias)``: one
   hop's gradients (dk, dv summed over the GQA group);
 - ``lax.ppermute(x, axis_name, perm)`` (a tuple or NamedTuple travels in one call),
   ``lax.axis_index`` / ``lax.axis_size``, ``lax.fori_loop`` with Python int bounds (or a Python loop).
@@ -38,7 +38,7 @@ the per-device scratch memory stays within 6 of one host's ``q, o, do, k, v`` (+
 import jax.numpy as jnp
 from jax import lax
 
-from ringattn_fast.hop import hop_bwd
+from ringattn_fast.kernels.xla import hop_bwd
 from ringattn_fast.schedule import HopConfig, KVShard, QShard
 
 

@@ -2,7 +2,7 @@
 import jax.numpy as jnp
 from jax import lax
 
-from ringattn_fast.hop import hop_bwd
+from ringattn_fast.kernels.xla import hop_bwd
 from ringattn_fast.schedule import HopConfig, KVShard, QShard
 
 

@@ -52,7 +52,7 @@ def _unwrap(obj):
 
 class Guard:
     """Watches the library; ``allowed`` holds dotted names the student may call: a function
-    (``ringattn_fast.hop.hop_fwd``), a class (all its methods) or a module (all of it)."""
+    (``ringattn_fast.kernels.xla.hop_fwd``), a class (all its methods) or a module (all of it)."""
 
     def __init__(self, solution_path, allowed, trusted_dirs):
         self.solution = os.path.realpath(solution_path)

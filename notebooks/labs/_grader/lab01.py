@@ -49,14 +49,17 @@ class Fold:
 
 
 def _problem_fold(p):
-    from ringattn_ref.blockwise import tile_logits
     from ringattn_ref.attention import repeat_kv
-    from ringattn_ref.validation import check_scale
+    from ringattn_ref.blockwise import tile_logits
+    from ringattn_ref.shards import HopConfig, KVShard, QShard
+    from ringattn_ref.validation import check_scale, check_window
 
     b, s, h, d = p.q.shape
     pos = np.arange(s)[None]
-    logits = tile_logits(p.q, p.k, pos, pos, p.segment_ids, p.segment_ids, p.bias, scale=check_scale(p.scale, d),
-                         causal=p.causal, window=p.window)  # (b, h, s, s), -inf where masked
+    bias = None if p.bias is None else np.asarray(p.bias, np.float64)  # true order: the whole sequence's block
+    cfg = HopConfig(scale=check_scale(p.scale, d), causal=p.causal, window=check_window(p.window, s))
+    logits = tile_logits(QShard(p.q, pos, p.segment_ids), KVShard(p.k, p.v, pos, p.segment_ids, bias),
+                         cfg)  # (b, h, s, s), -inf where masked
     return Fold(f"drawn {p!r}", logits, repeat_kv(p.v, h), p.block_kv)
 
 

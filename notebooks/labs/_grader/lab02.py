@@ -1,10 +1,10 @@
 """Grader of lab 2: ``ring_step`` driven over a whole ring, checked after every step.
 
 Parent: the problems (fixed: 3, 5 and 8 hosts, GQA, b and d > 1, striped/zigzag/contiguous, causal
-hops that are empty and hops whose host is not the block's, rows that see nothing, segment ids, a
-window; plus hypothesis draws) and, per host and step, the oracle over the blocks seen so far. Child:
+hops that are empty and hops whose host is not the shard's, rows that see nothing, segment ids, a
+window; plus hypothesis draws) and, per host and step, the oracle over the shards seen so far. Child:
 builds the hosts with ``ringattn_ref.ring.setup_ring``, calls the student's ``ring_step`` for every
-step and records, after each, the flags, which block object each host holds, its receive buffer and
+step and records, after each, the flags, which message object each host holds, its receive buffer and
 its ``(m, l, o)``. The parent checks all of it.
 """
 from __future__ import annotations
@@ -15,8 +15,9 @@ import numpy as np
 
 from .common import Fail, check_array, check_close, draw, ok
 
-ALLOWED = ("ringattn_ref.blockwise.attend_kv_block", "ringattn_ref.masks", "ringattn_ref.ring.Host",
-           "ringattn_ref.ring.KVBlock", "ringattn_ref.ring.RingProblem", "ringattn_ref.ring.RingTrace")
+ALLOWED = ("ringattn_ref.blockwise.attend_kv_shard", "ringattn_ref.blockwise.bias_tile", "ringattn_ref.masks",
+           "ringattn_ref.shards", "ringattn_ref.ring.Host", "ringattn_ref.ring.Message", "ringattn_ref.ring.RingProblem",
+           "ringattn_ref.ring.RingTrace")
 FUNCTIONS = {"ring_step": "ring_step(hosts, step, problem) -> list of bools"}
 EXAMPLES = 16
 TOL = 1e-12
@@ -93,7 +94,7 @@ def build(tasks):
 
 
 def _oracle_seen(p, perm, c, seen_blocks):
-    """The oracle's (o, lse) over the keys of the layout blocks ``seen_blocks``, all rows (true order)."""
+    """The oracle's (o, lse) over the keys of the layout shards ``seen_blocks``, all rows (true order)."""
     from ringattn_ref.attention import attention
 
     keys = np.zeros(p.q.shape[1], bool)
@@ -114,7 +115,7 @@ def _check_ring(p, out):
                                 bias=p.bias, window=p.window, scale=p.scale, layout=p.layout, block_q=p.block_q,
                                 block_kv=p.block_kv)
     n, c = problem.n_hosts, problem.shard
-    b, _, h, d = hosts[0].q.shape
+    b, _, h, d = hosts[0].qs.q.shape
     steps = int(out.get("steps", np.zeros(())).item()) if "steps" in out else 0
     if steps < n:
         raise Fail(f"ring_step: the child recorded {steps} of {n} steps on example {p!r}")
@@ -125,31 +126,31 @@ def _check_ring(p, out):
         for host in hosts:
             i = host.my_idx
             want = (i - after) % n
-            prop = (f"after step {step} of {n} host {i} holds block {want} (sent one host on, "
+            prop = (f"after step {step} of {n} host {i} holds shard {want} (sent one host on, "
                     f"{'no send after the last step' if step == n - 1 else 'buffers swapped'}) and its "
                     f"receive buffer is empty")
             if int(held[step, i]) != want or not bool(recv_empty[step, i]):
                 got = int(held[step, i])
-                what = ("a copy of it (send the block object itself)" if got == -2 - want else
-                        "no block of the ring" if got < 0 else f"block {got}")
+                what = ("a copy of it (send the message object itself)" if got == -2 - want else
+                        "no message of the ring" if got < 0 else f"shard {got}")
                 recv = "empty" if recv_empty[step, i] else "not empty"
                 raise Fail(f"property '{prop}' failed on example {p!r}: it holds {what}, receive buffer {recv}")
-            blk = hosts[(i - step) % n].held  # block (i - step) % n, as setup_ring made it (block r on host r)
-            empty = bool(tile_is_empty(host.q_pos, blk.k_pos, host.q_seg, blk.k_seg, causal=problem.causal,
-                                       window=problem.window))
+            kv = hosts[(i - step) % n].held.kv  # shard (i - step) % n, as setup_ring made it (shard r on host r)
+            empty = bool(tile_is_empty(host.qs.pos, kv.pos, host.qs.seg, kv.seg, causal=problem.hop.causal,
+                                       window=problem.hop.window))
             if bool(flags[step, i]) == empty:
                 raise Fail(f"property 'a hop is computed exactly when its mask is not provably empty' failed on "
-                           f"example {p!r}: host {i} at step {step} (block {(i - step) % n}) returned "
+                           f"example {p!r}: host {i} at step {step} (shard {(i - step) % n}) returned "
                            f"{bool(flags[step, i])} but the hop is {'empty' if empty else 'not empty'}")
             state = []
             for name, shape in (("m", (b, h, c)), ("l", (b, h, c)), ("o", (b, c, h, d))):
                 state.append(check_array(f"host {i}'s {name} after step {step}", out.get(f"{name}_{step}_{i}"), shape,
                                          np.float64, p))
             want_o, want_lse = _oracle_seen(p, problem.perm, c, [(i - t) % n for t in range(step + 1)])
-            rows = host.q_pos[0]
+            rows = host.qs.pos[0]
             with np.errstate(all="ignore"):
                 got_o, got_lse = finalize(*state)
-            prop = f"after step {step} host {i}'s state is the oracle's over the blocks it has seen"
+            prop = f"after step {step} host {i}'s state is the oracle's over the shards it has seen"
             check_close("o", got_o, want_o[:, rows], TOL, prop, p)
             check_close("lse", got_lse, want_lse[:, :, rows], TOL, prop, p)
 
@@ -167,8 +168,8 @@ def _ring(sol, a, params):
                                 scale=params["scale"], layout=layout, block_q=params["block_q"],
                                 block_kv=params["block_kv"])
     n, c = problem.n_hosts, problem.shard
-    b, _, h, d = hosts[0].q.shape
-    blocks = [host.held for host in hosts]  # block r starts on host r
+    b, _, h, d = hosts[0].qs.q.shape
+    blocks = [host.held for host in hosts]  # message r (shard r) starts on host r
     for host in hosts:
         host.m, host.l = np.full((b, h, c), -np.inf), np.zeros((b, h, c))
         host.o = np.zeros((b, c, h, d))
@@ -185,7 +186,7 @@ def _ring(sol, a, params):
         out["flags"][step] = [bool(f) for f in flags]
         for i, host in enumerate(hosts):
             idx = next((j for j, blk in enumerate(blocks) if host.held is blk), None)
-            if idx is None:  # not one of the ring's block objects: a copy of block kv_idx, or something else
+            if idx is None:  # not one of the ring's messages: a copy of shard kv_idx, or something else
                 kv = getattr(host.held, "kv_idx", None)
                 idx = -2 - int(kv) if isinstance(kv, (int, np.integer)) and 0 <= kv < n else -1
             out["held"][step, i] = idx

@@ -17,7 +17,7 @@ import numpy as np
 
 from .common import Fail, check_array, check_close, draw, ok
 
-ALLOWED = ("ringattn_fast.hop.hop_fwd", "ringattn_fast.softmax.merge", "ringattn_fast.schedule.QShard",
+ALLOWED = ("ringattn_fast.kernels.xla.hop_fwd", "ringattn_fast.softmax.merge", "ringattn_fast.schedule.QShard",
            "ringattn_fast.schedule.KVShard", "ringattn_fast.schedule.HopConfig")
 FUNCTIONS = {"bidirectional_ring_attention_shard":
              "bidirectional_ring_attention_shard(q, k, v, *, axis_name, causal) -> o"}

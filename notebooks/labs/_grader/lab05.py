@@ -96,6 +96,7 @@ def build(tasks):
 
     def verify(results):
         from ringattn_ref.blockwise import hop_attention
+        from ringattn_ref.shards import HopConfig, KVShard, QShard
 
         from .programs import Program
 
@@ -111,7 +112,8 @@ def build(tasks):
             b, c, heads, d = h.q.shape
             o = check_array("hop_fwd's o", o, (b, c, heads, d), np.float32, h)
             lse = check_array("hop_fwd's lse", lse, (b, heads, c), np.float32, h)
-            want_o, want_lse = hop_attention(h.q, h.k, h.v, h.rows[None], h.cols[None], scale=h.scale, causal=h.causal)
+            want_o, want_lse = hop_attention(QShard(h.q, h.rows[None]), KVShard(h.k, h.v, h.cols[None]),
+                                             HopConfig(scale=h.scale, causal=h.causal))
             if np.isnan(o).any() or np.isnan(lse).any():
                 raise Fail(f"property 'no NaN' failed on example {h!r}: o has {int(np.isnan(o).sum())} NaN, lse "
                            f"{int(np.isnan(lse).sum())}")

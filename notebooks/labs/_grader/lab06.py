@@ -18,7 +18,7 @@ import numpy as np
 
 from .common import Fail, check_array, check_close, draw, ok
 
-ALLOWED = ("ringattn_fast.hop.hop_bwd", "ringattn_fast.hop.hop_fwd", "ringattn_fast.softmax.merge",
+ALLOWED = ("ringattn_fast.kernels.xla.hop_bwd", "ringattn_fast.kernels.xla.hop_fwd", "ringattn_fast.softmax.merge",
            "ringattn_fast.schedule.QShard", "ringattn_fast.schedule.KVShard",
            "ringattn_fast.schedule.HopConfig", "ringattn_fast.schedule.HopGrads")
 FUNCTIONS = {"ring_backward_shard": "ring_backward_shard(q, k, v, o, lse, do, *, axis_name, causal) -> (dq, dk, dv)"}

@@ -17,7 +17,7 @@ import numpy as np
 
 from .common import Fail, check_array, check_close, draw, ok
 
-ALLOWED = ("ringattn_fast.hop.hop_fwd", "ringattn_fast.schedule.QShard", "ringattn_fast.schedule.KVShard",
+ALLOWED = ("ringattn_fast.kernels.xla.hop_fwd", "ringattn_fast.schedule.QShard", "ringattn_fast.schedule.KVShard",
            "ringattn_fast.schedule.HopConfig", "ringattn_fast.masks")
 FUNCTIONS = {"decode_attention_shard": "decode_attention_shard(q, k, v, lengths, *, axis_name) -> o"}
 TOL = 1e-10

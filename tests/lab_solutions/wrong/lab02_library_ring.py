@@ -4,22 +4,20 @@ lab: lab02
 expect: calls ringattn_ref.ring.send_to_next
 """
 import ringattn_ref.ring
-from ringattn_ref.blockwise import attend_kv_block
+from ringattn_ref.blockwise import attend_kv_shard, bias_tile
 from ringattn_ref.masks import tile_is_empty
 
 
 def ring_step(hosts, step, problem):
-    last = step == len(hosts) - 1
+    last, hop = step == len(hosts) - 1, problem.hop
     if not last:
         ringattn_ref.ring.send_to_next(hosts)
     computed = []
     for host in hosts:
-        kv = host.held
-        empty = tile_is_empty(host.q_pos, kv.k_pos, host.q_seg, kv.k_seg, causal=problem.causal, window=problem.window)
+        qs, kv = host.qs, host.held.kv
+        empty = tile_is_empty(qs.pos, kv.pos, qs.seg, kv.seg, causal=hop.causal, window=hop.window)
         if not empty:
-            attend_kv_block((host.m, host.l, host.o), host.q, kv.k, kv.v, host.q_pos, kv.k_pos, host.q_seg, kv.k_seg,
-                            problem.bias, scale=problem.scale, causal=problem.causal, window=problem.window,
-                            block_q=problem.block_q, block_kv=problem.block_kv)
+            attend_kv_shard((host.m, host.l, host.o), qs, kv._replace(bias=bias_tile(problem.bias, qs.pos, kv.pos)), hop)
         computed.append(not empty)
     if not last:
         ringattn_ref.ring.swap_buffers(hosts)

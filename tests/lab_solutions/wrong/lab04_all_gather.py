@@ -6,7 +6,7 @@ expect: has an all-gather
 import jax.numpy as jnp
 from jax import lax
 
-from ringattn_fast.hop import hop_fwd
+from ringattn_fast.kernels.xla import hop_fwd
 from ringattn_fast.schedule import HopConfig, KVShard, QShard
 
 

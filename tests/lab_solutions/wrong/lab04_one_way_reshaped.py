@@ -7,7 +7,7 @@ expect: no ppermute moves more than half a shard
 import jax.numpy as jnp
 from jax import lax
 
-from ringattn_fast.hop import hop_fwd
+from ringattn_fast.kernels.xla import hop_fwd
 from ringattn_fast.schedule import HopConfig, KVShard, QShard
 from ringattn_fast.softmax import merge
 

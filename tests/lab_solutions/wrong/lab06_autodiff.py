@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ringattn_fast.hop import hop_fwd
+from ringattn_fast.kernels.xla import hop_fwd
 from ringattn_fast.schedule import HopConfig, KVShard, QShard
 from ringattn_fast.softmax import merge
 
