@@ -1,11 +1,10 @@
 """The code that computes a hop, one module per ``impl=`` value (docs/design.md, "Per-hop contract").
 
-| impl                 | module                  | runs compiled on | interpreted on | what it provides                 |
-|----------------------|-------------------------|------------------|----------------|----------------------------------|
-| ``"xla"``            | ``xla.py``              | cpu, gpu, tpu    | —              | ``hop_fwd``, ``hop_bwd``         |
-| ``"pallas_gpu"``     | ``pallas_gpu.py``       | gpu (Triton)     | cpu            | ``hop_fwd``, ``hop_bwd``         |
-| ``"pallas_tpu"``     | ``pallas_tpu.py``       | tpu (Mosaic)     | cpu            | ``hop_fwd``, ``hop_bwd``         |
-| ``"pallas_tpu_fused"`` | ``pallas_tpu_fused.py`` | tpu (Mosaic)   | cpu            | ``ring``: the whole ring, remote DMA |
+- ``"xla"`` (``xla.py``): runs compiled on cpu, gpu, tpu; ``hop_fwd``, ``hop_bwd``;
+- ``"pallas_gpu"`` (``pallas_gpu.py``): compiled on gpu (Triton), interpreted on cpu; ``hop_fwd``, ``hop_bwd``;
+- ``"pallas_tpu"`` (``pallas_tpu.py``): compiled on tpu (Mosaic), interpreted on cpu; ``hop_fwd``, ``hop_bwd``;
+- ``"pallas_tpu_fused"`` (``pallas_tpu_fused.py``): compiled on tpu, interpreted on cpu; ``ring``, the whole
+  ring with remote DMA.
 
 :data:`IMPLS` is that table, the one place that says where each impl runs (``dispatch`` and
 ``tiles.interpret_mode`` read it). The modules are imported when an impl is first used
