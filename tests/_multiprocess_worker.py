@@ -10,7 +10,8 @@ builds global q/k/v from a seeded numpy array of which it places only its own sh
 and backward, gathers the outputs and gradients to every process (``process_allgather``), and
 compares them with the float64 oracle. Each process prints its own errors as one JSON line (each
 checks the gathered result it holds; a real program prints on process 0 only) and exits 1 if one
-is above ``TOL``.
+is above ``TOL``. It joins and leaves the job through ``_multiprocess_job``: JAX's timeouts, and the
+exit code written for the launcher, so that a process that fails ends the whole job.
 
 Cases (batch 2, seq 64, 4 heads, 2 kv heads, dim 16, float32), on one ring of all 8 devices: causal
 GQA in the contiguous layout, and causal with 3 documents (segment ids) in the zigzag layout; on the
@@ -24,12 +25,14 @@ import sys
 
 import jax
 
+import _multiprocess_job as job
+
 if "JAX_NUM_PROCESSES" not in os.environ or "JAX_PROCESS_ID" not in os.environ:
     sys.exit("run this through the launcher: python scripts/launch_local.py --processes 2 "
              "--devices-per-process 4 -- python tests/_multiprocess_worker.py")
-# Before any JAX computation; the coordinator's address comes from JAX_COORDINATOR_ADDRESS.
-jax.distributed.initialize(num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-                           process_id=int(os.environ["JAX_PROCESS_ID"]))
+# Before any JAX computation; the coordinator's address comes from JAX_COORDINATOR_ADDRESS. The timeouts
+# (_multiprocess_job) end the job when a process fails, with or without the launcher watching.
+job.initialize()
 
 import numpy as np  # noqa: E402
 from jax.experimental.multihost_utils import process_allgather  # noqa: E402
@@ -112,4 +115,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    job.run(main)  # sys.exit(main()), telling the launcher when this process has left (_multiprocess_job)

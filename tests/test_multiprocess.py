@@ -3,8 +3,13 @@
 The slow test runs ``tests/_multiprocess_worker.py`` as processes 0 and 1 of one job (gloo
 collectives over localhost) and checks the JSON line each prints: 8 devices, 4 of them local (not
 the 8 that conftest's ``XLA_FLAGS`` asks for: the launcher removes that flag), both processes agree,
-and the ring's forward and gradients match the float64 oracle. The fast tests check the launcher
-itself: a failing process stops the others, and a timeout stops them all.
+and the ring's forward and gradients match the float64 oracle. The fault tests run
+``tests/_multiprocess_fault_worker.py`` (2 processes x 2 devices, a tiny ring): a process that
+raises, or exits 0, after a warm-up ring while its peer waits in the next collective ends the whole
+launch within the issue's bound (checked to hang on the launcher before the watchdog), one that
+leaves a little late does not, and JAX's shutdown timeout alone ends the job too. The fast tests
+check the launcher itself on plain Python programs: a failing process stops the others, a clean
+exit while the others run fails the job after ``--exit-grace``, the exit file, and ``--timeout``.
 """
 import json
 import os
@@ -22,9 +27,31 @@ LAUNCH = [sys.executable, os.path.join(ROOT, "scripts", "launch_local.py")]
 TOL = 2e-5  # float32 vs the float64 oracle, relative to max(1, max |oracle|)
 
 
+FAULT_WORKER = os.path.join(ROOT, "tests", "_multiprocess_fault_worker.py")
+BOUND_S = 60  # the issue's acceptance bound on a failed launch's wall time (generous: ~10-25 s measured)
+
+
 def launch(*args, timeout):
+    """Run the launcher; past ``timeout`` SIGTERM it (it stops its processes) and fail: it hung."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    return subprocess.run(LAUNCH + list(args), env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen(LAUNCH + list(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # not kill: the launcher's own processes are in their own sessions
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"the launcher had not returned after {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def launch_fault(*worker_args):
+    """2 processes x 2 CPU devices of the fault worker: (the run, its wall time in s)."""
+    start = time.monotonic()
+    run = launch("--processes", "2", "--devices-per-process", "2", "--", sys.executable, FAULT_WORKER,
+                 *worker_args, timeout=90)
+    elapsed = time.monotonic() - start
+    print(f"{' '.join(worker_args)}: exit code {run.returncode} after {elapsed:.1f} s")
+    return run, elapsed
 
 
 @pytest.mark.slow
@@ -56,11 +83,80 @@ def test_launcher_stops_the_others_when_one_fails():
     assert run.returncode == 3, run.stdout + run.stderr
     assert time.monotonic() - start < 30  # processes 0 and 2 were stopped, not waited for
     assert "[1] hi from 1" in run.stdout.splitlines(), run.stdout  # its output, prefixed with its id
-    assert "[launch] process 1 exited with 3" in run.stdout, run.stdout
+    assert "[launch] process 1 failed with exit code 3" in run.stderr, run.stderr
+
+
+def test_launcher_prints_the_failed_process_stderr_tail():
+    program = "import os, sys; sys.exit('bad input on ' + os.environ['JAX_PROCESS_ID']) " \
+              "if os.environ['JAX_PROCESS_ID'] == '0' else __import__('time').sleep(120)"
+    run = launch("--processes", "2", "--", sys.executable, "-c", program, timeout=60)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "[0] bad input on 0" in run.stderr.splitlines(), run.stderr  # streamed, prefixed
+    assert "[launch]   0| bad input on 0" in run.stderr.splitlines(), run.stderr  # and in the summary
+
+
+def test_launcher_fails_a_clean_exit_while_others_still_run():
+    program = "import os, time; time.sleep(120) if os.environ['JAX_PROCESS_ID'] == '0' else None"
+    start = time.monotonic()
+    run = launch("--processes", "2", "--exit-grace", "1", "--", sys.executable, "-c", program, timeout=60)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert time.monotonic() - start < 30  # process 0 was stopped after the grace, not waited for
+    assert "[launch] process 1 left the program (exit code 0)" in run.stderr, run.stderr
+
+
+def test_launcher_takes_the_exit_file_and_allows_a_late_finish():
+    """The exit file counts as leaving: a non-zero code fails the job while the process is still alive (as one
+    held in JAX's shutdown barrier is), and a 0 followed by the others within the grace is a normal end."""
+    write = "import os, time; open(os.environ['LAUNCH_LOCAL_EXIT_FILE'], 'w').write('{code}'); time.sleep({hold})"
+    run = launch("--processes", "2", "--", sys.executable, "-c", write.format(code=7, hold=120), timeout=60)
+    assert run.returncode == 7, run.stdout + run.stderr
+    assert "failed with exit code 7" in run.stderr, run.stderr
+    late = "import os, time; me = int(os.environ['JAX_PROCESS_ID']); time.sleep(me); " \
+           "open(os.environ['LAUNCH_LOCAL_EXIT_FILE'], 'w').write('0'); time.sleep(2 - me)"
+    run = launch("--processes", "2", "--exit-grace", "5", "--", sys.executable, "-c", late, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
 
 
 def test_launcher_timeout_stops_every_process():
     run = launch("--processes", "2", "--timeout", "1", "--", sys.executable, "-c", "import time; time.sleep(120)",
                  timeout=60)
     assert run.returncode == 124, run.stdout + run.stderr
-    assert "timeout" in run.stdout
+    assert "timeout" in run.stderr
+
+
+def test_launcher_rejects_a_negative_exit_grace():
+    run = launch("--processes", "2", "--exit-grace", "-1", "--", sys.executable, "-c", "pass", timeout=60)
+    assert run.returncode == 2 and "--exit-grace must be >= 0 seconds; got -1" in run.stderr, run.stderr
+
+
+# JAX's own shutdown timeout is set to its default, 300 s, so that only the launcher can end these in the bound.
+@pytest.mark.slow
+def test_a_process_that_raises_after_a_warm_up_ends_the_launch():
+    run, elapsed = launch_fault("--fault", "raise", "--rank", "1", "--shutdown-timeout", "300")
+    assert run.returncode != 0 and elapsed < BOUND_S, (elapsed, run.stderr[-3000:])
+    assert "[launch] process 1 failed with exit code 1" in run.stderr, run.stderr[-3000:]
+    assert "[launch]   1| RuntimeError: process 1: injected failure after the warm-up ring" in run.stderr
+
+
+@pytest.mark.slow
+def test_a_process_that_exits_0_early_ends_the_launch():
+    run, elapsed = launch_fault("--fault", "exit0", "--rank", "1", "--shutdown-timeout", "300")
+    assert run.returncode != 0 and elapsed < BOUND_S, (elapsed, run.stderr[-3000:])
+    assert "[launch] process 1 left the program (exit code 0)" in run.stderr, run.stderr[-3000:]
+    assert "[0] process 0: second ring done" not in run.stdout  # process 0 was stuck in the ring, then stopped
+
+
+@pytest.mark.slow
+def test_a_process_that_finishes_late_is_a_normal_end():
+    run, _ = launch_fault("--fault", "late", "--rank", "0")  # process 0 leaves LATE_S after process 1
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "[launch]" not in run.stderr, run.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_jax_shutdown_timeout_alone_ends_the_job():
+    """No exit file (an unmodified program): the process that raised waits in JAX's shutdown barrier, which
+    after ``shutdown_timeout_seconds`` aborts every process (what ends the job under SLURM or on a TPU pod)."""
+    run, elapsed = launch_fault("--fault", "raise", "--rank", "1", "--no-report", "--shutdown-timeout", "5")
+    assert run.returncode != 0 and elapsed < BOUND_S, (elapsed, run.stderr[-3000:])
+    assert "Shutdown barrier has failed" in run.stderr, run.stderr[-3000:]
