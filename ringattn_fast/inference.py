@@ -293,7 +293,8 @@ def decode_step(q, k, v, cache, *, window=None, scale=None, mesh=None):
     """Append one token per row and attend it to the whole cached prefix; ``ringattn_ref.decode_step``'s twin.
 
     q: [batch, 1, heads, dim]; k, v: [batch, 1, kv_heads, dim]. Local attention per host
-    (:func:`attend_shard`), then :func:`merge_across` (2 all-reduces). Returns ``(o [batch, 1, heads, dim] in q's dtype, new cache)``.
+    (:func:`attend_shard`), then :func:`merge_across` (2 all-reduces). Returns ``(o [batch, 1, heads, dim]
+    in q's dtype, new cache)``. Eager calls run one jitted program per static configuration.
     """
     mesh, axes, b, m, h = _check(q, k, v, cache, mesh)
     if m != 1:
@@ -304,7 +305,8 @@ def decode_step(q, k, v, cache, *, window=None, scale=None, mesh=None):
     kv_spec, row_spec, tok_spec = axes.spec("batch", "seq", None, None), axes.spec("batch"), axes.spec("batch")
     static = dict(axis_name=cache.axis_name, scale=scale, window=window)
     build = lambda: jax.jit(jax.shard_map(  # noqa: E731
-        partial(_decode_shard, **static), mesh=auto_mesh(mesh), in_specs=(tok_spec,) * 3 + (kv_spec,) * 2 + (row_spec,) * 2,
+        partial(_decode_shard, **static), mesh=auto_mesh(mesh),
+        in_specs=(tok_spec,) * 3 + (kv_spec,) * 2 + (row_spec,) * 2,
         out_specs=(tok_spec,) + (kv_spec,) * 2 + (row_spec,) * 2))
     per_host = cached(("decode", auto_mesh(mesh), axes, hashable(static)), build)
     out_specs = (jax.P(*spec_of(q, 4)),) + (kv_spec,) * 2 + (row_spec,) * 2
