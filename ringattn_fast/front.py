@@ -196,6 +196,18 @@ def check_shard_call(strategy, q, k, v, *, axis_name, segment_ids=None, bias=Non
     return out, drop
 
 
+def int32_positions(positions, q, axis_name):
+    """``(positions as int32, q)``; a traced position outside ``[0, 2**31)`` (possible only in a wider
+    dtype: int64 under x64, uint32) makes ``q`` all-NaN on every host of the axis, so every row that
+    sees a key is NaN: a cast would wrap ``2**32 + 5`` to ``5`` and give silently wrong output, and
+    which rows a wrapped key would have reached cannot be known (one ``pmax`` of a flag, only then)."""
+    if not val.is_wide_int(positions.dtype) or val.concrete_values(positions) is not None:
+        return positions.astype(jnp.int32), q  # int32 (or checked by value): nothing can wrap
+    bad = ((positions < 0) | (positions > val.INT32_MAX)).any().astype(jnp.int32)
+    bad = lax.pmax(vary_like(bad, (axis_name,)), axis_name) > 0  # another host's key may be the one that wrapped
+    return positions.astype(jnp.int32), jnp.where(bad, jnp.nan, q).astype(q.dtype)
+
+
 def host_inputs(settings, q, k, v, *, segment_ids=None, bias=None, positions=None, drop=None):
     """One host's :class:`HostInputs` from validated ``settings`` and its shards (no checks here).
 
@@ -205,21 +217,18 @@ def host_inputs(settings, q, k, v, *, segment_ids=None, bias=None, positions=Non
     """
     cfg = settings.cfg
     b, sq = q.shape[:2]
-    pos = local_positions(settings.layout, sq, cfg.axis_name, b) if positions is None else positions.astype(jnp.int32)
+    if positions is None:
+        pos = local_positions(settings.layout, sq, cfg.axis_name, b)
+    else:
+        pos, q = int32_positions(positions, q, cfg.axis_name)
     seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
     axes = tuple(sorted(set(varying_axes(q, k, v, seg, bias, pos) + (cfg.axis_name,))))
     q, k, v, pos, seg, bias = vary_like((q, k, v, pos, seg, bias), axes)
     travels = cfg.bias_mode == "travel"
+    k = padding.reserved_keys_bad(k, seg, settings.padding_segment)  # a traced NO_KEY id: NaN, not seen silently
     qs = QShard(q, pos, None if seg is None else padding.padding_queries(seg, settings.padding_segment))
     kv = KVShard(k, v, pos, seg, bias if travels else None)
     return HostInputs(qs, kv, None if travels else bias, cfg, drop)
-
-
-def int32_segment_ids(segment_ids):
-    """Traced ids wider than int32 (x64) become int32 ranks: equal ids stay equal, whatever their size."""
-    if segment_ids is None or not isinstance(segment_ids, jax.core.Tracer) or segment_ids.dtype.itemsize <= 4:
-        return segment_ids
-    return jnp.searchsorted(jnp.sort(segment_ids.ravel()), segment_ids).astype(jnp.int32)
 
 
 _MAPPED = {}  # key of the static arguments -> the jitted shard_map (at most _MAPPED_MAX, oldest dropped)
@@ -284,8 +293,10 @@ def on_mesh(strategy, q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
     b, s, h, hk, _ = val.check_qkv(q, k, v)
     return_lse = val.check_bool(return_lse, "return_lse")
     window = val.check_window(window, s)
-    segment_ids = val.check_segment_ids(int32_segment_ids(segment_ids), b, s)
     padding_segment = padding.check_padding_segment(padding_segment, segment_ids)
+    # traced ids are ranked (no value can wrap or hit a reserved id), known ones checked by value
+    segment_ids, padding_segment = padding.rank_segment_ids(segment_ids, padding_segment)
+    segment_ids = val.check_segment_ids(segment_ids, b, s)
     val.check_bias(bias, b, h, s)
     layout = val.check_layout(layout, s)
     mesh = resolve_mesh(mesh)

@@ -144,6 +144,16 @@ def _check_room(cache, need, what):
                          f"max_seq = {cache.max_seq} tokens ({room[row]} free)")
 
 
+def int32_lengths(lengths, m):
+    """``lengths`` as int32 without wrapping: a value of a wider dtype outside ``[0, m]`` becomes ``m + 1``
+    *before* the cast, so its row overflows (flag set, NaN output, nothing stored); a plain cast would
+    turn a traced int64 ``2**32 + 3`` into 3 and store 3 tokens."""
+    if not val.is_wide_int(lengths.dtype):
+        return lengths.astype(jnp.int32)  # every value fits; _prefill_shard checks the range
+    ok = (lengths >= 0) & (lengths <= m)
+    return jnp.where(ok, lengths.astype(jnp.int32), m + 1)
+
+
 def _slots(n, r, c, batch):
     """True positions of host ``r``'s slots, int32 [batch, c]: ``i * n + r``."""
     return jnp.broadcast_to((jnp.arange(c, dtype=jnp.int32) * n + r)[None], (batch, c))
@@ -205,8 +215,9 @@ def prefill(q, k, v, cache, *, lengths=None, window=None, scale=None, mesh=None)
     """Write a prompt into the sharded cache and attend to it (the ring); ``ringattn_ref.prefill``'s twin.
 
     q: [batch, m, heads, dim]; k, v: [batch, m, kv_heads, dim]; lengths: int [batch] in [0, m] (default
-    m), tokens past it are padding (not cached, output 0). Returns ``(o [batch, m, heads, dim] in q's
-    dtype, new cache)``. Any m (padded inside to a multiple of the ring size).
+    m), tokens past it are padding (not cached, output 0); under ``jit`` a row whose traced length is
+    outside [0, m], in any int dtype, overflows (module docstring). Returns ``(o [batch, m, heads, dim]
+    in q's dtype, new cache)``. Any m (padded inside to a multiple of the ring size).
     """
     mesh, axes, b, m, h = _check(q, k, v, cache, mesh)
     scale, window = val.check_scale(scale, q.shape[-1]), val.check_window(window)
@@ -229,7 +240,7 @@ def prefill(q, k, v, cache, *, lengths=None, window=None, scale=None, mesh=None)
             partial(_prefill_shard, **static), mesh=auto_mesh(mesh), in_specs=(kv_spec,) * 5 + (row_spec,) * 3,
             out_specs=(kv_spec,) * 3 + (row_spec,) * 2))
         per_host = cached(("prefill", auto_mesh(mesh), axes, hashable(static)), build)
-        o, *new = per_host(striped(q), striped(k), striped(v), ck, cv, held, overflow, lengths.astype(jnp.int32))
+        o, *new = per_host(striped(q), striped(k), striped(v), ck, cv, held, overflow, int32_lengths(lengths, m))
         return (permute_axis(o, "striped", n, inverse=True)[:, :m], *new)
 
     out_specs = (jax.P(*spec_of(q, 4)),) + (kv_spec,) * 2 + (row_spec,) * 2

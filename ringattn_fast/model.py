@@ -160,12 +160,28 @@ def _feedforward(cfg, layer, x):
     return blockwise_feedforward(swiglu, h, block=min(cfg.ffn_block, x.shape[1]), remat=True)
 
 
+def check_tokens(tokens, positions):
+    """tokens int [batch, seq] with batch, seq >= 1 and positions of the same shape, or a ValueError (a
+    batch of 0 used to end deep in ``lax.scan`` with a carry-type error)."""
+    shape = tuple(getattr(tokens, "shape", ()))
+    if len(shape) != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be an int array [batch, seq]; got shape {shape}, dtype "
+                         f"{getattr(tokens, 'dtype', type(tokens).__name__)}")
+    if min(shape) < 1:
+        raise ValueError(f"tokens must hold batch >= 1 and seq >= 1 tokens; got shape {shape} (batch = "
+                         f"{shape[0]}, seq = {shape[1]})")
+    if tuple(getattr(positions, "shape", ())) != shape:
+        raise ValueError(f"positions must have the shape of tokens {shape}; got "
+                         f"{tuple(getattr(positions, 'shape', ()))}")
+
+
 def forward(params, tokens, positions, cfg, *, axis_name=None, segment_ids=None):
     """Logits float32 [b, s, vocab] for this host's tokens int [b, s] at true ``positions`` [b, s].
 
     Inside ``shard_map`` pass the ring's ``axis_name``: tokens and positions are then the host's
     shard (layout order) and attention runs around the ring. Each block is a ``jax.checkpoint``.
     """
+    check_tokens(tokens, positions)
     dt = jnp.dtype(cfg.compute_dtype)
     x = params["embed"][tokens].astype(dt)  # (b, s, d)
 
@@ -183,6 +199,7 @@ def sharded_forward(params, tokens, positions, cfg, mesh, *, axis_name="sp"):
     """:func:`forward` on global arrays in layout order: tokens and positions int [b, S] sharded over
     ``axis_name`` of ``mesh`` (params replicated; Auto or Explicit axes). A 1-device mesh uses dense
     attention."""
+    check_tokens(tokens, positions)
     if mesh.shape[axis_name] == 1:
         return forward(params, tokens, positions, cfg)
     spec = jax.P(None, axis_name)
@@ -196,5 +213,5 @@ def n_params(params):
     return sum(int(x.size) for x in jax.tree.leaves(params))
 
 
-__all__ = ["ModelConfig", "dense_attention", "forward", "init_params", "n_params", "rms_norm", "rope",
+__all__ = ["ModelConfig", "check_tokens", "dense_attention", "forward", "init_params", "n_params", "rms_norm", "rope",
            "sharded_forward"]

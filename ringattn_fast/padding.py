@@ -13,12 +13,19 @@ its own the call gains segment masks, so the tiles that hold padding become part
 ``S = 1000`` on 8 devices: ``S' = 1000`` (no padding); zigzag needs 16 parts: ``S' = 1008``.
 
 Two segment ids are reserved: ``NO_KEY`` (``-2**31``) is what a padding query's id becomes (no key has
-it), and ``PADDING`` (``-2**31 + 1``) is the padding segment when the caller names none.
+it), and ``PADDING`` (``-2**31 + 1``) is the padding segment when the caller names none. Ids whose
+values are known are checked (reserved ids and ``padding_segment=NO_KEY`` are a ``ValueError``); under
+``jax.jit`` no value can be checked, so none may collide: ``ring_attention`` ranks traced ids into
+``[0, batch * seq)`` first (:func:`rank_segment_ids`; the caller's padding segment becomes
+``PADDING``), and a per-host call, which cannot rank what other hosts hold, makes a key whose traced id
+is ``NO_KEY`` a bad key (:func:`reserved_keys_bad`: every row that may see it is NaN) instead of letting
+the padding queries see it.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -64,7 +71,44 @@ def check_padding_segment(padding_segment, segment_ids):
     if segment_ids is None:
         raise ValueError("padding_segment names a segment of segment_ids; pass segment_ids too")
     check_int32_values(np.asarray([padding_segment]), "padding_segment")
+    if padding_segment == NO_KEY:
+        raise ValueError(f"padding_segment must not be {NO_KEY} (padding.NO_KEY, reserved: the id a padding "
+                         f"query gets, so its keys would be seen by every padding query); got {padding_segment}")
     return int(padding_segment)
+
+
+def rank_segment_ids(segment_ids, padding_segment):
+    """Traced integer ids (any width) as int32 ranks in ``[0, batch * seq)``: ``(ids, padding_segment)``.
+
+    Under ``jax.jit`` the ids' values cannot be checked, so an id equal to a reserved one (``NO_KEY``,
+    ``PADDING``) or beyond int32 would silently merge with the padding; ranked, equal ids stay equal
+    and no id can collide. The caller's padding segment becomes ``PADDING`` (ranks are >= 0). Ids that
+    are not traced (checked by value) or not integers (rejected by the checks) are returned as given.
+    Costs one sort of the ``batch * seq`` ids.
+    """
+    if (segment_ids is None or not isinstance(segment_ids, jax.core.Tracer)
+            or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+        return segment_ids, padding_segment
+    ranks = jnp.searchsorted(jnp.sort(segment_ids.ravel()), segment_ids).astype(jnp.int32)  # (b, s)
+    if padding_segment is None:
+        return ranks, None
+    info = np.iinfo(segment_ids.dtype)
+    if not info.min <= padding_segment <= info.max:  # no id of this dtype can be it
+        return ranks, PADDING
+    return jnp.where(segment_ids == padding_segment, PADDING, ranks), PADDING
+
+
+def reserved_keys_bad(k, k_seg, padding_segment):
+    """K all-NaN for keys whose (traced) id is ``NO_KEY`` while a padding segment is in use: k [b, s, hk, d].
+
+    Padding queries carry ``NO_KEY`` (:func:`padding_queries`) and must see no key; a key holding that
+    id would be seen by all of them. A per-host call cannot rank the ids (other hosts hold the rest), so
+    such a key is made *bad* (``masks.mark_bad_keys``): every row that may see it is NaN, never a
+    silently wrong number. No-op without segment ids or padding segment.
+    """
+    if k_seg is None or padding_segment is None:
+        return k
+    return jnp.where((k_seg == NO_KEY)[:, :, None, None], jnp.nan, k)
 
 
 class RingPadding(NamedTuple):

@@ -128,8 +128,9 @@ def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=N
 
     q: [batch, s_local, heads, dim] and k, v: [batch, s_local, kv_heads, dim], this host's shard of the
     layout-ordered sequence (``to_layout``; ``padding.pad_for_ring`` first if the length does not
-    split); segment_ids: int32 [batch, s_local]; bias: see :func:`~ringattn_fast.front.bias_mode`;
-    positions: int [batch, s_local] true positions in ``[0, 2**31)``, overriding ``layout`` (for a
+    split); segment_ids: int32 [batch, s_local] (``-2**31`` and ``-2**31 + 1`` reserved: ``padding.py``);
+    bias: see :func:`~ringattn_fast.front.bias_mode`; positions: int [batch, s_local] true positions in
+    ``[0, 2**31)`` (a traced one beyond them makes the output NaN), overriding ``layout`` (for a
     custom per-example permutation, ``to_layout(..., positions=...)``); padding_segment: keys of that
     segment are masked for every query and its queries return 0. dropout_rate / dropout_key: attention
     dropout with the mask of ``ringattn_ref.dropout`` (a function of the key, batch row, head and true
@@ -161,7 +162,8 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
 
     - q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim] (heads % kv_heads == 0);
       dtypes: see ``impl``; any ``seq`` (padded inside to a length the ring splits: ``padding.py``);
-    - segment_ids: int [batch, seq] (values beyond int32 are rejected, or ranked when traced);
+    - segment_ids: int [batch, seq] (values beyond int32 and the reserved ``-2**31``, ``-2**31 + 1``
+      are rejected; traced ids are ranked, so none can wrap or collide: ``padding.py``);
     - padding_segment: a segment id whose keys no query sees and whose queries return 0 (MaxText's
       0);
     - bias: broadcastable to [batch, heads, seq, seq] (a full bias is sharded by query rows, a

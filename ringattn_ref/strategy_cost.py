@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .blockwise import default_block
-from .cost import _hardware, _positive
+from .cost import _hardware
 from .strategies import local_kv_index, ulysses_heads
 
 STRATEGIES = ("ring", "allgather", "ulysses")
@@ -64,6 +64,25 @@ class StrategyChoice:
 
     def __str__(self):
         return self.reason
+
+
+def _number(name, value, *, zero_ok=False):
+    """A real number (not a bool, a string or an array), finite, ``> 0`` (``>= 0`` with ``zero_ok``):
+    a zero or negative rate would end in ZeroDivisionError or pick a strategy from negative times."""
+    need = "a finite number >= 0" if zero_ok else "a positive finite number"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be {need} (not a bool or a string); got {value!r}")
+    if not np.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        raise ValueError(f"{name} must be {need}; got {value!r}")
+    return float(value)
+
+
+def _checked_hardware(hardware):
+    """``hardware`` as a ``Hardware`` whose FLOP rate and bandwidth are positive finite numbers."""
+    hw = _hardware(hardware)
+    _number(f"hardware.flops_per_s (of {hw.name!r})", hw.flops_per_s)
+    _number(f"hardware.bandwidth_bytes_per_s (of {hw.name!r})", hw.bandwidth_bytes_per_s)
+    return hw
 
 
 def _check_shape(*, seq, heads, kv_heads, dim, devices, batch, block):
@@ -113,11 +132,13 @@ def strategy_costs(*, seq, heads, kv_heads, dim, devices, hardware, batch=1, dty
     bf16; block: the score tile side (default: the largest divisor of ``seq / devices`` <= 128);
     memory_limit_bytes: a strategy whose peak exceeds it is not feasible.
     """
-    hw = _hardware(hardware)
+    hw = _checked_hardware(hardware)
     _check_shape(seq=seq, heads=heads, kv_heads=kv_heads, dim=dim, devices=devices, batch=batch,
                  block=1 if block is None else block)
     block = default_block(seq // devices) if block is None else block  # the simulations' default
-    e, n = _positive("dtype_bytes", dtype_bytes), devices
+    e, n = _number("dtype_bytes", dtype_bytes), devices
+    if memory_limit_bytes is not None:
+        _number("memory_limit_bytes", memory_limit_bytes)
     compute = 4.0 * batch * heads * seq * seq * dim / n / hw.flops_per_s  # same for all three
     costs = {}
     for name, pb in _peaks_and_bytes(seq=seq, heads=heads, kv_heads=kv_heads, dim=dim, devices=devices,
@@ -166,16 +187,20 @@ def choose_strategy(*, seq, heads, kv_heads=None, dim, devices, hardware, batch=
     """Which sequence parallelism to use for this shape on this hardware, and why.
 
     Arguments as in :func:`strategy_costs` (``kv_heads`` defaults to ``heads``). Among the feasible
-    strategies, those within ``tolerance`` (5%) of the fastest modelled forward are equally good, and
-    the simplest of them wins (:data:`SIMPLICITY`: the all-gather -- one collective, any attention
-    kernel and mask, Llama 3's choice --, then Ulysses, then the ring). Returns a
-    :class:`StrategyChoice`; ``str(choice)`` is the reason, one line per strategy.
+    strategies, those within ``tolerance`` (5%; a finite number >= 0, 0 = only the fastest) of the
+    fastest modelled forward are equally good, and the simplest of them wins (:data:`SIMPLICITY`:
+    the all-gather -- one collective, any attention kernel and mask, Llama 3's choice --, then
+    Ulysses, then the ring). Returns a :class:`StrategyChoice`; ``str(choice)`` is the reason, one
+    line per strategy. Rates (the hardware's FLOP/s and bytes/s), ``dtype_bytes`` and
+    ``memory_limit_bytes`` must be positive finite numbers, not bools: a ValueError names the one
+    that is not.
 
     Example: 128 heads, 8 kv heads, d = 128, 128K tokens on 8 A100s: over NVLink the three are
     within 1% and the all-gather wins; over InfiniBand the ring, the only one that hides its
     transfers (the all-gather's exposed 38 ms are 8% of the step).
     """
-    hw = _hardware(hardware)
+    hw = _checked_hardware(hardware)
+    tolerance = _number("tolerance", tolerance, zero_ok=True)
     kv_heads = heads if kv_heads is None else kv_heads
     costs = strategy_costs(seq=seq, heads=heads, kv_heads=kv_heads, dim=dim, devices=devices, hardware=hw,
                            batch=batch, dtype_bytes=dtype_bytes, block=block,

@@ -48,9 +48,13 @@ def check_qkv(q, k, v):
 
 
 def check_scale(scale, dim):
-    """Return the logit scale: ``dim ** -0.5`` unless given; must be a positive finite number."""
+    """Return the logit scale: ``dim ** -0.5`` unless given; a positive finite real number, not a bool
+    (``scale=True`` would otherwise run with scale 1) or a string."""
     if scale is None:
         return float(dim) ** -0.5
+    if isinstance(scale, (bool, np.bool_, str, bytes)) or getattr(getattr(scale, "dtype", None), "kind", "") == "b":
+        raise ValueError(f"scale must be a positive finite real number (bools and strings are not scales); "
+                         f"got {scale!r} of type {type(scale).__name__}")
     try:
         value = float(scale)
     except (TypeError, ValueError):
@@ -102,16 +106,24 @@ def concrete_values(x):
         return None
 
 
+def is_wide_int(dtype):
+    """True for an integer dtype holding values beyond int32 (int64, uint32, uint64): cast to int32, they
+    would wrap (``uint32(2**31)`` becomes ``-2**31``, a reserved segment id)."""
+    info = np.iinfo(np.dtype(dtype))
+    return info.max > INT32_MAX or info.min < -INT32_MAX - 1
+
+
 def check_int32_values(x, name, *, low=-INT32_MAX - 1, traced_wide_ok=False):
     """Integer ids/positions are compared as int32: values outside ``[low, 2**31)`` would wrap and, e.g.,
     merge two documents silently. Checked when the values are known (not under ``jax.jit``); a traced
-    array wider than 32 bits is rejected, as its values cannot be checked, unless ``traced_wide_ok``
-    (positions: a 64-bit ``arange`` under x64 is common, and a position past 2**31 is not)."""
+    array of a dtype wider than int32 (int64, uint32, uint64: :func:`is_wide_int`) is rejected, as its
+    values cannot be checked, unless ``traced_wide_ok`` (positions: a 64-bit ``arange`` under x64 is
+    common; the ring then marks an out-of-range position at run time, ``front.int32_positions``)."""
     if not np.issubdtype(np.dtype(x.dtype), np.integer):
         raise ValueError(f"{name} must be an integer array; got dtype {x.dtype}")
     values = concrete_values(x)
     if values is None:
-        if np.dtype(x.dtype).itemsize > 4 and not traced_wide_ok:
+        if is_wide_int(x.dtype) and not traced_wide_ok:
             raise ValueError(f"{name} has dtype {x.dtype} and values that cannot be read here (traced under "
                              f"jax.jit, or spread over several processes), so they cannot be checked against "
                              f"the int32 range they are compared in; pass int32 {name}")
@@ -123,12 +135,23 @@ def check_int32_values(x, name, *, low=-INT32_MAX - 1, traced_wide_ok=False):
 
 
 def check_segment_ids(segment_ids, batch, seq):
-    """segment_ids: int [batch, seq] or None."""
+    """segment_ids: int [batch, seq] or None, values in ``[-2**31 + 2, 2**31)``.
+
+    The two smallest int32 values are reserved: ``-2**31`` (``ringattn_fast.padding.NO_KEY``, the id
+    a padding query gets) and ``-2**31 + 1`` (``padding.PADDING``, the padding segment when none is
+    named). Known ids are checked here; traced ones cannot be, and are ranked by ``ring_attention``
+    (``padding.rank_segment_ids``) or must be int32 for a per-host call.
+    """
     if segment_ids is None:
         return None
     shape = tuple(segment_ids.shape)
     if shape != (batch, seq):
         raise ValueError(f"segment_ids must have shape [batch, seq] = {(batch, seq)}; got {shape}")
+    values = concrete_values(segment_ids) if np.issubdtype(np.dtype(segment_ids.dtype), np.integer) else None
+    if values is not None and values.size and SEGMENT_MIN - 2 <= values.min() < SEGMENT_MIN:
+        raise ValueError(f"segment_ids must not hold the reserved ids -2**31 and -2**31 + 1 (padding.NO_KEY, "
+                         f"padding.PADDING: the padding's own ids); got a minimum of {values.min()}; any other "
+                         f"int32 id is yours")
     return check_int32_values(segment_ids, "segment_ids", low=SEGMENT_MIN)
 
 

@@ -24,10 +24,10 @@ STEPS = 20
 @pytest.fixture(scope="module", autouse=True)
 def no_persistent_cache():
     """Compile these steps afresh: on the 8-device CPU mesh, a training step loaded from the persistent
-    compilation cache (tests/conftest.py) stalls in its all-reduce rendezvous and aborts the process
-    (JAX 0.12; the 8-device zigzag run loads the program the contiguous run wrote). JAX decides once per
-    process whether the cache is used, so turning it off needs ``reset_cache()`` too, or an earlier test
-    module that already used the cache keeps it on."""
+    compilation cache (tests/conftest.py) deadlocks in its collectives and aborts the process (the 8-device
+    zigzag run would load the program the contiguous run wrote; the cause: ``examples/recall/cli.py``,
+    which does the same for the CLI). JAX decides once per process whether the cache is used, so turning
+    it off needs ``reset_cache()`` too, or an earlier test module that already used the cache keeps it on."""
     old = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache.reset_cache()

@@ -1,7 +1,7 @@
 """The recall experiment's figure: loss curves of every model and eval accuracy by question-fact distance.
 
 matplotlib is imported inside :func:`plot` only, so training needs no plotting library
-(``train.write_outputs`` skips the figure without it); the notebooks draw the same figure with
+(``outputs.write_outputs`` skips the figure without it); the notebooks draw the same figure with
 :func:`draw` on a figure of their own (``ringattn_course.figures.plot_training``).
 """
 from __future__ import annotations
@@ -32,4 +32,4 @@ def plot(metrics, path):
     """:func:`draw` into a PNG file (no pyplot: a bare Figure with the Agg canvas)."""
     from matplotlib.figure import Figure
     fig = draw(metrics, Figure(figsize=(11, 4), layout="constrained"))
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")  # a path or an open binary file (outputs.atomic_write)

@@ -3,11 +3,14 @@
 ``python -m examples.recall.train --quick --out runs/quick`` (from the repository root) trains two
 models on the same batches: attention over the whole sequence around a ring of ``--devices`` hosts,
 and the same model with its attention window cut to one host's shard (``window=(shard - 1, 0)``,
-what a model without the ring would see). It writes ``DIR/metrics.json`` (accuracies, chance, timing, loss curves) and
-``DIR/training.png`` (loss curves; accuracy by the distance between question and fact; skipped, with
-one line on stderr, when matplotlib is not installed), then prints a one-line JSON summary. On CPU
+what a model without the ring would see). It writes ``DIR/metrics.json`` (accuracies, chance, timing,
+loss curves; strict JSON) and ``DIR/training.png`` (loss curves; accuracy by the distance between
+question and fact; skipped, with one line on stderr, when matplotlib is not installed), each
+atomically (``outputs.py``), then prints a one-line JSON summary. It checkpoints every
+``--checkpoint-every`` steps and when stopped by SIGTERM / SIGINT; ``--resume`` continues with the
+same losses as a run never stopped (``checkpoint.py``). The command line is ``cli.py``. On CPU
 ``--devices`` simulated devices are made with ``jax_num_cpu_devices``. Needs the ``train`` extra
-(optax, matplotlib).
+(optax, orbax-checkpoint, matplotlib).
 
 Batches are made in true order (``tasks.py``), permuted into the layout (``--layout``) and sharded;
 the model gets each token's true position, so the loss curve does not depend on the ring size or the
@@ -15,40 +18,17 @@ layout (``tests/test_training.py``).
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
+import math
 import time
 
 import numpy as np
 
-from .plots import plot
+from .checkpoint import Stopped
+from .outputs import Progress, write_outputs  # noqa: F401 - write_outputs: this module's interface too
 from .tasks import RecallTask, accuracy_by_distance
 
 QUICK = dict(seq=256, devices=8, steps=300, batch=16, d_model=64, layers=2, lr=1e-2)
 FULL = dict(seq=512, devices=8, steps=400, batch=16, d_model=64, layers=2, lr=1e-2)
-
-
-class Progress:
-    """A one-line progress bar on stderr: ``label [#####.....] step/total  key value ...  it/s``."""
-
-    def __init__(self, total, label="", width=24, stream=None):
-        self.total, self.label, self.width = total, label, width
-        self.stream = sys.stderr if stream is None else stream
-        self.start = time.perf_counter()
-
-    def update(self, step, **values):
-        done = int(self.width * step / self.total)
-        rate = step / max(time.perf_counter() - self.start, 1e-9)
-        shown = "  ".join(f"{k} {v:.3f}" for k, v in values.items())
-        self.stream.write(f"\r{self.label} [{'#' * done}{'.' * (self.width - done)}] {step}/{self.total}  "
-                          f"{shown}  {rate:.2f} it/s")
-        self.stream.flush()
-
-    def close(self):
-        self.stream.write("\n")
-        self.stream.flush()
 
 
 def layout_batch(batch, perm):
@@ -102,11 +82,14 @@ def make_optimizer(lr, steps):
 
 
 def train(task, cfg, *, mesh, layout="contiguous", steps=100, batch_size=16, lr=3e-3, seed=0, label="",
-          progress=True, eval_batches=8):
-    """Train one model; returns a dict: losses, accuracies (per step), eval accuracy, by-distance data.
+          progress=True, eval_batches=8, checkpoints=None, name="model", stop=None):
+    """Train one model; returns a dict: losses, accuracies (per step), eval accuracy, by-distance data,
+    and ``resumed_at`` (the step it continued from, 0 for a fresh start).
 
     The data depend only on ``seed`` (the same batches for every model, ring size and layout); the
-    evaluation uses ``eval_batches`` fresh batches from ``seed + 1``.
+    evaluation uses ``eval_batches`` fresh batches from ``seed + 1``. ``checkpoints``
+    (``checkpoint.Checkpoints``): continue from model ``name``'s latest checkpoint and save when due;
+    ``stop`` (``checkpoint.Stop``): when it has caught a signal, save and raise ``checkpoint.Stopped``.
     """
     import jax
 
@@ -125,13 +108,32 @@ def train(task, cfg, *, mesh, layout="contiguous", steps=100, batch_size=16, lr=
     params = jax.device_put(init_params(jax.random.key(seed), cfg), replicated)
     opt_state = jax.jit(optimizer.init, out_shardings=replicated)(params)
     rng = np.random.default_rng(seed)
-    bar = Progress(steps, label) if progress else None
     losses, accs = [], []  # device scalars: the host reads them at the end (and every 5 steps for the bar)
-    for i in range(steps):
+    start = saved = 0
+    restored = None if checkpoints is None else checkpoints.restore(name, dict(params=params, opt_state=opt_state))
+    if restored is not None:
+        start = saved = restored[0]
+        params, opt_state = restored[1]["params"], restored[1]["opt_state"]
+        losses, accs = ([np.nan if x is None else x for x in restored[2][key]] for key in ("losses", "accuracies"))
+        rng.bit_generator.state = restored[2]["rng"]
+
+    def save(done):
+        as_floats = lambda xs: [float(x) for x in xs]  # noqa: E731 - NaN becomes null in the JSON
+        checkpoints.save(name, done, dict(params=params, opt_state=opt_state),
+                         dict(losses=as_floats(losses), accuracies=as_floats(accs), rng=rng.bit_generator.state))
+
+    bar = Progress(steps, label) if progress else None
+    for i in range(start, steps):
+        if stop is not None and stop.signum is not None:
+            if checkpoints is not None and i > saved:
+                save(i)
+            raise Stopped(stop.signum, name, i)
         tokens, positions, targets, weights, _ = layout_batch(task.batch(rng, batch_size), perm)
         params, opt_state, loss, acc, _ = step(params, opt_state, *put(tokens, positions, targets, weights))
         losses.append(loss)
         accs.append(acc)
+        if checkpoints is not None and checkpoints.due(i + 1, steps):
+            save(saved := i + 1)
         if bar is not None and (i % 5 == 4 or i == steps - 1):
             bar.update(i + 1, loss=float(np.mean(losses[-5:])), acc=float(np.mean(accs[-5:])))
     if bar is not None:
@@ -146,7 +148,7 @@ def train(task, cfg, *, mesh, layout="contiguous", steps=100, batch_size=16, lr=
     correct, distance, weights = (np.concatenate(x) for x in (correct, distance, weights))
     accuracy = float((correct * weights).sum() / weights.sum())
     return dict(losses=losses, accuracies=accs, accuracy=accuracy, correct=correct, distance=distance,
-                weights=weights, params=params)
+                weights=weights, params=params, resumed_at=start)
 
 
 def by_distance(runs, task, n_bins=8):
@@ -161,39 +163,18 @@ def by_distance(runs, task, n_bins=8):
     return out
 
 
-def write_outputs(metrics, out, stream=None):
-    """Write ``out/metrics.json`` and the figure ``out/training.png``; returns the paths written.
-
-    Without matplotlib the figure is skipped with one line on ``stream`` (stderr): minutes of training
-    must not end in an ImportError after the numbers are safe in metrics.json."""
-    os.makedirs(out, exist_ok=True)
-    paths = [os.path.join(out, "metrics.json")]
-    with open(paths[0], "w") as f:
-        json.dump(metrics, f, indent=1)
-    png = os.path.join(out, "training.png")
-    try:
-        plot(metrics, png)
-    except ModuleNotFoundError as err:
-        if (err.name or "").split(".")[0] != "matplotlib":
-            raise
-        print(f"matplotlib is not installed: {png} not drawn (pip install matplotlib; "
-              f"{paths[0]} has every number)", file=sys.stderr if stream is None else stream)
-    else:
-        paths.append(png)
-    return paths
-
-
 def run_experiment(*, seq, devices, layout, steps, dtype, batch, d_model, layers, lr, seed=0, progress=True,
-                   compare_dtypes=False):
+                   compare_dtypes=False, checkpoints=None, stop=None):
     """Ring vs one-shard-window models (and, with ``compare_dtypes``, the ring model in the other dtype);
-    returns the metrics dict (:func:`write_outputs` writes it)."""
+    returns the metrics dict (:func:`write_outputs` writes it). ``checkpoints``, ``stop``: as in
+    :func:`train`, for every model (a finished model's last checkpoint lets a resume skip its training)."""
     from ringattn_fast.mesh import make_mesh
     from ringattn_fast.model import ModelConfig
 
     mesh = make_mesh(devices)
     task = RecallTask(seq=seq, shard=seq // devices)
     base = ModelConfig(vocab=task.vocab, d_model=d_model, n_layers=layers, n_heads=4, n_kv_heads=2,
-                       d_ff=2 * d_model, compute_dtype=dtype, ffn_block=min(32, seq // devices))
+                       d_ff=2 * d_model, compute_dtype=dtype, ffn_block=math.gcd(32, seq // devices))
     configs = {"ring": base, "local": base.__class__(**{**base.__dict__, "window": (task.shard - 1, 0)})}
     if compare_dtypes:
         other = "float32" if dtype == "bfloat16" else "bfloat16"
@@ -203,7 +184,7 @@ def run_experiment(*, seq, devices, layout, steps, dtype, batch, d_model, layers
     for name, cfg in configs.items():
         t0 = time.perf_counter()
         runs[name] = train(task, cfg, mesh=mesh, layout=layout, steps=steps, batch_size=batch, lr=lr, seed=seed,
-                           label=f"{name:>16}", progress=progress)
+                           label=f"{name:>16}", progress=progress, checkpoints=checkpoints, name=name, stop=stop)
         seconds[name] = time.perf_counter() - t0
     metrics = dict(ring_accuracy=runs["ring"]["accuracy"], local_accuracy=runs["local"]["accuracy"],
                    chance_accuracy=task.chance, seq=seq, devices=devices, layout=layout, steps=steps, batch=batch,
@@ -211,36 +192,15 @@ def run_experiment(*, seq, devices, layout, steps, dtype, batch, d_model, layers
                    seconds=time.perf_counter() - start, seconds_per_model=seconds,
                    final_loss={k: float(np.mean(r["losses"][-10:])) for k, r in runs.items()},
                    eval_accuracy={k: r["accuracy"] for k, r in runs.items()},
-                   losses={k: r["losses"] for k, r in runs.items()}, accuracy_by_distance=by_distance(runs, task))
+                   losses={k: r["losses"] for k, r in runs.items()}, accuracy_by_distance=by_distance(runs, task),
+                   resumed_at={k: r["resumed_at"] for k, r in runs.items()})
     return metrics
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m examples.recall.train", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help=f"the small configuration {QUICK}")
-    parser.add_argument("--seq", type=int, help=f"sequence length (default: {FULL['seq']}, --quick {QUICK['seq']})")
-    parser.add_argument("--devices", type=int, help="ring size (simulated CPU devices)")
-    parser.add_argument("--layout", default="contiguous", choices=("contiguous", "striped", "zigzag"))
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--batch", type=int)
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--compare-dtypes", action="store_true", help="also train the ring model in the other dtype")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="runs/train", help="output directory (metrics.json, training.png)")
-    args = parser.parse_args(argv)
-    preset = dict(QUICK if args.quick else FULL)
-    for name in ("seq", "devices", "steps", "batch"):
-        if getattr(args, name) is not None:
-            preset[name] = getattr(args, name)
-    import jax
-    if jax.config.jax_platforms in (None, "", "cpu"):
-        jax.config.update("jax_num_cpu_devices", max(preset["devices"], 1))
-    metrics = run_experiment(layout=args.layout, dtype=args.dtype, seed=args.seed,
-                             compare_dtypes=args.compare_dtypes, **preset)
-    written = write_outputs(metrics, args.out)
-    print(json.dumps({k: metrics[k] for k in ("ring_accuracy", "local_accuracy", "chance_accuracy", "seq", "devices",
-                                              "steps", "seconds")}))
-    print(f"wrote {' and '.join(written)}")
+    """The command line (``cli.main``): ``python -m examples.recall.train --help``."""
+    from .cli import main as cli_main
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,125 @@
+"""Stop and resume the recall experiment: Orbax checkpoints every K steps and at SIGTERM / SIGINT.
+
+Under the checkpoint directory (``--checkpoint-dir``, default ``OUT/checkpoints``): ``config.json``,
+the run's settings (a resume must match them), and one Orbax ``CheckpointManager`` per model
+(``ring/``, ``local/``, ``ring_bfloat16/``) whose steps count the optimizer updates done. A
+checkpoint holds what the next step needs: the parameters and the optimizer state (arrays, restored
+with the mesh's replicated sharding, as the step returns them), and, as JSON, the loss and accuracy of
+every step so far and the state of the data RNG (numpy's bit generator), so a resumed run draws the
+very batch the stopped one would have drawn next. The evaluation uses its own fresh seed, so a resumed
+run reports the same numbers, bit for bit on CPU, as one never stopped (``tests/test_training.py``).
+
+Orbax writes each checkpoint into a temporary directory and renames it when complete: a run killed
+while saving keeps its previous checkpoint as the latest. A signal only sets a flag (:class:`Stop`);
+the training loop polls it between steps, saves, and raises :class:`Stopped`; a second signal of the
+same kind ends the process at once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+
+from .outputs import strict, write_json
+
+
+class Stopped(Exception):
+    """Raised by the training loop after a signal, once the checkpoint is saved."""
+
+    def __init__(self, signum, name, step):
+        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step} of {name!r}")
+        self.signum, self.name, self.step = signum, name, step
+
+
+class Stop:
+    """A context in which SIGTERM and SIGINT set :attr:`signum` instead of ending the process (the
+    previous handlers come back on exit). A second signal is handled the default way: at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum, self._old = None, {}
+
+    def __enter__(self):
+        for s in self.SIGNALS:
+            self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:  # asked twice: no more waiting for the step to end
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.signum = signum
+
+
+class Checkpoints:
+    """The checkpoints of one run: ``every`` steps (and the last one) per model, in ``directory``.
+
+    ``config``: the run's settings (JSON). With ``resume`` a directory holding another configuration is
+    a ValueError naming what differs, and an empty one starts at step 0 (a line on ``stream``);
+    without ``resume``, old checkpoints are removed (a line on ``stream``) and the run starts afresh.
+    """
+
+    def __init__(self, directory, *, every, config, resume, stream=None):
+        self.directory, self.every, self._managers = os.path.abspath(directory), int(every), {}
+        stream = sys.stderr if stream is None else stream
+        path = os.path.join(self.directory, "config.json")
+        config = strict(config)
+        if os.path.exists(path):
+            with open(path) as f:
+                saved = json.load(f)
+            if resume and saved != config:
+                diff = {k: (saved.get(k), config.get(k)) for k in sorted(set(saved) | set(config))
+                        if saved.get(k) != config.get(k)}
+                raise ValueError(f"--resume: the checkpoints in {self.directory} are of another run; settings "
+                                 f"that differ (checkpointed, asked): {diff}")
+            if not resume:
+                print(f"removing the checkpoints of an earlier run in {self.directory} (pass --resume to "
+                      f"continue it)", file=stream)
+                shutil.rmtree(self.directory)
+        elif resume:
+            print(f"--resume: no checkpoint in {self.directory}; starting at step 0", file=stream)
+        os.makedirs(self.directory, exist_ok=True)
+        write_json(path, config)
+
+    def due(self, step, steps):
+        """Whether ``step`` (updates done) gets a checkpoint: every ``every`` steps, and the last."""
+        return step % self.every == 0 or step == steps
+
+    def _manager(self, name):
+        import orbax.checkpoint as ocp
+        if name not in self._managers:
+            folder = os.path.join(self.directory, re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_"))
+            options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False, create=True)
+            self._managers[name] = ocp.CheckpointManager(folder, options=options)
+        return self._managers[name]
+
+    def save(self, name, step, state, meta):
+        """Save ``state`` (a pytree of arrays) and ``meta`` (JSON) as ``step`` of model ``name``; returns
+        when it is on disk."""
+        import orbax.checkpoint as ocp
+        manager = self._manager(name)
+        manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                   meta=ocp.args.JsonSave(strict(meta))), force=True)
+        manager.wait_until_finished()
+
+    def restore(self, name, like):
+        """The latest checkpoint of model ``name`` as ``(step, state, meta)``, or None if it has none.
+        ``like``: a pytree of arrays with the shapes, dtypes and shardings to restore into."""
+        import jax
+        import orbax.checkpoint as ocp
+        manager = self._manager(name)
+        step = manager.latest_step()
+        if step is None:
+            return None
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like)
+        got = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                            meta=ocp.args.JsonRestore()))
+        return step, got["state"], got["meta"]

@@ -1,0 +1,115 @@
+"""Issue 21: the recall CLI (``python -m examples.recall.train``) stopped, resumed, rerun, given bad flags.
+
+Before: ``metrics.json`` was written in place (a kill left it truncated) and could hold a bare NaN; there
+was no checkpoint; a second run with the persistent compilation cache on aborted (rc -6) in a collective
+rendezvous; ``--steps -1`` trained and exited 0, ``--batch 0`` died in a ``scan``, ``--out`` below a
+regular file raised ``NotADirectoryError`` after the work.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from examples.recall import cli, outputs
+from examples.recall import train as recall_train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--steps", "-1"], "argument --steps: must be an int >= 1; got -1"),
+    (["--batch", "0"], "argument --batch: must be an int >= 1; got 0"),
+    (["--seq", "ten"], "argument --seq: must be an int >= 1; got 'ten'"),
+    (["--devices", "0"], "argument --devices: must be an int >= 1; got 0"),
+    (["--checkpoint-every", "0"], "argument --checkpoint-every: must be an int >= 1; got 0"),
+    (["--seed", "-3"], "argument --seed: must be an int >= 0; got -3"),
+    (["--seq", "60", "--devices", "8"], "--seq must be divisible by --devices = 8"),
+    (["--seq", "64", "--devices", "8", "--layout", "zigzag", "--steps", "1"], None),  # fine: 64 = 4 * 16
+    (["--seq", "36", "--devices", "4", "--layout", "zigzag"], "--seq must be divisible by 2 * --devices = 8"),
+    (["--seq", "16", "--devices", "2"], "--seq 16 is too short for --devices 2"),
+])
+def test_bad_flags_are_argparse_errors_before_any_compile(flags, message, tmp_path, monkeypatch, capsys):
+    """Each bad flag exits 2 with a message naming it, what it got and what it needs; nothing runs."""
+    ran = []
+    summary = dict.fromkeys(("ring_accuracy", "local_accuracy", "chance_accuracy", "seq", "devices", "steps",
+                             "seconds"), 0)
+    monkeypatch.setattr(recall_train, "run_experiment", lambda **kw: ran.append(kw) or summary)
+    monkeypatch.setattr(recall_train, "write_outputs", lambda *a: [])
+    argv = flags + ["--out", str(tmp_path / "out")]
+    if message is None:
+        cli.main(argv)
+        assert len(ran) == 1
+        return
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err and not ran
+
+
+def test_out_below_a_regular_file_is_an_argparse_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(recall_train, "run_experiment", lambda **kw: pytest.fail("ran"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--quick", "--out", str(tmp_path / "file" / "run")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert f"--out must be a directory this process can write; got '{tmp_path / 'file' / 'run'}'" in err
+    assert "NotADirectoryError" in err
+
+
+def test_metrics_are_strict_json_and_every_file_is_replaced_whole(tmp_path):
+    """A NaN loss is null (it used to be a bare NaN); a write that fails leaves the old file, no temp."""
+    path = tmp_path / "m.json"
+    outputs.write_json(path, {"loss": [1.5, float("nan"), np.float32("inf")], "n": np.int64(3)})
+    assert json.loads(path.read_text(), parse_constant=pytest.fail) == {"loss": [1.5, None, None], "n": 3}
+
+    def broken(f):
+        f.write(b'{"half')
+        raise KeyboardInterrupt  # killed mid-write
+
+    with pytest.raises(KeyboardInterrupt):
+        outputs.atomic_write(path, broken)
+    assert json.loads(path.read_text())["n"] == 3 and os.listdir(tmp_path) == ["m.json"]
+
+
+FLAGS = ["--seq", "64", "--devices", "8", "--steps", "30", "--batch", "2", "--checkpoint-every", "5"]
+
+
+def cli_run(out, *extra, wait_for=None, env):
+    """Run the CLI in a child; with ``wait_for`` (a path), SIGTERM it as soon as that path exists."""
+    cmd = [sys.executable, "-m", "examples.recall.train", *FLAGS, "--out", str(out), *extra]
+    child = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if wait_for is not None:
+        deadline = time.monotonic() + 300
+        while not wait_for.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child.send_signal(signal.SIGTERM)
+    stdout, stderr = child.communicate(timeout=600)
+    return child.returncode, stdout, stderr
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_bit_for_bit_and_reruns_work_with_the_cache_on(tmp_path):
+    """Three runs with the persistent compilation cache on (``JAX_COMPILATION_CACHE_DIR``): one straight
+    through, one SIGTERMed once its first checkpoint exists, and its ``--resume``. The second and third
+    used to load the first one's step from the cache and abort (rc -6) after 40 s; the resumed run's
+    losses and evaluation equal the uninterrupted run's exactly. About 2 minutes on 2 cores."""
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    rc, _, err = cli_run(tmp_path / "whole", env=env)
+    assert rc == 0, err[-3000:]
+    rc, _, err = cli_run(tmp_path / "cut", wait_for=tmp_path / "cut" / "checkpoints" / "ring" / "5", env=env)
+    assert rc == 128 + signal.SIGTERM, err[-3000:]
+    assert "stopped by SIGTERM at step" in err and "--resume" in err
+    assert not (tmp_path / "cut" / "metrics.json").exists()
+    rc, _, err = cli_run(tmp_path / "cut", "--resume", env=env)
+    assert rc == 0, err[-3000:]
+    whole, cut = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("whole", "cut"))
+    assert cut["resumed_at"]["ring"] >= 5  # it did continue from a checkpoint
+    for key in ("losses", "eval_accuracy", "final_loss", "accuracy_by_distance", "ring_accuracy"):
+        assert cut[key] == whole[key], key
