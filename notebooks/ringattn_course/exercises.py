@@ -357,6 +357,25 @@ def check_min_block_causal_gqa(answer):
     return _correct(f"c >= {want:.0f} tokens")
 
 
+def check_hop_intensity(hop_intensity):
+    """06, exercise 4: ``hop_intensity(c, dim, heads, kv_heads)``: FLOPs per HBM byte of a bf16
+    FlashAttention hop, checked against ``ringattn_course.physics.attention_flops_bytes``."""
+    if _pending(hop_intensity, "hop_intensity(c, dim, heads, kv_heads)"):
+        return False
+    from ringattn_course import physics
+
+    for c, dim, heads, kv_heads in ((256, 128, 32, 8), (512, 128, 32, 8), (4096, 128, 1, 1), (64, 16, 4, 2),
+                                    (1000, 64, 8, 8)):
+        flops, hbm = physics.attention_flops_bytes(c, c, dim=dim, heads=heads, kv_heads=kv_heads)
+        _close(hop_intensity(c, dim, heads, kv_heads), flops / hbm, 1e-9,
+               f"c={c}, dim={dim}, heads={heads}, kv_heads={kv_heads} (hint: 4 h c^2 d FLOPs; q and o on h heads, "
+               f"k and v on hk heads, 2 bytes each, read or written once)")
+    v5e = physics.CHIPS["TPU v5e"]
+    verdict = {c: physics.bound(*physics.attention_flops_bytes(c, c, dim=128, heads=32, kv_heads=8), v5e)
+               for c in (256, 512)}
+    return _correct(f"h c / (h + hk); on TPU v5e c = 256 is {verdict[256]}-bound, c = 512 {verdict[512]}-bound")
+
+
 # ---- 07 shard_map and ppermute ---------------------------------------------------------------------
 
 def check_reverse_ring_perm(reverse_perm):
@@ -427,6 +446,32 @@ def check_bwd_bytes_sent(answer, *, batch=1, seq=256, kv_heads=2, dim=16, n_devi
         raise AssertionError(f"got {answer}; K/V move N - 1 times, dK/dV N times (the last move brings them "
                              "home): see ringattn_fast.backward's docstring")
     return _correct(f"{want} bytes: {want / ((n_devices - 1) * 2 * shard):.3g}x the forward's")
+
+
+def check_ring_step_messages(step_messages):
+    """07, exercise 4: ``step_messages(batch, seq, kv_heads, dim, n_devices)``: the sorted byte counts of
+    the collective-permutes of one forward ring step, measured in the compiled program's loop body."""
+    if _pending(step_messages, "step_messages(batch, seq, kv_heads, dim, n_devices)"):
+        return False
+    import jax
+
+    import ringattn_fast
+    from ringattn_course import hlo
+
+    for batch, seq, kv_heads, dim, n in ((1, 256, 2, 16, 8), (2, 64, 1, 8, 4), (1, 96, 3, 4, 2)):
+        mesh = ringattn_fast.make_mesh(n)
+        q = jax.ShapeDtypeStruct((batch, seq, 2 * kv_heads, dim), np.float32)
+        kv = jax.ShapeDtypeStruct((batch, seq, kv_heads, dim), np.float32)
+        text = jax.jit(lambda q, k, v: ringattn_fast.ring_attention(q, k, v, mesh=mesh, causal=True)).lower(
+            q, kv, kv).compile().as_text()
+        bodies = hlo.while_bodies(text)
+        want = sorted(m.nbytes for m in hlo.collective_messages(text) if m.computation in bodies)
+        got = sorted(_as_int(x, "a byte count") for x in step_messages(batch, seq, kv_heads, dim, n))
+        if got != want:
+            raise AssertionError(f"batch={batch}, seq={seq}, kv_heads={kv_heads}, dim={dim}, n_devices={n}: the "
+                                 f"compiled loop body sends {want}, you predict {got} (hint: what travels with K "
+                                 f"and V, and in which dtype?)")
+    return _correct("K and V shards, and their true positions: three messages per step, three latencies")
 
 
 # ---- 08 Pallas per-hop kernels ---------------------------------------------------------------------
