@@ -520,6 +520,27 @@ def check_causal_tiles_rect(answer, *, seq=1024, block_q=128, block_kv=64):
     return _correct(f"{want} of {(seq // block_q) * (seq // block_kv)} tiles")
 
 
+def check_zigzag_host0_tiles(answer, *, n_hosts=4, seq=64, block=4):
+    """08, exercise 4: tiles host 0 of a causal zigzag ring computes at each step, measured with the Triton
+    kernel's own counter (``pallas_gpu.fwd_tile_counts`` in interpret mode)."""
+    if _pending(answer, "tiles host 0 computes at each of the 4 steps"):
+        return False
+    from ringattn_fast.kernels import pallas_gpu
+    from ringattn_fast.schedule import HopConfig, KVShard, QShard
+
+    positions = layout_permutation("zigzag", seq, n_hosts).reshape(n_hosts, -1).astype(np.int32)
+    x = np.zeros((1, seq // n_hosts, 1, 8), np.float32)
+    cfg = HopConfig(scale=1.0, causal=True, block_q=block, block_kv=block)
+    want = [int(np.asarray(pallas_gpu.fwd_tile_counts(QShard(x, positions[0][None]),
+                                                      KVShard(x, x, positions[(0 - step) % n_hosts][None]),
+                                                      cfg))[0, 0].sum()) for step in range(n_hosts)]
+    got = [_as_int(a, "a tile count") for a in answer]
+    if got != want:
+        raise AssertionError(f"you predict {got} tiles per step; the kernel counted {want} (hint: list host 0's key "
+                             f"chunks at each step, then compare each query tile's max with each key tile's min)")
+    return _correct(f"{want}: the kernel computed exactly the tiles the bounds test leaves")
+
+
 # ---- 09 the fused TPU ring -------------------------------------------------------------------------
 
 def check_recv_slot(recv_slot):
@@ -562,6 +583,50 @@ def check_remote_copies(n_copies):
         if got != want:
             raise AssertionError(f"n_devices={n}: a device starts {want} K/V copies, you say {got}")
     return _correct("n - 1, as in every ring of this course")
+
+
+def _pallas_scratch(fn, *args):
+    """Shapes and dtypes of the scratch buffers of the first ``pallas_call`` in ``jax.make_jaxpr(fn)(*args)``."""
+    import jax
+
+    def calls(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield eqn
+            for param in eqn.params.values():
+                for sub in (param if isinstance(param, (list, tuple)) else [param]):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        yield from calls(inner)
+
+    eqn = next(calls(jax.make_jaxpr(fn)(*args).jaxpr))
+    n = eqn.params["grid_mapping"].num_scratch_operands
+    return [(v.aval.shape, getattr(v.aval, "dtype", None)) for v in eqn.params["jaxpr"].invars[-n:]]
+
+
+def check_kv_double_buffer(kv_buffer_bytes):
+    """09, exercise 4: ``kv_buffer_bytes(batch, shard, kv_heads, dim, itemsize)``: VMEM bytes of the fused
+    forward's K/V double buffer, measured from the scratch its ``pallas_call`` declares."""
+    if _pending(kv_buffer_bytes, "kv_buffer_bytes(batch, shard, kv_heads, dim, itemsize)"):
+        return False
+    import jax.numpy as jnp
+
+    import ringattn_fast
+
+    for batch, shard, kv_heads, dim, n, dtype in ((1, 8, 2, 8, 4, jnp.float32), (2, 16, 1, 8, 2, jnp.bfloat16),
+                                                  (1, 8, 3, 16, 3, jnp.float32)):
+        mesh = ringattn_fast.make_mesh(n)
+        q = jnp.zeros((batch, n * shard, 2 * kv_heads, dim), dtype)
+        kv = jnp.zeros((batch, n * shard, kv_heads, dim), dtype)
+        buffer = _pallas_scratch(lambda q, k, v: ringattn_fast.ring_attention(
+            q, k, v, mesh=mesh, causal=True, impl="pallas_tpu_fused", block_q=8, block_kv=8), q, kv, kv)[0]
+        want = int(np.prod(buffer[0])) * np.dtype(buffer[1]).itemsize
+        itemsize = np.dtype(dtype).itemsize
+        got = _as_int(kv_buffer_bytes(batch, shard, kv_heads, dim, itemsize), "the byte count")
+        if got != want:
+            raise AssertionError(f"batch={batch}, shard={shard}, kv_heads={kv_heads}, dim={dim}, itemsize={itemsize}: "
+                                 f"the kernel declares a {buffer[0]} buffer of {want} bytes, you say {got}")
+    return _correct("2 slots x (K, V) x the shard: the VMEM the whole-shard kernel needs")
 
 
 # ---- 10 putting it together ------------------------------------------------------------------------
