@@ -664,6 +664,30 @@ def check_min_block_backward_causal(answer, *, hardware="TPU v5e"):
     return _correct(f"c >= {want:.0f} tokens")
 
 
+def check_layer_messages(answer, *, batch=1, seq=2048, heads=4, kv_heads=2, dim=16, n_devices=8):
+    """10, exercise 4: the sorted byte counts of every collective-permute of the compiled gradient of the
+    ring (notebook 10's attention shapes), measured with ``hlo.collective_messages``."""
+    if _pending(answer, "the byte counts of every collective-permute in the gradient program"):
+        return False
+    import jax
+
+    import ringattn_fast
+    from ringattn_course import hlo
+
+    mesh = ringattn_fast.make_mesh(n_devices)
+    q = jax.ShapeDtypeStruct((batch, seq, heads, dim), np.float32)
+    kv = jax.ShapeDtypeStruct((batch, seq, kv_heads, dim), np.float32)
+    loss = lambda q, k, v: ringattn_fast.ring_attention(q, k, v, mesh=mesh, causal=True).sum()  # noqa: E731
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile().as_text()
+    want = sorted(m.nbytes for m in hlo.collective_messages(text) if m.opcode.startswith("collective-permute"))
+    got = sorted(_as_int(x, "a byte count") for x in answer)
+    if got != want:
+        raise AssertionError(f"the compiled program's collective-permutes move {want} bytes; you predict {got} "
+                             f"(hint: {len(want)} messages: count the forward loop's, the backward loop's, and "
+                             f"what brings dK/dV home)")
+    return _correct(f"{len(want)} messages: 3 in the forward loop, 5 in the backward loop, 2 after it")
+
+
 # ---- 11 inference and decoding ---------------------------------------------------------------------
 
 def check_cache_slot(where):
