@@ -749,6 +749,33 @@ def check_cache_bytes_per_host(cache_bytes_per_host):
                     "so 1M tokens need 128 GiB on one host, 2 GiB each on 64")
 
 
+def check_decode_collective_bytes(decode_collective_bytes, *, n_devices=8):
+    """11, exercise 4: ``decode_collective_bytes(batch, heads, dim)``: the sorted operand bytes of the all-reduces
+    of ``ringattn_fast.decode_step``'s compiled program, measured with ``hlo.collective_messages``."""
+    if _pending(decode_collective_bytes, "decode_collective_bytes(batch, heads, dim)"):
+        return False
+    import jax
+    import jax.numpy as jnp
+
+    import ringattn_fast
+    from ringattn_course import hlo
+
+    mesh = ringattn_fast.make_mesh(n_devices)
+    for batch, heads, kv_heads, dim in ((2, 4, 2, 8), (1, 8, 2, 16), (3, 2, 1, 4)):
+        cache = ringattn_fast.init_cache(batch, 8 * n_devices, kv_heads, dim, mesh=mesh)
+        q, kv = jnp.zeros((batch, 1, heads, dim)), jnp.zeros((batch, 1, kv_heads, dim))
+        text = jax.jit(lambda q, k, v, c: ringattn_fast.decode_step(q, k, v, c, mesh=mesh)).lower(
+            q, kv, kv, cache).compile().as_text()
+        messages = hlo.collective_messages(text)
+        want = sorted(m.nbytes for m in messages if m.opcode.startswith("all-reduce"))
+        got = sorted(_as_int(x, "a byte count") for x in decode_collective_bytes(batch, heads, dim))
+        if len(want) != len(messages) or got != want:
+            raise AssertionError(f"batch={batch}, heads={heads}, dim={dim}: the compiled step's collectives move "
+                                 f"{[(m.opcode, m.nbytes) for m in messages]}, you predict {got} (hint: one lse per "
+                                 f"row and head; then o and the denominator together)")
+    return _correct("b h 4 and b h (d + 1) 4 bytes: two tiny all-reduces per token, whatever the cache length")
+
+
 # ---- 12 training with a long context ------------------------------------------------------------
 
 def check_last_fact_position(answer, *, seq=512, shard=64):
@@ -793,6 +820,40 @@ def check_guess_loss(guess_loss):
         _close(guess_loss(n_values), want, 1e-5, f"the loss of a uniform guess over {n_values} answers "
                f"(hint: the cross-entropy when the right answer gets probability 1 / n_values)")
     return _correct("log(n_values): 2.77 for 16 answers, the flat line of the local model in the figure")
+
+
+def check_true_positions(true_positions, *, seq=64, n_devices=4):
+    """12, exercise 4: ``true_positions(layout, seq, n_devices)``: the true position of each token in layout
+    order; measured by running the ring model on tokens in that layout with those positions against the
+    one-device model (notebook 12's configuration)."""
+    if _pending(true_positions, "true_positions(layout, seq, n_devices)"):
+        return False
+    import jax
+
+    import ringattn_fast
+    from examples.recall.tasks import RecallTask
+    from ringattn_fast import model
+
+    task = RecallTask(seq=seq, shard=seq // n_devices)
+    tokens = task.batch(np.random.default_rng(0), 2).tokens
+    cfg = model.ModelConfig(vocab=task.vocab, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, ffn_block=16)
+    params = model.init_params(jax.random.key(0), cfg)
+    forward = jax.jit(model.sharded_forward, static_argnums=(3, 4))
+    dense = np.asarray(forward(params, tokens, np.broadcast_to(np.arange(seq), tokens.shape), cfg,
+                               ringattn_fast.make_mesh(1)))
+    mesh = ringattn_fast.make_mesh(n_devices)
+    for layout in ("contiguous", "striped", "zigzag"):
+        perm = layout_permutation(layout, seq, n_devices)
+        raw = np.asarray(true_positions(layout, seq, n_devices)).reshape(-1)
+        if raw.shape != (seq,) or not np.all(np.mod(raw, 1) == 0):
+            raise AssertionError(f"{layout}: true_positions must give {seq} integer positions; got {raw[:8]}...")
+        got = raw.astype(np.int32)
+        logits = np.asarray(forward(params, tokens[:, perm], np.broadcast_to(got, tokens.shape), cfg, mesh))
+        err = float(np.abs(logits - dense[:, perm]).max())
+        if not err < 2e-4:
+            raise AssertionError(f"{layout}: with your positions the ring model's logits differ from the one-device "
+                                 f"model's by {err:.3g} (hint: which true positions does device 0 hold?)")
+    return _correct("the ring model with true positions is the one-device model, in every layout")
 
 
 # ---- 13 which sequence parallelism -----------------------------------------------------------------

@@ -185,7 +185,7 @@ def plot_decode_schedules(n_hosts, ring_s, reduction_s, *, hardware=""):
     """Seconds per decoded token with the ring against the merge reduction, over the host count N.
 
     n_hosts: the ``N`` evaluated; ring_s / reduction_s: dicts ``label (a cache length) -> seconds per
-    N`` (notebook 11, from ``ringattn_ref.cost``). Left: both in microseconds (log-log); right: their
+    N`` (notebook 11, from ``ringattn_course.physics.decode_s``). Left: both in microseconds (log-log); right: their
     ratio, how many times longer the ring makes each token wait.
     """
     n_hosts = np.asarray(n_hosts)
@@ -224,7 +224,8 @@ def plot_roofline(chips, points):
     """The roofline of each chip and where kernels sit on it (notebook 06).
 
     chips: :class:`ringattn_course.physics.Chip` values; points: ``label -> (flops, hbm_bytes)`` of
-    kernels (``physics.attention_flops_bytes``), marked on the first chip's line. x: arithmetic intensity (FLOPs per HBM byte), y:
+    kernels (``physics.attention_flops_bytes``), marked on the first chip's line. x: arithmetic
+    intensity (FLOPs per HBM byte), y:
     attainable TFLOP/s ``min(F, H x intensity)``; a kernel left of a chip's ridge ``F / H`` is
     memory-bound on it.
     """

@@ -127,7 +127,9 @@ COLLECTIVE_OPCODES = ("collective-permute", "collective-permute-start", "all-gat
                       "all-reduce", "all-reduce-start", "reduce-scatter", "all-to-all")
 ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
             "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|[a-z0-9]+\[[\d,]*\](?:\{[^}]*\})?)\s+([a-z][a-z0-9\-]*)\(")
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*"                     # %name =
+                  r"(\(.*?\)|[a-z0-9]+\[[\d,]*\](?:\{[^}]*\})?)\s+"            # its type (or a tuple)
+                  r"([a-z][a-z0-9\-]*)\(")                                      # opcode(
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
 
 

@@ -69,7 +69,8 @@ def chip(name_or_chip):
 
 
 def _count(name, x, *, zero_ok=False):
-    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x < 0 or (x == 0 and not zero_ok):
+    bad = isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x)
+    if bad or x < 0 or (x == 0 and not zero_ok):
         raise ValueError(f"{name} must be a {'non-negative' if zero_ok else 'positive'} finite number; got {x!r}")
     return x
 
