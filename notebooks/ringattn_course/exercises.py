@@ -327,6 +327,30 @@ def check_backward_min_block(answer, *, hardware="A100 NVLink"):
     return _correct(f"c >= {want:.0f} tokens: 1.2 F/B, the backward binds, not the forward")
 
 
+def check_window_dk_blocks(dk_blocks, *, shard=8, window=(4, 0)):
+    """05, exercise 4: ``dk_blocks(n_hosts)``: bool [host, block], which K/V blocks a host's queries contribute
+    to under ``window=(4, 0)``, measured by linearity with ``ringattn_ref.ring_attention_vjp``."""
+    if _pending(dk_blocks, "dk_blocks(n_hosts)"):
+        return False
+    from ringattn_ref.backward import ring_attention_vjp
+
+    for n in (1, 2, 4, 5):
+        q, k, v = _problem(12, seq=shard * n, heads=2, kv_heads=1)
+        do = np.random.default_rng(13).standard_normal(q.shape)
+        want = np.zeros((n, n), bool)
+        for i in range(n):
+            do_i = np.zeros_like(do)
+            do_i[:, i * shard:(i + 1) * shard] = do[:, i * shard:(i + 1) * shard]  # host i's queries only
+            _, dk, _ = ring_attention_vjp(q, k, v, do_i, n_hosts=n, window=window)
+            want[i] = [np.abs(dk[:, j * shard:(j + 1) * shard]).max() > 0 for j in range(n)]
+        got = np.asarray(dk_blocks(n))
+        if got.shape != want.shape or got.dtype != bool or not np.array_equal(got, want):
+            raise AssertionError(f"n_hosts={n}: host i's queries reach blocks\n{want.astype(int)}\nyou predict\n"
+                                 f"{np.asarray(got)} (a bool matrix [host, block]; hint: how far back does "
+                                 f"a host's first query see?)")
+    return _correct("its own block and its left neighbour's: two busy hops of N")
+
+
 # ---- 06 overlap of communication and compute -------------------------------------------------------
 
 def check_min_block(answer, flops_per_s=989e12, bandwidth_bytes_per_s=450e9):
@@ -901,3 +925,28 @@ def check_ring_min_seq(ring_min_seq):
                f"{heads} heads, {kv_heads} kv heads, {devices} devices, {hardware} (hint: c >= (hk/h) F/B "
                f"tokens per device, and the sequence is N blocks)")
     return _correct("S >= N (hk/h) F/B: only kv heads travel while all query heads compute")
+
+
+def check_ulysses_messages(ulysses_messages):
+    """13, exercise 4: ``ulysses_messages(batch, seq, heads, kv_heads, dim, devices)``: the sorted operand bytes
+    of the all-to-alls of ``ringattn_fast.ulysses_attention``'s compiled forward (float32)."""
+    if _pending(ulysses_messages, "ulysses_messages(batch, seq, heads, kv_heads, dim, devices)"):
+        return False
+    import jax
+
+    import ringattn_fast
+    from ringattn_course import hlo
+
+    for batch, seq, heads, kv_heads, dim, n in ((1, 1024, 16, 8, 32, 8), (2, 64, 4, 4, 8, 4), (1, 96, 6, 3, 4, 3)):
+        mesh = ringattn_fast.make_mesh(n)
+        q = jax.ShapeDtypeStruct((batch, seq, heads, dim), np.float32)
+        kv = jax.ShapeDtypeStruct((batch, seq, kv_heads, dim), np.float32)
+        text = jax.jit(lambda q, k, v: ringattn_fast.ulysses_attention(q, k, v, mesh=mesh, causal=True)).lower(
+            q, kv, kv).compile().as_text()
+        want = sorted(m.nbytes for m in hlo.collective_messages(text) if m.opcode == "all-to-all")
+        got = sorted(_as_int(x, "a byte count") for x in ulysses_messages(batch, seq, heads, kv_heads, dim, n))
+        if got != want:
+            raise AssertionError(f"batch={batch}, seq={seq}, heads={heads}, kv_heads={kv_heads}, dim={dim}, "
+                                 f"devices={n}: the compiled all-to-alls take {want} bytes, you predict {got} "
+                                 f"(hint: each takes a device's whole local buffer of q, k, v or o)")
+    return _correct("q, k, v and o, each a device's local buffer; (N - 1) / N of each leaves the device")

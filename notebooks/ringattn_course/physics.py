@@ -212,3 +212,25 @@ def min_block(chip_, *, dim, heads, kv_heads=None, batch=1, dtype_bytes=2, fill=
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if hides(mid) else (mid, hi)
     return hi
+
+
+def strategy_times(costs, devices, chip_):
+    """Each strategy's forward time with per-message latency added to ``ringattn_ref.strategy_costs``'s model.
+
+    costs: ``strategy_costs(...)``'s dict (its ``compute_s`` and ``comm_s`` are bandwidth only). The ring
+    sends one K/V message per step, ``N - 1`` steps of ``max(compute / N, comm / (N - 1) + alpha)`` and the
+    last hop; the all-gather pays ``N - 1`` latencies before the attention; Ulysses two all-to-alls of
+    ``N - 1`` messages each. Infeasible strategies stay ``inf``.
+    """
+    alpha, n = chip(chip_).latency_s, devices
+    times = {}
+    for name, c in costs.items():
+        if not c.feasible:
+            times[name] = math.inf
+        elif n == 1:
+            times[name] = c.compute_s
+        elif name == "ring":
+            times[name] = (n - 1) * max(c.compute_s / n, c.comm_s / (n - 1) + alpha) + c.compute_s / n
+        else:
+            times[name] = c.compute_s + c.comm_s + (n - 1) * alpha * (1 if name == "allgather" else 2)
+    return times
