@@ -1,4 +1,4 @@
-"""Self-checks for the exercises of the notebook course (``notebooks/NN_*.md``, 00-10).
+"""Self-checks for the exercises of the notebook course (``notebooks/NN_*.md``, 00-13).
 
 Each ``check_*`` takes the learner's answer (a number or a function). While the answer is still the
 placeholder ``None`` it prints a reminder and returns ``False``, so a notebook runs top to bottom
@@ -7,8 +7,11 @@ prints ``Correct`` and returns ``True``. The expected values come from the libra
 ``attention``, the ring simulation, the cost model, the kernels' tile predicate, the fused kernel's
 ring rules), never from a hard-coded result, so the checks stay true if the library's numbers change.
 
-The checks are grouped by notebook: 00-06 use ``ringattn_ref`` (numpy), 07-10 ``ringattn_fast``
-(JAX; imported inside those checks, so the numpy notebooks' checks never load a kernel).
+The checks are grouped by notebook: 00-06 use ``ringattn_ref`` (numpy), 07-13 ``ringattn_fast``
+(JAX; imported inside those checks, so the numpy notebooks' checks never load a kernel). The
+predict-then-measure checks (05-13, each notebook's last exercise) measure what they compare with:
+a ring's gradients, a kernel's own tile counter, the scratch a ``pallas_call`` declares, or the
+collectives of a compiled program (``ringattn_course.hlo.collective_messages``).
 
 ``tests/test_exercises.py`` runs every check against the hidden answer written in the notebook and
 against a wrong answer.
