@@ -4,8 +4,9 @@ Runs the fused forward kernel on 4 simulated devices three times and prints one 
 with the handshake (race detector on, expect no race), without it and ``on_race="warn"`` (expect
 ``races_found``), without it and ``on_race="raise"`` (expect an exception naming the race). The
 last one leaves the TPU interpreter's global state broken, hence a separate process. With 2
-devices each device sends once into a never-used slot, so 4 devices is the smallest ring where the
-handshake matters.
+devices each device sends once into a never-used slot; from 3 devices on a slot is written twice, so
+3 is the smallest ring where the handshake matters (notebook 09 shows the detector on 2 and 3); the
+probe runs 4.
 """
 import json
 import os

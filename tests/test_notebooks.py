@@ -178,6 +178,76 @@ def test_notebook_structure(path):
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "outputs in git"
 
 
+# Notebooks BUILD_OR_MEASURE_FIRST.. have an exercise that builds something or predicts, then measures
+# (issue 24): its heading says so, "### Exercise N (build ...)" or "(predict, then measure)".
+BUILD_OR_MEASURE_FIRST = 5
+
+
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if int(p.name[:2]) >= BUILD_OR_MEASURE_FIRST],
+                         ids=lambda p: p.stem)
+def test_notebook_has_a_build_or_predict_then_measure_exercise(path):
+    text = path.read_text()
+    assert re.search(r"^#+ Exercise \d+ \((build|predict, then measure)", text, flags=re.M), \
+        "no exercise marked '(build ...)' or '(predict, then measure)'"
+
+
+# ---- the instructor's kit (docs/instructor, issue 24) ------------------------------------------------
+
+KIT = ROOT / "docs" / "instructor"
+KIT_PAGES = ("answers", "exam", "project", "readings")
+PAPERS = {"2310.01889": "Ring Attention", "2305.19370": "Blockwise Parallel Transformer",
+          "2205.14135": "FlashAttention", "2307.08691": "FlashAttention-2", "2311.09431": "Striped Attention",
+          "2309.14509": "DeepSpeed Ulysses", "2405.07719": "USP", "2411.01783": "Context Parallelism"}
+_ANSWER = re.compile(r'<details class="answer">(.*?)</details>', re.S)
+_PYTHON = re.compile(r"```python\n(.*?)```", re.S)
+
+
+def test_instructor_kit_is_in_the_site():
+    course = (ROOT / "docs" / "course.md").read_text()
+    assert re.search(r"```\{toctree\}[^`]*\ninstructor/index\n", course), "docs/course.md's toctree lacks instructor/index"
+    index = (KIT / "index.md").read_text()
+    toctree = re.search(r"```\{toctree\}(.*?)```", index, re.S).group(1).splitlines()
+    assert [line.strip() for line in toctree if line.strip() and not line.startswith(":")] == list(KIT_PAGES)
+    for heading in ("## Prerequisites", "## Academic integrity", "## Grading"):
+        assert heading in index, f"docs/instructor/index.md lacks {heading!r}"
+    assert all((KIT / f"{page}.md").is_file() for page in KIT_PAGES)
+
+
+def test_answer_key_holds_every_notebooks_answers():
+    """Every exercise's checked code (the notebook's folded answer) is in the key verbatim, under its heading,
+    and every quiz's answer text too: the key cannot drift from what tests/test_exercises.py checks."""
+    key = (KIT / "answers.md").read_text()
+    for path in NOTEBOOKS:
+        text = path.read_text()
+        number = path.name[:2]
+        for head in re.findall(r"^### (Exercise \d[^\n]*)$", text, flags=re.M):
+            assert f"### {number}, {head}" in key, f"answers.md has no entry '{number}, {head}'"
+        for answer in _ANSWER.findall(text):
+            for code in _PYTHON.findall(answer):
+                assert code in key, f"{path.name}: an answer's code is not in answers.md:\n{code}"
+        n_quiz = len(re.findall(r"^\*\*Quiz", text, flags=re.M))
+        section = key.split(f"Notebook `{path.name}`")[1].split("\n## ")[0]
+        assert section.count("**Quiz.**") == n_quiz, f"{path.name}: {n_quiz} quizzes, answers.md has another count"
+
+
+def test_exam_bank_project_and_readings():
+    exam = (KIT / "exam.md").read_text()
+    questions = re.split(r"^### Question \d+ ", exam, flags=re.M)[1:]
+    assert len(questions) >= 20, f"the exam bank has {len(questions)} questions; at least 20"
+    assert all("**Answer.**" in q for q in questions), "every exam question needs an answer"
+    kinds = [q.split(";")[0].lstrip("(") for q in questions]
+    assert kinds.count("midterm") >= 10 and kinds.count("final") >= 10, "ten or more for the midterm and the final"
+    project = (KIT / "project.md").read_text()
+    rubric = project.split("## Rubric")[1]
+    points = [int(x) for x in re.findall(r"^\| [a-z][^|]* \| (\d+) \|", rubric, flags=re.M)]
+    assert sum(points) == 100 and len(points) >= 4, f"rubric points {points} should add up to 100"
+    readings = (KIT / "readings.md").read_text()
+    weeks = [int(w) for w in re.findall(r"^\| (\d+) \|", readings, flags=re.M)]
+    assert weeks == list(range(1, 15)), f"readings for weeks {weeks}; expected 1-14"
+    missing = {arxiv: name for arxiv, name in PAPERS.items() if f"arXiv:{arxiv}" not in readings}
+    assert not missing, f"readings.md does not name {missing}"
+
+
 def test_show_source_renders_highlighted_and_plain():
     """``show_source``: a ```` ```python ```` block for Jupyter, Colab and the site; the bare source as text."""
     import inspect

@@ -1,9 +1,14 @@
 """ringattn_course — the notebook course's own helpers, kept out of the libraries.
 
 - :mod:`ringattn_course.exercises` -- the ``check_*`` self-checks of every notebook's exercises;
-- :mod:`ringattn_course.figures` -- the figures of notebooks 07-09 (memory per device, tile
-  schedules, the fused ring's double buffer). The figures of the simulated ring stay in the library
-  (:mod:`ringattn_ref.viz`, :mod:`ringattn_ref.viz_blocks`: the demo draws them too).
+- :mod:`ringattn_course.figures` -- the figures of notebooks 06-12 (the roofline, memory per device,
+  tile schedules, the fused ring's double buffer, decode, training). The figures of the simulated
+  ring stay in the library (:mod:`ringattn_ref.viz`, :mod:`ringattn_ref.viz_blocks`: the demo draws
+  them too).
+- :mod:`ringattn_course.physics` -- the cost physics of notebooks 06-13: a roofline (HBM bandwidth
+  per chip of Table 2) and an alpha-beta model of messages and collectives;
+- :mod:`ringattn_course.hlo` -- reads a compiled program: which ``collective-permute``s can overlap
+  the hop, and how many bytes each collective moves;
 - :mod:`ringattn_course.listing` -- ``show_source(obj, ...)``, the library's code as a highlighted
   listing (Jupyter, Colab and the site), exported here: ``from ringattn_course import show_source``.
 

@@ -1,4 +1,4 @@
-"""Self-checks for the exercises of the notebook course (``notebooks/NN_*.md``, 00-10).
+"""Self-checks for the exercises of the notebook course (``notebooks/NN_*.md``, 00-13).
 
 Each ``check_*`` takes the learner's answer (a number or a function). While the answer is still the
 placeholder ``None`` it prints a reminder and returns ``False``, so a notebook runs top to bottom
@@ -7,8 +7,11 @@ prints ``Correct`` and returns ``True``. The expected values come from the libra
 ``attention``, the ring simulation, the cost model, the kernels' tile predicate, the fused kernel's
 ring rules), never from a hard-coded result, so the checks stay true if the library's numbers change.
 
-The checks are grouped by notebook: 00-06 use ``ringattn_ref`` (numpy), 07-10 ``ringattn_fast``
-(JAX; imported inside those checks, so the numpy notebooks' checks never load a kernel).
+The checks are grouped by notebook: 00-06 use ``ringattn_ref`` (numpy), 07-13 ``ringattn_fast``
+(JAX; imported inside those checks, so the numpy notebooks' checks never load a kernel). The
+predict-then-measure checks (05-13, each notebook's last exercise) measure what they compare with:
+a ring's gradients, a kernel's own tile counter, the scratch a ``pallas_call`` declares, or the
+collectives of a compiled program (``ringattn_course.hlo.collective_messages``).
 
 ``tests/test_exercises.py`` runs every check against the hidden answer written in the notebook and
 against a wrong answer.
@@ -327,6 +330,30 @@ def check_backward_min_block(answer, *, hardware="A100 NVLink"):
     return _correct(f"c >= {want:.0f} tokens: 1.2 F/B, the backward binds, not the forward")
 
 
+def check_window_dk_blocks(dk_blocks, *, shard=8, window=(4, 0)):
+    """05, exercise 4: ``dk_blocks(n_hosts)``: bool [host, block], which K/V blocks a host's queries contribute
+    to under ``window=(4, 0)``, measured by linearity with ``ringattn_ref.ring_attention_vjp``."""
+    if _pending(dk_blocks, "dk_blocks(n_hosts)"):
+        return False
+    from ringattn_ref.backward import ring_attention_vjp
+
+    for n in (1, 2, 4, 5):
+        q, k, v = _problem(12, seq=shard * n, heads=2, kv_heads=1)
+        do = np.random.default_rng(13).standard_normal(q.shape)
+        want = np.zeros((n, n), bool)
+        for i in range(n):
+            do_i = np.zeros_like(do)
+            do_i[:, i * shard:(i + 1) * shard] = do[:, i * shard:(i + 1) * shard]  # host i's queries only
+            _, dk, _ = ring_attention_vjp(q, k, v, do_i, n_hosts=n, window=window)
+            want[i] = [np.abs(dk[:, j * shard:(j + 1) * shard]).max() > 0 for j in range(n)]
+        got = np.asarray(dk_blocks(n))
+        if got.shape != want.shape or got.dtype != bool or not np.array_equal(got, want):
+            raise AssertionError(f"n_hosts={n}: host i's queries reach blocks\n{want.astype(int)}\nyou predict\n"
+                                 f"{np.asarray(got)} (a bool matrix [host, block]; hint: how far back does "
+                                 f"a host's first query see?)")
+    return _correct("its own block and its left neighbour's: two busy hops of N")
+
+
 # ---- 06 overlap of communication and compute -------------------------------------------------------
 
 def check_min_block(answer, flops_per_s=989e12, bandwidth_bytes_per_s=450e9):
@@ -355,6 +382,25 @@ def check_min_block_causal_gqa(answer):
     want = cost.min_block_size(0.6 * 989e12, 0.8 * 450e9, heads=32, kv_heads=8, fill=0.5)
     _close(answer, want, 1e-3, "c >= (kv_heads / heads) x (1 / fill) x F_achieved / B_achieved")
     return _correct(f"c >= {want:.0f} tokens")
+
+
+def check_hop_intensity(hop_intensity):
+    """06, exercise 4: ``hop_intensity(c, dim, heads, kv_heads)``: FLOPs per HBM byte of a bf16
+    FlashAttention hop, checked against ``ringattn_course.physics.attention_flops_bytes``."""
+    if _pending(hop_intensity, "hop_intensity(c, dim, heads, kv_heads)"):
+        return False
+    from ringattn_course import physics
+
+    for c, dim, heads, kv_heads in ((256, 128, 32, 8), (512, 128, 32, 8), (4096, 128, 1, 1), (64, 16, 4, 2),
+                                    (1000, 64, 8, 8)):
+        flops, hbm = physics.attention_flops_bytes(c, c, dim=dim, heads=heads, kv_heads=kv_heads)
+        _close(hop_intensity(c, dim, heads, kv_heads), flops / hbm, 1e-9,
+               f"c={c}, dim={dim}, heads={heads}, kv_heads={kv_heads} (hint: 4 h c^2 d FLOPs; q and o on h heads, "
+               f"k and v on hk heads, 2 bytes each, read or written once)")
+    v5e = physics.CHIPS["TPU v5e"]
+    verdict = {c: physics.bound(*physics.attention_flops_bytes(c, c, dim=128, heads=32, kv_heads=8), v5e)
+               for c in (256, 512)}
+    return _correct(f"h c / (h + hk); on TPU v5e c = 256 is {verdict[256]}-bound, c = 512 {verdict[512]}-bound")
 
 
 # ---- 07 shard_map and ppermute ---------------------------------------------------------------------
@@ -429,6 +475,32 @@ def check_bwd_bytes_sent(answer, *, batch=1, seq=256, kv_heads=2, dim=16, n_devi
     return _correct(f"{want} bytes: {want / ((n_devices - 1) * 2 * shard):.3g}x the forward's")
 
 
+def check_ring_step_messages(step_messages):
+    """07, exercise 4: ``step_messages(batch, seq, kv_heads, dim, n_devices)``: the sorted byte counts of
+    the collective-permutes of one forward ring step, measured in the compiled program's loop body."""
+    if _pending(step_messages, "step_messages(batch, seq, kv_heads, dim, n_devices)"):
+        return False
+    import jax
+
+    import ringattn_fast
+    from ringattn_course import hlo
+
+    for batch, seq, kv_heads, dim, n in ((1, 256, 2, 16, 8), (2, 64, 1, 8, 4), (1, 96, 3, 4, 2)):
+        mesh = ringattn_fast.make_mesh(n)
+        q = jax.ShapeDtypeStruct((batch, seq, 2 * kv_heads, dim), np.float32)
+        kv = jax.ShapeDtypeStruct((batch, seq, kv_heads, dim), np.float32)
+        text = jax.jit(lambda q, k, v: ringattn_fast.ring_attention(q, k, v, mesh=mesh, causal=True)).lower(
+            q, kv, kv).compile().as_text()
+        bodies = hlo.while_bodies(text)
+        want = sorted(m.nbytes for m in hlo.collective_messages(text) if m.computation in bodies)
+        got = sorted(_as_int(x, "a byte count") for x in step_messages(batch, seq, kv_heads, dim, n))
+        if got != want:
+            raise AssertionError(f"batch={batch}, seq={seq}, kv_heads={kv_heads}, dim={dim}, n_devices={n}: the "
+                                 f"compiled loop body sends {want}, you predict {got} (hint: what travels with K "
+                                 f"and V, and in which dtype?)")
+    return _correct("K and V shards, and their true positions: three messages per step, three latencies")
+
+
 # ---- 08 Pallas per-hop kernels ---------------------------------------------------------------------
 
 def _tiles_computed(seq, block, causal, window, block_kv=None):
@@ -475,6 +547,27 @@ def check_causal_tiles_rect(answer, *, seq=1024, block_q=128, block_kv=64):
     return _correct(f"{want} of {(seq // block_q) * (seq // block_kv)} tiles")
 
 
+def check_zigzag_host0_tiles(answer, *, n_hosts=4, seq=64, block=4):
+    """08, exercise 4: tiles host 0 of a causal zigzag ring computes at each step, measured with the Triton
+    kernel's own counter (``pallas_gpu.fwd_tile_counts`` in interpret mode)."""
+    if _pending(answer, "tiles host 0 computes at each of the 4 steps"):
+        return False
+    from ringattn_fast.kernels import pallas_gpu
+    from ringattn_fast.schedule import HopConfig, KVShard, QShard
+
+    positions = layout_permutation("zigzag", seq, n_hosts).reshape(n_hosts, -1).astype(np.int32)
+    x = np.zeros((1, seq // n_hosts, 1, 8), np.float32)
+    cfg = HopConfig(scale=1.0, causal=True, block_q=block, block_kv=block)
+    want = [int(np.asarray(pallas_gpu.fwd_tile_counts(QShard(x, positions[0][None]),
+                                                      KVShard(x, x, positions[(0 - step) % n_hosts][None]),
+                                                      cfg))[0, 0].sum()) for step in range(n_hosts)]
+    got = [_as_int(a, "a tile count") for a in answer]
+    if got != want:
+        raise AssertionError(f"you predict {got} tiles per step; the kernel counted {want} (hint: list host 0's key "
+                             f"chunks at each step, then compare each query tile's max with each key tile's min)")
+    return _correct(f"{want}: the kernel computed exactly the tiles the bounds test leaves")
+
+
 # ---- 09 the fused TPU ring -------------------------------------------------------------------------
 
 def check_recv_slot(recv_slot):
@@ -519,6 +612,50 @@ def check_remote_copies(n_copies):
     return _correct("n - 1, as in every ring of this course")
 
 
+def _pallas_scratch(fn, *args):
+    """Shapes and dtypes of the scratch buffers of the first ``pallas_call`` in ``jax.make_jaxpr(fn)(*args)``."""
+    import jax
+
+    def calls(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield eqn
+            for param in eqn.params.values():
+                for sub in (param if isinstance(param, (list, tuple)) else [param]):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        yield from calls(inner)
+
+    eqn = next(calls(jax.make_jaxpr(fn)(*args).jaxpr))
+    n = eqn.params["grid_mapping"].num_scratch_operands
+    return [(v.aval.shape, getattr(v.aval, "dtype", None)) for v in eqn.params["jaxpr"].invars[-n:]]
+
+
+def check_kv_double_buffer(kv_buffer_bytes):
+    """09, exercise 4: ``kv_buffer_bytes(batch, shard, kv_heads, dim, itemsize)``: VMEM bytes of the fused
+    forward's K/V double buffer, measured from the scratch its ``pallas_call`` declares."""
+    if _pending(kv_buffer_bytes, "kv_buffer_bytes(batch, shard, kv_heads, dim, itemsize)"):
+        return False
+    import jax.numpy as jnp
+
+    import ringattn_fast
+
+    for batch, shard, kv_heads, dim, n, dtype in ((1, 8, 2, 8, 4, jnp.float32), (2, 16, 1, 8, 2, jnp.bfloat16),
+                                                  (1, 8, 3, 16, 3, jnp.float32)):
+        mesh = ringattn_fast.make_mesh(n)
+        q = jnp.zeros((batch, n * shard, 2 * kv_heads, dim), dtype)
+        kv = jnp.zeros((batch, n * shard, kv_heads, dim), dtype)
+        buffer = _pallas_scratch(lambda q, k, v: ringattn_fast.ring_attention(
+            q, k, v, mesh=mesh, causal=True, impl="pallas_tpu_fused", block_q=8, block_kv=8), q, kv, kv)[0]
+        want = int(np.prod(buffer[0])) * np.dtype(buffer[1]).itemsize
+        itemsize = np.dtype(dtype).itemsize
+        got = _as_int(kv_buffer_bytes(batch, shard, kv_heads, dim, itemsize), "the byte count")
+        if got != want:
+            raise AssertionError(f"batch={batch}, shard={shard}, kv_heads={kv_heads}, dim={dim}, itemsize={itemsize}: "
+                                 f"the kernel declares a {buffer[0]} buffer of {want} bytes, you say {got}")
+    return _correct("2 slots x (K, V) x the shard: the VMEM the whole-shard kernel needs")
+
+
 # ---- 10 putting it together ------------------------------------------------------------------------
 
 def check_min_context(answer, *, hardware="TPU v5e", n_hosts=64):
@@ -552,6 +689,30 @@ def check_min_block_backward_causal(answer, *, hardware="TPU v5e"):
     want = cost.min_block_size(hw.flops_per_s, hw.bandwidth_bytes_per_s, heads=32, kv_heads=8, fill=0.5) * 3 / 2.5
     _close(answer, want, 1e-3, "backward factor 3 / 2.5, causal factor 2, GQA factor 8 / 32")
     return _correct(f"c >= {want:.0f} tokens")
+
+
+def check_layer_messages(answer, *, batch=1, seq=2048, heads=4, kv_heads=2, dim=16, n_devices=8):
+    """10, exercise 4: the sorted byte counts of every collective-permute of the compiled gradient of the
+    ring (notebook 10's attention shapes), measured with ``hlo.collective_messages``."""
+    if _pending(answer, "the byte counts of every collective-permute in the gradient program"):
+        return False
+    import jax
+
+    import ringattn_fast
+    from ringattn_course import hlo
+
+    mesh = ringattn_fast.make_mesh(n_devices)
+    q = jax.ShapeDtypeStruct((batch, seq, heads, dim), np.float32)
+    kv = jax.ShapeDtypeStruct((batch, seq, kv_heads, dim), np.float32)
+    loss = lambda q, k, v: ringattn_fast.ring_attention(q, k, v, mesh=mesh, causal=True).sum()  # noqa: E731
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile().as_text()
+    want = sorted(m.nbytes for m in hlo.collective_messages(text) if m.opcode.startswith("collective-permute"))
+    got = sorted(_as_int(x, "a byte count") for x in answer)
+    if got != want:
+        raise AssertionError(f"the compiled program's collective-permutes move {want} bytes; you predict {got} "
+                             f"(hint: {len(want)} messages: count the forward loop's, the backward loop's, and "
+                             f"what brings dK/dV home)")
+    return _correct(f"{len(want)} messages: 3 in the forward loop, 5 in the backward loop, 2 after it")
 
 
 # ---- 11 inference and decoding ---------------------------------------------------------------------
@@ -615,6 +776,33 @@ def check_cache_bytes_per_host(cache_bytes_per_host):
                     "so 1M tokens need 128 GiB on one host, 2 GiB each on 64")
 
 
+def check_decode_collective_bytes(decode_collective_bytes, *, n_devices=8):
+    """11, exercise 4: ``decode_collective_bytes(batch, heads, dim)``: the sorted operand bytes of the all-reduces
+    of ``ringattn_fast.decode_step``'s compiled program, measured with ``hlo.collective_messages``."""
+    if _pending(decode_collective_bytes, "decode_collective_bytes(batch, heads, dim)"):
+        return False
+    import jax
+    import jax.numpy as jnp
+
+    import ringattn_fast
+    from ringattn_course import hlo
+
+    mesh = ringattn_fast.make_mesh(n_devices)
+    for batch, heads, kv_heads, dim in ((2, 4, 2, 8), (1, 8, 2, 16), (3, 2, 1, 4)):
+        cache = ringattn_fast.init_cache(batch, 8 * n_devices, kv_heads, dim, mesh=mesh)
+        q, kv = jnp.zeros((batch, 1, heads, dim)), jnp.zeros((batch, 1, kv_heads, dim))
+        text = jax.jit(lambda q, k, v, c: ringattn_fast.decode_step(q, k, v, c, mesh=mesh)).lower(
+            q, kv, kv, cache).compile().as_text()
+        messages = hlo.collective_messages(text)
+        want = sorted(m.nbytes for m in messages if m.opcode.startswith("all-reduce"))
+        got = sorted(_as_int(x, "a byte count") for x in decode_collective_bytes(batch, heads, dim))
+        if len(want) != len(messages) or got != want:
+            raise AssertionError(f"batch={batch}, heads={heads}, dim={dim}: the compiled step's collectives move "
+                                 f"{[(m.opcode, m.nbytes) for m in messages]}, you predict {got} (hint: one lse per "
+                                 f"row and head; then o and the denominator together)")
+    return _correct("b h 4 and b h (d + 1) 4 bytes: two tiny all-reduces per token, whatever the cache length")
+
+
 # ---- 12 training with a long context ------------------------------------------------------------
 
 def check_last_fact_position(answer, *, seq=512, shard=64):
@@ -659,6 +847,40 @@ def check_guess_loss(guess_loss):
         _close(guess_loss(n_values), want, 1e-5, f"the loss of a uniform guess over {n_values} answers "
                f"(hint: the cross-entropy when the right answer gets probability 1 / n_values)")
     return _correct("log(n_values): 2.77 for 16 answers, the flat line of the local model in the figure")
+
+
+def check_true_positions(true_positions, *, seq=64, n_devices=4):
+    """12, exercise 4: ``true_positions(layout, seq, n_devices)``: the true position of each token in layout
+    order; measured by running the ring model on tokens in that layout with those positions against the
+    one-device model (notebook 12's configuration)."""
+    if _pending(true_positions, "true_positions(layout, seq, n_devices)"):
+        return False
+    import jax
+
+    import ringattn_fast
+    from examples.recall.tasks import RecallTask
+    from ringattn_fast import model
+
+    task = RecallTask(seq=seq, shard=seq // n_devices)
+    tokens = task.batch(np.random.default_rng(0), 2).tokens
+    cfg = model.ModelConfig(vocab=task.vocab, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, ffn_block=16)
+    params = model.init_params(jax.random.key(0), cfg)
+    forward = jax.jit(model.sharded_forward, static_argnums=(3, 4))
+    dense = np.asarray(forward(params, tokens, np.broadcast_to(np.arange(seq), tokens.shape), cfg,
+                               ringattn_fast.make_mesh(1)))
+    mesh = ringattn_fast.make_mesh(n_devices)
+    for layout in ("contiguous", "striped", "zigzag"):
+        perm = layout_permutation(layout, seq, n_devices)
+        raw = np.asarray(true_positions(layout, seq, n_devices)).reshape(-1)
+        if raw.shape != (seq,) or not np.all(np.mod(raw, 1) == 0):
+            raise AssertionError(f"{layout}: true_positions must give {seq} integer positions; got {raw[:8]}...")
+        got = raw.astype(np.int32)
+        logits = np.asarray(forward(params, tokens[:, perm], np.broadcast_to(got, tokens.shape), cfg, mesh))
+        err = float(np.abs(logits - dense[:, perm]).max())
+        if not err < 2e-4:
+            raise AssertionError(f"{layout}: with your positions the ring model's logits differ from the one-device "
+                                 f"model's by {err:.3g} (hint: which true positions does device 0 hold?)")
+    return _correct("the ring model with true positions is the one-device model, in every layout")
 
 
 # ---- 13 which sequence parallelism -----------------------------------------------------------------
@@ -706,3 +928,28 @@ def check_ring_min_seq(ring_min_seq):
                f"{heads} heads, {kv_heads} kv heads, {devices} devices, {hardware} (hint: c >= (hk/h) F/B "
                f"tokens per device, and the sequence is N blocks)")
     return _correct("S >= N (hk/h) F/B: only kv heads travel while all query heads compute")
+
+
+def check_ulysses_messages(ulysses_messages):
+    """13, exercise 4: ``ulysses_messages(batch, seq, heads, kv_heads, dim, devices)``: the sorted operand bytes
+    of the all-to-alls of ``ringattn_fast.ulysses_attention``'s compiled forward (float32)."""
+    if _pending(ulysses_messages, "ulysses_messages(batch, seq, heads, kv_heads, dim, devices)"):
+        return False
+    import jax
+
+    import ringattn_fast
+    from ringattn_course import hlo
+
+    for batch, seq, heads, kv_heads, dim, n in ((1, 1024, 16, 8, 32, 8), (2, 64, 4, 4, 8, 4), (1, 96, 6, 3, 4, 3)):
+        mesh = ringattn_fast.make_mesh(n)
+        q = jax.ShapeDtypeStruct((batch, seq, heads, dim), np.float32)
+        kv = jax.ShapeDtypeStruct((batch, seq, kv_heads, dim), np.float32)
+        text = jax.jit(lambda q, k, v: ringattn_fast.ulysses_attention(q, k, v, mesh=mesh, causal=True)).lower(
+            q, kv, kv).compile().as_text()
+        want = sorted(m.nbytes for m in hlo.collective_messages(text) if m.opcode == "all-to-all")
+        got = sorted(_as_int(x, "a byte count") for x in ulysses_messages(batch, seq, heads, kv_heads, dim, n))
+        if got != want:
+            raise AssertionError(f"batch={batch}, seq={seq}, heads={heads}, kv_heads={kv_heads}, dim={dim}, "
+                                 f"devices={n}: the compiled all-to-alls take {want} bytes, you predict {got} "
+                                 f"(hint: each takes a device's whole local buffer of q, k, v or o)")
+    return _correct("q, k, v and o, each a device's local buffer; (N - 1) / N of each leaves the device")

@@ -1,9 +1,11 @@
-"""Figures for the ``ringattn_fast`` notebooks (07-10): memory per device, tile schedules, the fused ring.
+"""Figures of the course's notebooks (06-12): the roofline, memory per device, tile schedules, the fused ring.
 
 Companion of :mod:`ringattn_ref.viz` (which draws the simulated ring). Every function returns a
 matplotlib ``Figure``; matplotlib is imported inside the functions (the course's other helpers do
 not need it), with the non-interactive Agg backend when there is no display.
 
+- :func:`plot_roofline` -- attainable FLOP/s against arithmetic intensity, with kernels on it
+  (notebook 06);
 - :func:`plot_memory_vs_devices` -- per-device temp bytes measured with ``memory_analysis()`` as the
   ring grows at a fixed local sequence (notebook 07);
 - :func:`plot_empty_tiles` -- which ``block_q x block_kv`` tiles each host computes at each ring
@@ -183,7 +185,7 @@ def plot_decode_schedules(n_hosts, ring_s, reduction_s, *, hardware=""):
     """Seconds per decoded token with the ring against the merge reduction, over the host count N.
 
     n_hosts: the ``N`` evaluated; ring_s / reduction_s: dicts ``label (a cache length) -> seconds per
-    N`` (notebook 11, from ``ringattn_ref.cost``). Left: both in microseconds (log-log); right: their
+    N`` (notebook 11, from ``ringattn_course.physics.decode_s``). Left: both in microseconds (log-log); right: their
     ratio, how many times longer the ring makes each token wait.
     """
     n_hosts = np.asarray(n_hosts)
@@ -216,3 +218,36 @@ def plot_training(metrics):
     plt = _pyplot()
     from examples.recall.plots import draw
     return draw(metrics, plt.figure(figsize=(11, 4), layout="constrained"))
+
+
+def plot_roofline(chips, points):
+    """The roofline of each chip and where kernels sit on it (notebook 06).
+
+    chips: :class:`ringattn_course.physics.Chip` values; points: ``label -> (flops, hbm_bytes)`` of
+    kernels (``physics.attention_flops_bytes``), marked on the first chip's line. x: arithmetic
+    intensity (FLOPs per HBM byte), y:
+    attainable TFLOP/s ``min(F, H x intensity)``; a kernel left of a chip's ridge ``F / H`` is
+    memory-bound on it.
+    """
+    if not chips or not points:
+        raise ValueError(f"need at least one chip and one point; got {len(chips)} chips, {len(points)} points")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    intensity = {label: flops / hbm for label, (flops, hbm) in points.items()}
+    xs = np.logspace(np.log10(min(min(intensity.values()), 1) / 2), np.log10(max(intensity.values()) * 2), 200)
+    for c in chips:
+        line, = ax.plot(xs, np.minimum(c.flops_per_s, c.hbm_bytes_per_s * xs) / 1e12, lw=2,
+                        label=f"{c.name}: ridge {c.ridge:.0f} FLOP/B")
+        ax.axvline(c.ridge, color=line.get_color(), ls=":", lw=1)
+    first = chips[0]  # the kernels are drawn on the first chip's roofline
+    for label, x in intensity.items():
+        y = min(first.flops_per_s, first.hbm_bytes_per_s * x) / 1e12
+        ax.plot([x], [y], "k^", ms=7)
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, -12), fontsize=7)
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOPs per HBM byte)",
+           ylabel="attainable TFLOP/s")
+    ax.set_title("the roofline: memory-bound left of the ridge, compute-bound right of it", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return fig

@@ -13,9 +13,13 @@ Both together are what lets a GPU/TPU compiler split the permute into ``collecti
 ``-done`` and schedule the hop between them. The CPU compiler keeps it synchronous
 (``collective-permute(...)``), so on CPU the text shows that overlap is *possible*, never that it
 happens; a profile on the hardware shows that.
+
+``collective_messages`` reads the other half of the cost: how many bytes each collective's operands
+hold (notebooks 07, 10, 11 and 13 check their predictions against it).
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -115,3 +119,54 @@ def loop_permutes(hlo_text):
     """The :class:`PermuteDeps` of the permutes inside ``while`` bodies: the ring's per-step sends."""
     bodies = while_bodies(hlo_text)
     return [d for d in permute_deps(hlo_text) if d.computation in bodies]
+
+
+# ---- how many bytes each collective moves (notebooks 07, 10, 11, 13) -----------------------------
+
+COLLECTIVE_OPCODES = ("collective-permute", "collective-permute-start", "all-gather", "all-gather-start",
+                      "all-reduce", "all-reduce-start", "reduce-scatter", "all-to-all")
+ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+            "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*"                     # %name =
+                  r"(\(.*?\)|[a-z0-9]+\[[\d,]*\](?:\{[^}]*\})?)\s+"            # its type (or a tuple)
+                  r"([a-z][a-z0-9\-]*)\(")                                      # opcode(
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
+
+
+def shape_bytes(hlo_type):
+    """Bytes of an HLO type such as ``f32[1,32,2,16]{3,2,1,0}`` or a tuple ``(f32[4], s32[1,32])``."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(hlo_type):
+        if dtype not in ITEMSIZE:
+            raise ValueError(f"unknown HLO element type {dtype!r} in {hlo_type!r}")
+        total += ITEMSIZE[dtype] * math.prod(int(x) for x in dims.split(",") if x)
+    return total
+
+
+@dataclass(frozen=True)
+class Message:
+    """One collective of the compiled program: where it is, its opcode and the bytes of its operands
+    (read from the operands' definitions, not from the result: an all-gather's result is N times larger)."""
+    computation: str
+    name: str
+    opcode: str
+    nbytes: int
+
+
+def collective_messages(hlo_text):
+    """A :class:`Message` for every collective instruction of ``compiled.as_text()``, in text order."""
+    types, found = {}, []
+    current = None
+    for line in hlo_text.splitlines():
+        if (head := _HEADER.match(line)) and not line.startswith(" "):
+            current = head.group(1)
+            continue
+        if not (m := _DEF.match(line)):
+            continue
+        name, hlo_type, opcode = m.groups()
+        types[name] = hlo_type
+        if opcode in COLLECTIVE_OPCODES:
+            args = line[m.end():].split(")", 1)[0]
+            found.append((current, name, opcode, _OPERAND.findall(args)))
+    return [Message(comp, name, opcode, sum(shape_bytes(types[o]) for o in operands))
+            for comp, name, opcode, operands in found]
