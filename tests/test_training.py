@@ -72,8 +72,9 @@ def test_first_steps_losses_do_not_depend_on_ring_size_or_layout(dense_losses, d
 
 
 def test_quoted_numbers_are_those_of_the_committed_runs():
-    """docs/training.md, README.md and notebook 12 quote the runs whose metrics.json are committed
-    (docs/_static/training_{quick,full}.json): re-running a run means updating every quote."""
+    """docs/training.md and README.md quote the runs whose metrics.json are committed
+    (docs/_static/training_{quick,full}.json): re-running a run means updating every quote. Notebook 12
+    reads the full run's file itself (and checks docs/training.md against it) instead of quoting it."""
     root = Path(__file__).resolve().parents[1]
     runs = {name: json.loads((root / "docs" / "_static" / f"training_{name}.json").read_text())
             for name in ("quick", "full")}
@@ -91,9 +92,7 @@ def test_quoted_numbers_are_those_of_the_committed_runs():
             f" (chance {100 * quick['chance_accuracy']:g} %), {round(quick['seconds'])} s") in " ".join(readme.split())
     assert (f"({full['seq']} tokens: {pct(full['ring_accuracy'])}, bfloat16 {pct(bf16)}, local "
             f"{pct(full['local_accuracy'])})") in " ".join(readme.split())
-    for key, value in (("ring_accuracy", full["ring_accuracy"]), ("ring_accuracy_bfloat16", bf16),
-                       ("local_accuracy", full["local_accuracy"])):
-        assert f'"{key}": {value:.3f}' in notebook, key
+    assert '"training_full.json"' in notebook and '"ring_accuracy": 0.' not in notebook  # read, not quoted
 
 
 # A metrics dict with every key the figure and the summary read (run_experiment's, tiny): no training.
