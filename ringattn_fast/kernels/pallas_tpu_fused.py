@@ -102,8 +102,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ringattn_fast.kernels.tiles import NEG_INF, check_kernel_call, empty_tiles, interpret_mode, out_struct, same_vma
-from ringattn_fast.masks import allowed, finite_part, masked_grad
+from ringattn_fast.kernels.tiles import NEG_INF, check_kernel_call, empty_tiles, finite_keys, interpret_mode, out_struct, same_vma
+from ringattn_fast.masks import allowed, masked_grad
 from ringattn_fast.schedule import KVShard, QShard
 
 IMPL = "pallas_tpu_fused"
@@ -408,7 +408,7 @@ def _bwd_kernel(cfg, ring_ref, hop_empty_ref, empty_ref,                        
         p = jnp.exp(s - lse_ref[bi, hi, rows, :])       # (bq, bk)  P = exp(S - lse), masked: 0
         dp = _dot(do, v, ((1,), (1,)))                  # (bq, bk)  dP = dO V^T
         ds = masked_grad(p, dp, delta_ref[bi, hi, rows, :])  # dS = P o (dP - D), 0 where P is 0
-        dq_ref[bi, hi, rows, :] += _dot(ds.astype(k.dtype), finite_part(k), ((1,), (0,))) * cfg.hop.scale
+        dq_ref[bi, hi, rows, :] += _dot(ds.astype(k.dtype), finite_keys(k), ((1,), (0,))) * cfg.hop.scale
         dkv_buf[slot, 0, bi, kv_head, cols, :] += _dot(ds.astype(q.dtype), q, ((0,), (0,))) * cfg.hop.scale
         dkv_buf[slot, 1, bi, kv_head, cols, :] += _dot(p.astype(do.dtype), do, ((0,), (0,)))
 
