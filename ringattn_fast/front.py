@@ -162,7 +162,7 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
     tiles = None  # the kernels' own defaults for the chip they are compiled for (kernels/budgets.py)
     if (block_q is None or block_kv is None) and kernels.default_blocks is not None:
         tiles = kernels.default_blocks((q.shape[0], q_len) + tuple(q.shape[2:]),
-                                       (k.shape[0], kv_len) + tuple(k.shape[2:]), q.dtype, device)
+                                       (k.shape[0], kv_len) + tuple(k.shape[2:]), q.dtype, device, n=n)
     if block_q is None:
         block_q = default_block(q_len) if tiles is None else tiles[0]
     if block_kv is None:

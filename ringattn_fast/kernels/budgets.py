@@ -195,3 +195,12 @@ def check_fit(impl, chip_, estimate: Callable, *, block_q, block_kv, q_blocks, k
                      + (f" and {f.smem / KiB:.0f} KiB of SMEM" if f.smem else "")
                      + f", more than {HEADROOM:.0%} of the {chip_.max_limit / MiB:.0f} MiB a kernel may use"
                      + (f" (SMEM {chip_.smem / KiB:.0f} KiB)" if chip_.smem else "") + f"; {hint}")
+
+
+def default_tiles(chip_, estimate: Callable, sq, sk, *, q_multiple, kv_multiple, top=128):
+    """A kernel's default ``(block_q, block_kv)`` on ``chip_``: the largest tiles up to ``top`` (the
+    library's ``default_block`` target) allowed by the tile rule (multiples of ``q_multiple`` /
+    ``kv_multiple``, or the whole shard) whose ``estimate`` fits; None if none does (the caller then
+    falls back to ``default_block`` and its call fails by name)."""
+    return largest_fitting(chip_, estimate, candidate_blocks(sq, multiple=q_multiple, top=top),
+                           candidate_blocks(sk, multiple=kv_multiple, top=top))

@@ -324,10 +324,11 @@ def _blocks(sq, sk, top=256):
     return pick(sq), pick(sk)
 
 
-def default_blocks(q_shape, k_shape, dtype, device):
+def default_blocks(q_shape, k_shape, dtype, device, *, n=None):
     """``(block_q, block_kv)`` when the caller gives none, compiled for ``device``: the largest
     power-of-two tiles up to 128 whose forward and backward programs fit the GPU's shared memory (on an
-    A100, bfloat16 d=128: 128 x 64; float32: 64 x 32); None (``default_block``) when interpreted."""
+    A100, bfloat16 d=128: 64 x 64; float32: 32 x 32); None (``default_block``) when interpreted. ``n``
+    (the ring size) does not matter here."""
     if device.platform not in GPU_PLATFORMS:
         return None
     chip, cfg = budgets.chip(device.device_kind), HopConfig()

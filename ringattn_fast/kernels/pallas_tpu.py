@@ -56,7 +56,6 @@ from ringattn_fast.kernels.tiles import (NEG_INF, Budget, empty_tiles, finite_ke
                                          resident_blocks, same_vma, tile_bounds)
 from ringattn_fast.masks import allowed, bounds_empty, masked_grad
 from ringattn_fast.schedule import HopConfig
-from ringattn_ref.shards import DEFAULT_BLOCK
 
 __all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts", "default_blocks"]
 
@@ -361,23 +360,17 @@ def _blocks(sq, sk):
             budgets.candidate_blocks(sk, multiple=LANES, top=2048))
 
 
-def default_blocks(q_shape, k_shape, dtype, device):
+def default_blocks(q_shape, k_shape, dtype, device, *, n=None):
     """``(block_q, block_kv)`` when the caller gives none, compiled for ``device`` (q [b, sq, h, d], k
     [b, sk, hk, d] shapes of a host): the largest tiles up to ``default_block``'s 128 that Mosaic's tile
-    rule allows and that fit the chip, forward and backward; None (use ``default_block``) when
-    interpreted or when no such tile exists (the call then fails the tile rule or the budget by name)."""
-    return tpu_default_blocks(_footprints, q_shape, k_shape, dtype, device)
-
-
-def tpu_default_blocks(footprints, q_shape, k_shape, dtype, device):
-    """`default_blocks` for a TPU kernel module with estimate ``footprints`` (shared with the fused ring)."""
+    rule allows and whose forward and backward fit the chip; None (use ``default_block``) when
+    interpreted. ``n`` (the ring size) does not matter here."""
     if device.platform != "tpu":
         return None
-    chip, (sq, sk) = budgets.chip(device.device_kind), (q_shape[1], k_shape[1])
-    est = lambda bq, bk: (footprints(HopConfig(block_q=bq, block_kv=bk), q_shape, k_shape, dtype, False)  # noqa: E731
-                          + footprints(HopConfig(block_q=bq, block_kv=bk), q_shape, k_shape, dtype, True))
-    return budgets.largest_fitting(chip, est, budgets.candidate_blocks(sq, multiple=SUBLANES, top=DEFAULT_BLOCK),
-                                   budgets.candidate_blocks(sk, multiple=LANES, top=DEFAULT_BLOCK))
+    est = lambda bq, bk: [f for bwd in (False, True)  # noqa: E731
+                          for f in _footprints(HopConfig(block_q=bq, block_kv=bk), q_shape, k_shape, dtype, bwd)]
+    return budgets.default_tiles(budgets.chip(device.device_kind), est, q_shape[1], k_shape[1],
+                                 q_multiple=SUBLANES, kv_multiple=LANES)
 
 
 hop_fwd, hop_bwd, fwd_tile_counts = hop_kernels(IMPL, _forward, _backward, _tile_rule, Budget(_footprints, _blocks))
