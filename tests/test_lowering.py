@@ -133,7 +133,7 @@ def test_fused_ring_lowers_at_32k_tokens_per_device(kind):
     text = lower_shard(kind, "pallas_tpu_fused", "bfloat16", n=4, s=32768, h=8, hk=2, d=128, mask=dict(causal=True))
     assert_real_kernels(text, "pallas_tpu_fused")
     hop = HopConfig(block_q=128, block_kv=128)
-    at = lambda s: [f.vmem for f in fused._footprints(hop, (1, s, 8, 128), (1, s, 2, 128), jnp.bfloat16, n=4)]  # noqa: E731
+    at = lambda s: [f.vmem for f in fused.footprints(hop, (1, s, 8, 128), (1, s, 2, 128), jnp.bfloat16, n=4)]  # noqa: E731
     assert at(1024) == at(32768) and max(at(32768)) < budgets.HEADROOM * budgets.chip(kind).default_limit
 
 
@@ -188,13 +188,21 @@ def test_default_tiles_fit_every_target_at_32k():
         for dtype in DTYPES:
             dt = jnp.dtype(dtype)
             if chip.platform == "tpu":
-                for module, est in ((pallas_tpu, lambda c: pallas_tpu._footprints(c, q, k, dt, False)
-                                     + pallas_tpu._footprints(c, q, k, dt, True)),
-                                    (fused, lambda c: fused._footprints(c, q, k, dt, n=8))):
+                for module, est in ((pallas_tpu, lambda c: pallas_tpu.footprints(c, q, k, dt, False)
+                                     + pallas_tpu.footprints(c, q, k, dt, True)),
+                                    (fused, lambda c: fused.footprints(c, q, k, dt, n=8))):
                     bq, bk = module.default_blocks(q, k, dt, device, n=8)
                     assert (bq, bk) == (128, 128) and all(budgets.fits(chip, f) for f in est(HopConfig(block_q=bq, block_kv=bk)))
             else:
                 bq, bk = pallas_gpu.default_blocks(q, k, dt, device)
-                est = pallas_gpu._footprints(HopConfig(block_q=bq, block_kv=bk), q, k, dt, False)
-                est += pallas_gpu._footprints(HopConfig(block_q=bq, block_kv=bk), q, k, dt, True)
+                est = pallas_gpu.footprints(HopConfig(block_q=bq, block_kv=bk), q, k, dt, False)
+                est += pallas_gpu.footprints(HopConfig(block_q=bq, block_kv=bk), q, k, dt, True)
                 assert bq >= 16 and bk >= 16 and all(budgets.fits(chip, f) for f in est), (kind, dtype)
+
+
+def test_the_hardware_page_example_runs_as_written():
+    """docs/hardware.md's example (lower the fused ring for an absent v5e) runs as written."""
+    import pathlib
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "hardware.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    exec(compile(block, "docs/hardware.md", "exec"), {})

@@ -54,7 +54,7 @@ from ringattn_fast.kernels import GPU_PLATFORMS
 from ringattn_fast.masks import allowed, bounds_empty, finite_part, masked_grad
 from ringattn_fast.schedule import HopConfig
 
-__all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts", "default_blocks"]
+__all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts", "default_blocks", "footprints"]
 
 IMPL = "pallas_gpu"
 _STATIC = ("cfg", "interpret", "vmem_limit")
@@ -179,7 +179,7 @@ def _inputs(qs, kv, d_pad, *extra):
 @functools.partial(jax.jit, static_argnames=_STATIC + ("count",))
 def _forward(qs, kv, *, cfg, interpret, count, vmem_limit):
     """pallas_call for the forward: (o, lse, computed K/V tiles per Q tile [b, h, nq] or None).
-    ``vmem_limit`` is always None here (a TPU setting; shared memory is only checked, `_footprints`)."""
+    ``vmem_limit`` is always None here (a TPU setting; shared memory is only checked, `footprints`)."""
     (b, sq, h, d), (sk, hk) = qs.q.shape, kv.k.shape[1:3]
     group, d_pad, bq = h // hk, pl.next_power_of_2(d), cfg.block_q
     args = _inputs(qs, kv, d_pad)
@@ -305,7 +305,7 @@ def _backward(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit):
     return dq[..., :d], dk[..., :d], dv[..., :d]
 
 
-def _footprints(cfg, q_shape, k_shape, dtype, backward):
+def footprints(cfg, q_shape, k_shape, dtype, backward):
     """Shared memory of each Triton program (`budgets.triton_smem_bytes`), from the tiles each kernel
     loads: the forward streams K/V tiles past one Q tile; dQ streams K/V past Q and dO; dK/dV streams
     Q and dO past one K/V tile. The head dim is the padded one (`pl.next_power_of_2`)."""
@@ -333,9 +333,9 @@ def default_blocks(q_shape, k_shape, dtype, device, *, n=None):
         return None
     chip, cfg = budgets.chip(device.device_kind), HopConfig()
     est = lambda bq, bk: [f for bwd in (False, True)  # noqa: E731
-                          for f in _footprints(dataclasses.replace(cfg, block_q=bq, block_kv=bk), q_shape, k_shape,
+                          for f in footprints(dataclasses.replace(cfg, block_q=bq, block_kv=bk), q_shape, k_shape,
                                                dtype, bwd)]
     return budgets.largest_fitting(chip, est, *_blocks(q_shape[1], k_shape[1], top=128))
 
 
-hop_fwd, hop_bwd, fwd_tile_counts = hop_kernels(IMPL, _forward, _backward, _tile_rule, Budget(_footprints, _blocks))
+hop_fwd, hop_bwd, fwd_tile_counts = hop_kernels(IMPL, _forward, _backward, _tile_rule, Budget(footprints, _blocks))

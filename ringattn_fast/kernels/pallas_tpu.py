@@ -57,7 +57,7 @@ from ringattn_fast.kernels.tiles import (NEG_INF, Budget, empty_tiles, finite_ke
 from ringattn_fast.masks import allowed, bounds_empty, masked_grad
 from ringattn_fast.schedule import HopConfig
 
-__all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts", "default_blocks"]
+__all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts", "default_blocks", "footprints"]
 
 IMPL = "pallas_tpu"
 LANES, SUBLANES = 128, 8
@@ -329,7 +329,7 @@ def _backward(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit):
     return dq.swapaxes(1, 2), dk.swapaxes(1, 2), dv.swapaxes(1, 2)
 
 
-def _footprints(cfg, q_shape, k_shape, dtype, backward):
+def footprints(cfg, q_shape, k_shape, dtype, backward):
     """The VMEM / SMEM estimate of each pallas_call (`budgets`), from the BlockSpecs and scratch the
     kernels are built with: the forward, or the dQ and the dK/dV kernels. Segment ids are counted
     (they may be absent: an over-estimate of two int32 blocks)."""
@@ -368,9 +368,9 @@ def default_blocks(q_shape, k_shape, dtype, device, *, n=None):
     if device.platform != "tpu":
         return None
     est = lambda bq, bk: [f for bwd in (False, True)  # noqa: E731
-                          for f in _footprints(HopConfig(block_q=bq, block_kv=bk), q_shape, k_shape, dtype, bwd)]
+                          for f in footprints(HopConfig(block_q=bq, block_kv=bk), q_shape, k_shape, dtype, bwd)]
     return budgets.default_tiles(budgets.chip(device.device_kind), est, q_shape[1], k_shape[1],
                                  q_multiple=SUBLANES, kv_multiple=LANES)
 
 
-hop_fwd, hop_bwd, fwd_tile_counts = hop_kernels(IMPL, _forward, _backward, _tile_rule, Budget(_footprints, _blocks))
+hop_fwd, hop_bwd, fwd_tile_counts = hop_kernels(IMPL, _forward, _backward, _tile_rule, Budget(footprints, _blocks))

@@ -236,7 +236,7 @@ def _fwd_kernel(cfg, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,          
 
 
 def _fwd_scratch(cfg, d, dtype):
-    """(shape, dtype) of the forward's VMEM tiles, in kernel order (`_fwd_call`, `_footprints`)."""
+    """(shape, dtype) of the forward's VMEM tiles, in kernel order (`_fwd_call`, `footprints`)."""
     bq, bk, f32, i32 = cfg.hop.block_q, cfg.hop.block_kv, jnp.float32, jnp.int32
     return [((bq, d), dtype), ((2, bq, LANES), i32), ((bq, d), f32), ((bq, 2 * LANES), f32), ((bq, d), dtype),
             ((2, bk, d), dtype), ((2, bk, d), dtype), ((2, 2, bk), i32)]
@@ -422,7 +422,7 @@ def _bwd_kernel(cfg, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,          
 
 
 def _bwd_scratch(cfg, d, dtype):
-    """(shape, dtype) of the backward's VMEM tiles, in kernel order (`_bwd_call`, `_footprints`)."""
+    """(shape, dtype) of the backward's VMEM tiles, in kernel order (`_bwd_call`, `footprints`)."""
     bq, bk, f32, i32 = cfg.hop.block_q, cfg.hop.block_kv, jnp.float32, jnp.int32
     q, st, qm = ((bq, d), dtype), ((bq, 2 * LANES), f32), ((2, bq, LANES), i32)
     k, km = ((bk, d), dtype), ((2, bk), i32)
@@ -510,7 +510,7 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 # ---------------------------------------------------------------- budget and entry points
 
-def _footprints(hop, q_shape, k_shape, dtype, *, n, has_seg=True):
+def footprints(hop, q_shape, k_shape, dtype, *, n, has_seg=True):
     """VMEM / SMEM of the forward and the backward kernel (`budgets`): their VMEM tiles (`_fwd_scratch`,
     `_bwd_scratch`, all shard-length independent) plus the score-sized temporaries, and the SMEM tables
     (`fused_ring.schedule`). q [b, sq, h, d], k [b, sk, hk, d] per device; ``n`` devices."""
@@ -531,7 +531,7 @@ def default_blocks(q_shape, k_shape, dtype, device, *, n=8):
     interpreted. ``n``: the ring size (the SMEM tables grow with it)."""
     if device.platform != "tpu":
         return None
-    est = lambda bq, bk: _footprints(HopConfig(block_q=bq, block_kv=bk), q_shape, k_shape, dtype, n=n)  # noqa: E731
+    est = lambda bq, bk: footprints(HopConfig(block_q=bq, block_kv=bk), q_shape, k_shape, dtype, n=n)  # noqa: E731
     return budgets.default_tiles(budgets.chip(device.device_kind), est, q_shape[1], k_shape[1],
                                  q_multiple=SUBLANES, kv_multiple=LANES)
 
@@ -553,7 +553,7 @@ def make_config(qs, kv, cfg, *, axis_name, interpret=None, _handshake=True, coun
             raise ValueError(f"impl={IMPL!r}: TPU tiles need block_q % {SUBLANES} == 0 (or block_q == sq) and "
                              f"block_kv % {LANES} == 0 (or block_kv == sk); got block_q={hop.block_q}, sq={sq}, "
                              f"block_kv={hop.block_kv}, sk={sk}")
-        est = lambda c: _footprints(c, qs.q.shape, kv.k.shape, qs.q.dtype, n=axis_size,  # noqa: E731
+        est = lambda c: footprints(c, qs.q.shape, kv.k.shape, qs.q.dtype, n=axis_size,  # noqa: E731
                                     has_seg=qs.seg is not None)
         limit = check_budget(IMPL, chip, est, hop, q_blocks=budgets.candidate_blocks(sq, multiple=SUBLANES, top=2048),
                              kv_blocks=budgets.candidate_blocks(sk, multiple=LANES, top=2048))
