@@ -49,7 +49,8 @@ def hop_check(*, seq, heads, dim, causal, seed=0, blocks=None):
 
     opts = dict(scale=dim ** -0.5, causal=causal)
     with jax.default_matmul_precision("highest"):
-        ref = jax.block_until_ready(run(xla, HopConfig(**opts, block_q=min(seq, 1024), block_kv=min(seq, 1024)))(q, k, v, do))
+        xla_tiles = HopConfig(**opts, block_q=min(seq, 1024), block_kv=min(seq, 1024))
+        ref = jax.block_until_ready(run(xla, xla_tiles)(q, k, v, do))
         ours = jax.block_until_ready(run(pallas_gpu, HopConfig(**opts, block_q=blocks[0], block_kv=blocks[1]))(q, k, v, do))
     err, top, ok = _errors(ours, ref)
     return dict(check="float32 hop", seq=seq, heads=heads, dim=dim, causal=causal, blocks=list(blocks), err=err,
@@ -112,5 +113,6 @@ def format_check(row):
     errs = " ".join(f"{n} {row['err'][n]:.1e}" for n in NAMES)
     what = (f"seq {row['seq']} h {row['heads']} d {row['dim']} causal {row['causal']} blocks {row['blocks']}"
             if row["check"] == "float32 hop" else
-            f"{row['devices']} device(s) seq {row['seq']} h {row['heads']}/{row['kv_heads']} d {row['dim']} causal+segments")
+            f"{row['devices']} device(s) seq {row['seq']} h {row['heads']}/{row['kv_heads']} d {row['dim']} "
+            "causal+segments")
     return f"{row['check']:<13} {what}: {errs} (tol {row['tol']:g} x max(1, |xla|)) {'ok' if row['ok'] else 'FAILED'}"

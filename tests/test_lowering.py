@@ -48,7 +48,8 @@ def abstract_mesh(kind, n, axis="sp"):
 
 def structs(mesh, b, s, h, hk, d, dtype, seg):
     """Global ShapeDtypeStructs sharded like the ring's inputs (Explicit axes need the sharding)."""
-    shard = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=jax.NamedSharding(mesh, jax.P(None, "sp")))  # noqa: E731
+    sharding = jax.NamedSharding(mesh, jax.P(None, "sp"))
+    shard = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
     out = [shard((b, s, h, d), dtype), shard((b, s, hk, d), dtype), shard((b, s, hk, d), dtype)]
     return out + ([shard((b, s), jnp.int32)] if seg else [])
 
@@ -133,7 +134,8 @@ def test_fused_ring_lowers_at_32k_tokens_per_device(kind):
     text = lower_shard(kind, "pallas_tpu_fused", "bfloat16", n=4, s=32768, h=8, hk=2, d=128, mask=dict(causal=True))
     assert_real_kernels(text, "pallas_tpu_fused")
     hop = HopConfig(block_q=128, block_kv=128)
-    at = lambda s: [f.vmem for f in fused.footprints(hop, (1, s, 8, 128), (1, s, 2, 128), jnp.bfloat16, n=4)]  # noqa: E731
+    at = lambda s: [f.vmem for f in fused.footprints(hop, (1, s, 8, 128), (1, s, 2, 128),  # noqa: E731
+                                                     jnp.bfloat16, n=4)]
     assert at(1024) == at(32768) and max(at(32768)) < budgets.HEADROOM * budgets.chip(kind).default_limit
 
 
@@ -192,7 +194,8 @@ def test_default_tiles_fit_every_target_at_32k():
                                      + pallas_tpu.footprints(c, q, k, dt, True)),
                                     (fused, lambda c: fused.footprints(c, q, k, dt, n=8))):
                     bq, bk = module.default_blocks(q, k, dt, device, n=8)
-                    assert (bq, bk) == (128, 128) and all(budgets.fits(chip, f) for f in est(HopConfig(block_q=bq, block_kv=bk)))
+                    assert (bq, bk) == (128, 128)
+                    assert all(budgets.fits(chip, f) for f in est(HopConfig(block_q=bq, block_kv=bk)))
             else:
                 bq, bk = pallas_gpu.default_blocks(q, k, dt, device)
                 est = pallas_gpu.footprints(HopConfig(block_q=bq, block_kv=bk), q, k, dt, False)

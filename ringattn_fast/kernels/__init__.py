@@ -11,7 +11,8 @@
 ``tiles.interpret_mode`` read it, on the platform of the mesh: ``mesh.mesh_device``, never
 ``jax.default_backend()``, so an abstract TPU or GPU mesh lowers the real kernel on a CPU host).
 ``budgets.py`` holds the per-chip VMEM / shared-memory table and the footprint estimates every
-compiled kernel checks before it is lowered; ``fused_ring.py`` the fused ring's plumbing. The modules are imported when an impl is first used
+compiled kernel checks before it is lowered; ``fused_ring.py`` the fused ring's plumbing.
+The modules are imported when an impl is first used
 (``dispatch.kernels_for``), never here, so ``import ringattn_fast`` pulls in no Pallas. ``tiles.py``
 is what the Pallas kernels share: tile bounds and schedules on ``masks.bounds_empty``, interpret mode
 and their own preconditions (dtypes, tile shapes). They assume a validated call: ``ringattn_fast.front``

@@ -339,7 +339,8 @@ def footprints(cfg, q_shape, k_shape, dtype, backward):
     smem = 4 * (b * n_q * 4 + b * n_kv * 4 + b * n_q * n_kv)  # tile bounds, resident blocks (int32)
     out = []
     for name, sp, scratch in (
-            [("ring_hop_fwd_tpu", _qmajor_specs(cfg, d, h // hk, n_q, n_kv), [((bq, LANES), f32)] * 2 + [((bq, d), f32)])]
+            [("ring_hop_fwd_tpu", _qmajor_specs(cfg, d, h // hk, n_q, n_kv),
+              [((bq, LANES), f32)] * 2 + [((bq, d), f32)])]
             if not backward else
             [("ring_hop_bwd_dq_tpu", _qmajor_specs(cfg, d, h // hk, n_q, n_kv), [((bq, d), f32)]),
              ("ring_hop_bwd_dkv_tpu", _kvmajor_specs(cfg, d, h // hk, n_q, n_kv), [((bk, d), f32)] * 2)]):

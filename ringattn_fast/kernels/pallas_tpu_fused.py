@@ -156,7 +156,8 @@ def _fwd_kernel(cfg, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,          
 
     ring = fr.prologue(cfg, ring_ref, [(kv_ring, kv_hbm), (kmeta_ring, kmeta_hbm)], init, sem)
     n, slot, last_send = ring.n, ring.slot, ring.n - 2  # K/V are sent at steps 0 .. N-2
-    copies = fr.remote_sends(cfg, ((0, kv_ring), (1, kmeta_ring)), send_sem, recv_sem, slot, ring.right) if n > 1 else []
+    copies = [] if n == 1 else fr.remote_sends(cfg, ((0, kv_ring), (1, kmeta_ring)), send_sem, recv_sem, slot,
+                                               ring.right)
     fr.wait_cap(cfg, ring, cap_sem, last_send)
 
     @pl.when(ring.step <= last_send)
@@ -278,7 +279,8 @@ def _fwd_call(cfg, sched, q_t, qmeta, kv, kmeta):
                                     ((2,) + kv.shape, kv.dtype), ((2,) + kmeta.shape, jnp.int32))
     sems = [pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA((3, 2)), pltpu.SemaphoreType.DMA((2,)),
             pltpu.SemaphoreType.DMA((2, 2)), pltpu.SemaphoreType.REGULAR]
-    call = _call(_fwd_kernel, "ring_fused_fwd_tpu", cfg, out_shape, [_ANY] * 4, out_specs, _vmem(_fwd_scratch(cfg, d, q_t.dtype)) + sems)
+    call = _call(_fwd_kernel, "ring_fused_fwd_tpu", cfg, out_shape, [_ANY] * 4, out_specs,
+                 _vmem(_fwd_scratch(cfg, d, q_t.dtype)) + sems)
     o, stat, _, _, _, cnt = call(*sched, q_t, qmeta, kv, kmeta)
     return o, stat, cnt
 
