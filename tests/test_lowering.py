@@ -162,6 +162,24 @@ def test_over_budget_is_a_value_error_naming_the_blocks():
     with pytest.raises(ValueError, match=r"impl='pallas_gpu': block_q=256, block_kv=256 do not fit a A100: .*shared "
                                          r"memory.*fit"):
         lower_shard(GPU["A100"], "pallas_gpu", "float32", block_q=256, block_kv=256, **CONFIGS[0])
+    with pytest.raises(ValueError, match=r"impl='pallas_tpu_fused': block_q=2048, block_kv=2048 do not fit a v4: "
+                                         r"the fused forward needs an estimated [0-9.]+ MiB of VMEM.*fit"):
+        lower_shard(TPU["v4"], "pallas_tpu_fused", "float32", block_q=2048, block_kv=2048, **CONFIGS[0])
+
+
+def test_budget_arithmetic():
+    """The pieces the estimates are made of: Mosaic's tile padding, the chip lookup, the tile candidates."""
+    assert budgets.tile_bytes((128, 1), jnp.float32) == 128 * 128 * 4      # a column costs 128 lanes
+    assert budgets.tile_bytes((2, 8, 100), jnp.bfloat16) == 2 * 16 * 128 * 2  # bf16 rows come in 16s
+    assert budgets.tpu_vmem_bytes(blocks=[((8, 128), jnp.float32)], scratch=[((8, 128), jnp.float32)]) == 3 * 4096
+    assert budgets.chip("NVIDIA A100-SXM4-40GB").name == "A100" and budgets.chip("TPU v5e").name == "v5e"
+    with pytest.raises(ValueError, match="device_kind 'NVIDIA GH200 480GB' is not in"):
+        budgets.chip("NVIDIA GH200 480GB")
+    assert budgets.candidate_blocks(96, multiple=8, top=128) == [96, 32, 16, 8]  # the shard, then powers of two
+    assert budgets.candidate_blocks(4096, multiple=128, top=1024) == [1024, 512, 256, 128]
+    v5e = budgets.chip("TPU v5 lite")
+    assert budgets.vmem_limit(v5e, [budgets.Footprint(8 * budgets.MiB)]) is None
+    assert budgets.vmem_limit(v5e, [budgets.Footprint(40 * budgets.MiB)]) == 50 * budgets.MiB
 
 
 @pytest.mark.parametrize("impl, kind, platform", [("pallas_tpu", GPU["H100"], "cuda"),
