@@ -1,11 +1,13 @@
 """The code that computes a hop, one module per ``impl=`` value (docs/design.md, "Per-hop contract").
 
-| impl                 | module                  | runs compiled on | interpreted on | what it provides                 |
-|----------------------|-------------------------|------------------|----------------|----------------------------------|
-| ``"xla"``            | ``xla.py``              | cpu, gpu, tpu    | —              | ``hop_fwd``, ``hop_bwd``         |
-| ``"pallas_gpu"``     | ``pallas_gpu.py``       | gpu (Triton)     | cpu            | ``hop_fwd``, ``hop_bwd``         |
-| ``"pallas_tpu"``     | ``pallas_tpu.py``       | tpu (Mosaic)     | cpu            | ``hop_fwd``, ``hop_bwd``         |
-| ``"pallas_tpu_fused"`` | ``pallas_tpu_fused.py`` | tpu (Mosaic)   | cpu            | ``ring``: the whole ring, remote DMA |
+======================  =========================  ================  ==============  ====================
+impl                    module                     runs compiled on  interpreted on  what it provides
+======================  =========================  ================  ==============  ====================
+``"xla"``               ``xla.py``                 cpu, gpu, tpu     —               ``hop_fwd``, ``hop_bwd``
+``"pallas_gpu"``        ``pallas_gpu.py``          gpu (Triton)      cpu             ``hop_fwd``, ``hop_bwd``
+``"pallas_tpu"``        ``pallas_tpu.py``          tpu (Mosaic)      cpu             ``hop_fwd``, ``hop_bwd``
+``"pallas_tpu_fused"``  ``pallas_tpu_fused.py``    tpu (Mosaic)      cpu             ``ring``: the whole ring, remote DMA
+======================  =========================  ================  ==============  ====================
 
 :data:`IMPLS` is that table, the one place that says where each impl runs (``dispatch`` and
 ``tiles.interpret_mode`` read it, on the platform of the mesh: ``mesh.mesh_device``, never
