@@ -32,7 +32,8 @@ def add_mode_arguments(p):
     g.add_argument("--mode", choices=list(MODES), default=None,
                    help="the benchmark to run (omitted: train); --mode MODE --help lists its options")
     g.add_argument("--gpu-kernel", action="store_true",
-                   help="instead: the GPU check of the Pallas Triton per-hop kernel vs cuDNN (benchmarks.bench_gpu; "
+                   help="instead: the GPU check of the Pallas Triton kernel: float32 errors of the hop and the ring "
+                        "vs XLA, TFLOP/s vs cuDNN (benchmarks.bench_gpu; "
                         "--gpu-kernel --help lists its options, --gpu-kernel --dry-run runs it on CPU)")
     return p
 

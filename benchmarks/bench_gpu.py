@@ -1,4 +1,4 @@
-"""GPU check of the Pallas Triton per-hop kernel: errors and TFLOP/s vs cuDNN.
+"""GPU check of the Pallas Triton kernel: float32 errors (hop and ring) vs XLA, TFLOP/s vs cuDNN.
 
     python -m benchmarks.bench_gpu                    # a GPU: seq 4K-32K, heads 8 and 32, d=128, bf16
     python -m benchmarks.bench_gpu --quick            # seq 4K and 16K, heads 32 (about a minute)
@@ -6,8 +6,10 @@
 
 (from the repository root; ``python -m benchmarks.bench --gpu-kernel ...`` is the same check).
 
-For every (seq, heads, causal) row, on one device, the whole sequence as a single hop
-(``q_pos = k_pos = arange(seq)``):
+First the float32 checks (``benchmarks/gpu_checks.py``; skip with ``--no-f32-check``): the hop kernel
+and ``ring_attention(impl="pallas_gpu")`` over all local GPUs against the XLA path, forward and backward,
+no TF32, at the kernel's default tiles for this GPU (``kernels/budgets.py``). Then, for every (seq,
+heads, causal) row, on one device, the whole sequence as a single hop (``q_pos = k_pos = arange(seq)``):
 
 1. **check**: kernel 1 (``kernels.pallas_gpu.hop_fwd`` / ``hop_bwd``, the per-hop contract of
    docs/design.md) against the XLA path (``ringattn_fast.kernels.xla``) run on the same inputs upcast to
@@ -40,6 +42,7 @@ import sys
 import time
 from functools import partial
 
+from . import gpu_checks
 from .timing import time_interleaved
 
 TARGET_FWD_RATIO = 0.7
@@ -58,8 +61,10 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default bfloat16 (dry run float32)")
     p.add_argument("--tokens", type=int, help="batch = max(1, tokens // seq) (default 32768; dry run 1)")
     p.add_argument("--causal", default="both", choices=["both", "true", "false"])
-    p.add_argument("--block-q", type=int, help="kernel block_q = FA-2 Br (default 128; dry run 64)")
-    p.add_argument("--block-kv", type=int, help="kernel block_kv = FA-2 Bc (default 64; dry run 32)")
+    p.add_argument("--block-q", type=int, help="kernel block_q = FA-2 Br (default: the kernel's default tiles "
+                   "for this GPU and dtype, pallas_gpu.default_blocks; dry run 64)")
+    p.add_argument("--block-kv", type=int, help="kernel block_kv = FA-2 Bc (default: as --block-q; dry run 32)")
+    p.add_argument("--no-f32-check", action="store_true", help="skip the float32 hop and ring checks")
     p.add_argument("--ref-block", type=int, default=1024, help="block of the XLA reference path (default 1024)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls first (compilation) (default 1)")
     p.add_argument("--repeats", type=int, help="timed calls, median kept (default 5; dry run 2)")
@@ -73,13 +78,13 @@ def parse_args(argv=None):
     args.heads = args.heads or ([2] if dry else [32] if args.quick else [8, 32])
     args.dim = args.dim or (32 if dry else 128)
     args.dtype = args.dtype or ("float32" if dry else "bfloat16")
-    args.block_q = args.block_q or (64 if dry else 128)
-    args.block_kv = args.block_kv or (32 if dry else 64)
+    args.block_q = args.block_q or (64 if dry else None)
+    args.block_kv = args.block_kv or (32 if dry else None)
     args.repeats = args.repeats or (2 if dry else 5)
     args.ref_impl = args.ref_impl or ("xla" if dry else "cudnn")
     args.tokens = args.tokens or (1 if dry else 32768)
     for name in ("tokens", "dim", "block_q", "block_kv", "ref_block", "repeats"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     return args
 
@@ -167,12 +172,12 @@ def run_row(args, seq, heads, causal):
     q, k, v, do = (jax.random.normal(key, shape, jnp.float32).astype(dtype) for key in keys)  # (b, s, h, d)
     pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[None], (batch, seq))  # (b, s) true positions
     ref_block = min(args.ref_block, seq)
+    blocks = default_tiles(args, shape, dtype)
     ours_fwd, ours_fb, xla_fb, ref_fwd, ref_fb = make_functions(
-        dict(scale=args.dim ** -0.5, causal=causal, window=None), (args.block_q, args.block_kv), (ref_block, ref_block),
-        args.ref_impl)
+        dict(scale=args.dim ** -0.5, causal=causal, window=None), blocks, (ref_block, ref_block), args.ref_impl)
     flops_fwd, flops_fb = attention_flops(batch, heads, seq, args.dim, causal)
     row = dict(seq=seq, batch=batch, heads=heads, dim=args.dim, dtype=args.dtype, causal=causal,
-               block_q=args.block_q, block_kv=args.block_kv, backend=jax.default_backend(), ref_impl=args.ref_impl,
+               block_q=blocks[0], block_kv=blocks[1], backend=jax.default_backend(), ref_impl=args.ref_impl,
                flops_fwd=flops_fwd, flops_fwd_bwd=flops_fb)
     data = (q, k, v, pos, do)
 
@@ -200,6 +205,14 @@ def run_row(args, seq, heads, causal):
     except Exception as e:  # cuDNN missing, or this shape/dtype/GPU unsupported: say so, keep going
         row["ref_error"] = ("fwd+bwd: " if "ratio_fwd" in row else "") + _one_line(e)
     return row
+
+
+def default_tiles(args, shape, dtype):
+    """(block_q, block_kv): the ones asked for, else the kernel's default for this device and dtype."""
+    from ringattn_fast.kernels import pallas_gpu
+    from ringattn_fast.mesh import current_device
+    auto = pallas_gpu.default_blocks(shape, shape, dtype, current_device()) or (64, 32)
+    return (args.block_q or auto[0], args.block_kv or auto[1])
 
 
 HEADER = (f"{'seq':>6} {'b':>3} {'h':>3} {'causal':>6} | {'err o':>8} {'err dq':>8} {'err dk':>8} {'err dv':>8} "
@@ -239,12 +252,17 @@ def main(argv=None):
     err = sys.stderr
     print(f"# kernel 1 (pallas_gpu hop) vs XLA hop (float32, highest) and vs jax.nn.dot_product_attention"
           f"(implementation={args.ref_impl!r}) on {jax.devices()[0].device_kind}; {args.dtype}, d={args.dim}, "
-          f"block_q={args.block_q}, block_kv={args.block_kv}; TFLOP/s (FA-2 count), median of {args.repeats}; "
+          f"block_q={args.block_q or 'auto'}, block_kv={args.block_kv or 'auto'}; TFLOP/s (FA-2 count), median of "
+          f"{args.repeats}; "
           f"jax {jax.__version__}, backend {jax.default_backend()}"
           f"{' [dry run]' if args.dry_run else ''}", file=err)
+    start, rows = time.perf_counter(), []
+    checks = [] if args.no_f32_check else gpu_checks.run_checks(dry_run=args.dry_run, dim=args.dim)
+    for check in checks:
+        print(gpu_checks.format_check(check), file=err, flush=True)
+        print(json.dumps(check), flush=True)
     print(HEADER, file=err)
     causals = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
-    start, rows = time.perf_counter(), []
     for seq in args.seqs:
         for heads in args.heads:
             for causal in causals:
@@ -261,7 +279,8 @@ def main(argv=None):
                 print(json.dumps(row), flush=True)
     done = [r for r in rows if "err" in r]
     ratios = [r["ratio_fwd"] for r in done if "ratio_fwd" in r]
-    summary = dict(summary=True, rows=len(rows), checked=len(done), all_ok=all(r.get("ok", True) for r in rows),
+    summary = dict(summary=True, rows=len(rows), checked=len(done), f32_checks_ok=all(c["ok"] for c in checks),
+                   all_ok=all(r.get("ok", True) for r in rows + checks),
                    min_ratio_fwd=min(ratios) if ratios else None, target_fwd_ratio=TARGET_FWD_RATIO,
                    meets_target=bool(ratios) and min(ratios) >= TARGET_FWD_RATIO,
                    seconds=time.perf_counter() - start)

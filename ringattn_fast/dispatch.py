@@ -23,20 +23,25 @@ _AUTO = {"tpu": "pallas_tpu_fused", **{p: "pallas_gpu" for p in GPU_PLATFORMS}}
 
 class Kernels(NamedTuple):
     """What one impl provides: per-hop functions (the contract of ``docs/design.md``) or a whole ring,
-    and whether the ring may skip empty hops around it (``kernels.Impl.skip_empty_hops``)."""
+    whether the ring may skip empty hops around it (``kernels.Impl.skip_empty_hops``), and the
+    kernels' own default tiles, ``default_blocks(q_shape, k_shape, dtype, device) -> (block_q,
+    block_kv) | None`` (``kernels.budgets``: the largest that fit the chip they are compiled for; None:
+    ``default_block``), or None for the XLA hop."""
     hop_fwd: Callable | None
     hop_bwd: Callable | None
     ring: Callable | None
     skip_empty_hops: bool
+    default_blocks: Callable | None = None
 
 
 def kernels_for(impl):
     """The :class:`Kernels` of a resolved impl (``"xla"``, ``"pallas_gpu"``, ...); imports its module."""
     row = IMPLS[impl]
     module = importlib.import_module(f"{__package__}.kernels.{row.module}")
+    blocks = getattr(module, "default_blocks", None)
     if row.per_hop:
-        return Kernels(module.hop_fwd, module.hop_bwd, None, row.skip_empty_hops)
-    return Kernels(None, None, module.fused_ring_attention_shard, row.skip_empty_hops)
+        return Kernels(module.hop_fwd, module.hop_bwd, None, row.skip_empty_hops, blocks)
+    return Kernels(None, None, module.fused_ring_attention_shard, row.skip_empty_hops, blocks)
 
 
 def check_kernel_dtypes(impl, q, k, v):
@@ -83,7 +88,7 @@ def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, fu
                          f"use impl='xla' or impl='auto' with a bias")
     row = IMPLS[impl]
     if platform not in row.compiled + row.interpreted:
-        raise ValueError(f"impl={impl!r} cannot run on {platform!r} devices; it runs on {row.compiled} "
-                         f"(and in its interpreter on {row.interpreted})")
+        raise ValueError(f"impl={impl!r} cannot run on {platform!r} devices (the mesh's platform); it runs on "
+                         f"{row.compiled} (and in its interpreter on {row.interpreted}): use impl='auto' or 'xla'")
     check_kernel_dtypes(impl, q, k, v)
     return impl

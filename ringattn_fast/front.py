@@ -35,7 +35,8 @@ from ringattn_ref.blockwise import default_block
 from . import comm, padding
 from .dispatch import check_impl, kernels_for
 from .layouts import permute_axis
-from .mesh import auto_mesh, call_auto, check_mesh_axes, mesh_platform, resolve_mesh, spec_of, varying_axes, vary_like
+from .mesh import (auto_mesh, call_auto, check_mesh_axes, current_device, mesh_device, resolve_mesh, spec_of,
+                   varying_axes, vary_like)
 from .schedule import Dropout, HopConfig, KVShard, QShard, RingConfig, local_positions
 
 
@@ -133,12 +134,14 @@ def dropout_seed(key):
 
 
 def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, window_seq, scale, layout,
-                   block_q, block_kv, impl, platform, bias_mode, padding_segment, has_positions=False,
+                   block_q, block_kv, impl, device, bias_mode, padding_segment, has_positions=False,
                    comm_dtype=None, grad_comm_dtype=None, dropout_rate=0.0, dropout_key=None):
     """The checks both doors share, on a host's view (``s_local`` tokens of ``N * s_local``): a :class:`Settings`.
 
     ``window_seq``: the length that bounds a window (a bound of at least ``window_seq - 1`` is
-    unbounded); None when the caller gives positions. ``bias_mode`` is already classified.
+    unbounded); None when the caller gives positions. ``bias_mode`` is already classified. ``device``:
+    the mesh's ``jax.sharding.AbstractDevice`` (``mesh.mesh_device``): its platform picks the impl and
+    whether a kernel is compiled or interpreted, its ``device_kind`` the kernels' default tiles.
     """
     scale, causal = val.check_scale(scale, q.shape[-1]), val.check_bool(causal, "causal")
     window = val.check_window(window, window_seq)
@@ -152,14 +155,23 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
         raise ValueError(f"{strategy.name} takes no dropout_rate (attention dropout runs in the ring); got "
                          f"{dropout_rate!r}")
     q_len, kv_len = (s_local * n if whole else s_local for whole in (strategy.q_whole, strategy.kv_whole))
-    block_q = val.check_block(default_block(q_len) if block_q is None else block_q, q_len, "block_q")
-    block_kv = val.check_block(default_block(kv_len) if block_kv is None else block_kv, kv_len, "block_kv")
     fused_ok = strategy.fused_ok and comm_dtype is None and grad_comm_dtype is None
-    impl = check_impl(impl, platform, q, k, v, has_bias=bias_mode is not None, has_dropout=dropout_rate > 0,
-                      fused_ok=fused_ok)
+    impl = check_impl(impl, device.platform, q, k, v, has_bias=bias_mode is not None,
+                      has_dropout=dropout_rate > 0, fused_ok=fused_ok)
+    kernels = kernels_for(impl)
+    tiles = None  # the kernels' own defaults for the chip they are compiled for (kernels/budgets.py)
+    if (block_q is None or block_kv is None) and kernels.default_blocks is not None:
+        tiles = kernels.default_blocks((q.shape[0], q_len) + tuple(q.shape[2:]),
+                                       (k.shape[0], kv_len) + tuple(k.shape[2:]), q.dtype, device, n=n)
+    if block_q is None:
+        block_q = default_block(q_len) if tiles is None else tiles[0]
+    if block_kv is None:
+        block_kv = default_block(kv_len) if tiles is None else tiles[1]
+    block_q = val.check_block(block_q, q_len, "block_q")
+    block_kv = val.check_block(block_kv, kv_len, "block_kv")
     hop = HopConfig(scale=scale, causal=causal, window=window, block_q=block_q, block_kv=block_kv,
                     dropout_rate=dropout_rate)
-    cfg = RingConfig(axis_name, hop, impl, bias_mode, skip_empty_hops=kernels_for(impl).skip_empty_hops,
+    cfg = RingConfig(axis_name, hop, impl, bias_mode, skip_empty_hops=kernels.skip_empty_hops,
                      comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype)
     return Settings(cfg, layout, padding_segment, has_positions)
 
@@ -187,7 +199,7 @@ def check_shard_call(strategy, q, k, v, *, axis_name, segment_ids=None, bias=Non
     val.check_positions(positions, b, sq)
     out = check_settings(strategy, q, k, v, n=n, s_local=sq, axis_name=axis_name, layout=layout,
                          window_seq=sq * n if positions is None else None,
-                         platform=mesh_platform(jax.sharding.get_abstract_mesh()), bias_mode=mode,
+                         device=current_device(), bias_mode=mode,
                          padding_segment=padding_segment, has_positions=positions is not None,
                          dropout_key=dropout_key, **settings)
     drop = None
@@ -310,7 +322,7 @@ def on_mesh(strategy, q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
                                                                 bias.dtype)
     settings = check_settings(strategy, q, k, v, n=n, s_local=s_ring // n, axis_name=axis_name, causal=causal,
                               window=window, window_seq=s, scale=scale, layout=padding.pad_layout(layout, s, s_ring),
-                              block_q=block_q, block_kv=block_kv, impl=impl, platform=mesh_platform(mesh),
+                              block_q=block_q, block_kv=block_kv, impl=impl, device=mesh_device(mesh),
                               bias_mode=bias_mode(ring_bias, b, h, s_ring, 1),
                               padding_segment=padding_segment, comm_dtype=comm_dtype,
                               grad_comm_dtype=grad_comm_dtype, dropout_rate=dropout_rate, dropout_key=dropout_key)

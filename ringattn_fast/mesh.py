@@ -57,13 +57,35 @@ def resolve_mesh(mesh=None):
     return make_mesh()
 
 
-def mesh_platform(mesh):
-    """The platform (``"cpu"``, ``"gpu"``, ``"tpu"``) of a concrete or abstract mesh's devices."""
-    if isinstance(mesh, jax.sharding.Mesh):
-        return mesh.devices.flat[0].platform
+def mesh_device(mesh):
+    """The ``jax.sharding.AbstractDevice`` (platform, device_kind, num_cores) a mesh's programs run on.
+
+    A concrete mesh: its first device. An abstract mesh: its ``abstract_device`` (set by
+    ``AbstractMesh(..., abstract_device=jax.sharding.AbstractDevice(device_kind="TPU v5 lite",
+    num_cores=1, platform="tpu"))`` to lower for a chip that is not here, or by ``shard_map`` over a
+    concrete mesh); without one (or for an empty mesh), the default device. This, not
+    ``jax.default_backend()``, decides which kernel is lowered and whether it is interpreted.
+    """
+    if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:
+        return mesh.abstract_mesh.abstract_device
     device = getattr(mesh, "abstract_device", None)
-    platform = getattr(device, "platform", None)
-    return platform if platform is not None else jax.default_backend()
+    if device is not None:
+        return device
+    d = jax.devices()[0]
+    return jax.sharding.AbstractDevice(device_kind=d.device_kind, num_cores=getattr(d, "num_cores", None),
+                                       platform=d.platform)
+
+
+def current_device():
+    """`mesh_device` of the mesh in context: inside ``shard_map`` (its mesh) or under
+    ``jax.sharding.use_abstract_mesh`` / ``jax.set_mesh``; the default device when there is none."""
+    return mesh_device(jax.sharding.get_abstract_mesh())
+
+
+def mesh_platform(mesh):
+    """The platform (``"cpu"``, ``"gpu"``, ``"tpu"``; an abstract device may say ``"cuda"``) of a
+    concrete or abstract mesh's devices (`mesh_device`)."""
+    return mesh_device(mesh).platform
 
 
 def has_explicit_axes(mesh):

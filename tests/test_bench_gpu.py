@@ -24,9 +24,27 @@ def _run(capsys, argv):
     out, err = capsys.readouterr()
     objs = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert len(objs) == len(out.splitlines()), out  # stdout holds nothing but JSON lines
-    rows, summary = [o for o in objs if "summary" not in o], [o for o in objs if "summary" in o]
+    rows = [o for o in objs if "summary" not in o and "check" not in o]
+    summary = [o for o in objs if "summary" in o]
     assert len(summary) == 1
     return status, rows, summary[0], err.splitlines()
+
+
+def test_dry_run_float32_checks_of_the_hop_and_the_ring(capsys):
+    """The float32 checks (benchmarks/gpu_checks.py) run first: the hop (causal and not) and the ring over
+    2 devices (causal + segment ids + GQA), pallas_gpu vs XLA, forward and backward, all within tolerance."""
+    assert bench_gpu.main(["--dry-run", "--causal", "true"]) == 0
+    out, err = capsys.readouterr()
+    checks = [json.loads(line) for line in out.splitlines() if '"check"' in line]
+    assert [(c["check"], c.get("causal")) for c in checks] == [("float32 hop", False), ("float32 hop", True),
+                                                               ("float32 ring", True)]
+    for c in checks:
+        assert c["ok"] and set(c["err"]) == {"o", "dq", "dk", "dv"}, c
+        assert all(0 <= c["err"][n] <= c["tol"] * max(1.0, c["ref_max"][n]) for n in c["err"])
+        assert all(c["ref_max"][n] > 0.1 for n in c["err"])  # not trivially zero
+    assert checks[2]["devices"] == 2 and checks[2]["kv_heads"] == 1 and checks[2]["segments"]
+    assert sum(line.startswith("float32 ") and line.endswith(" ok") for line in err.splitlines()) == 3
+    assert json.loads(out.splitlines()[-1])["f32_checks_ok"] is True
 
 
 def test_dry_run_rows_and_errors(capsys):
@@ -77,7 +95,7 @@ def test_budget_skips_rows(capsys):
 def test_defaults_and_flops():
     full, quick = bench_gpu.parse_args([]), bench_gpu.parse_args(["--quick"])
     assert (full.seqs, full.heads, full.dim, full.dtype) == ([4096, 8192, 16384, 32768], [8, 32], 128, "bfloat16")
-    assert (full.block_q, full.block_kv, full.ref_impl, full.tokens) == (128, 64, "cudnn", 32768)
+    assert (full.block_q, full.block_kv, full.ref_impl, full.tokens) == (None, None, "cudnn", 32768)  # kernel defaults
     assert (quick.seqs, quick.heads) == ([4096, 16384], [32])
     assert bench_gpu.parse_args(["--block-q", "256", "--block-kv", "128"]).block_q == 256
     assert bench_gpu.attention_flops(2, 3, 8, 4, causal=False) == (4 * 2 * 3 * 64 * 4, 3.5 * 4 * 2 * 3 * 64 * 4)
@@ -124,6 +142,6 @@ def test_bench_gpu_kernel_flag_routes_to_the_gpu_check(capsys):
     """``python -m benchmarks.bench --gpu-kernel`` is the command line's entry point for this check."""
     from benchmarks import bench
 
-    status = bench.main(["--gpu-kernel", "--dry-run", "--causal", "true"])
+    status = bench.main(["--gpu-kernel", "--dry-run", "--causal", "true", "--no-f32-check"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    assert status == 0 and [r["causal"] for r in rows if not r.get("summary")] == [True]
+    assert status == 0 and [r["causal"] for r in rows if not r.get("summary") and "check" not in r] == [True]

@@ -408,28 +408,43 @@ def test_bias_is_rejected(name):
         MODULES[name].hop_bwd(qs, kv, pb["cfg"], do=pb["do"], lse=lse, delta=lse)
 
 
-def test_interpret_mode_per_impl_and_backend(monkeypatch):
-    """One resolver: True / InterpretParams(detect_races=True) on CPU, compiled on the impl's own
-    backend, and a ValueError naming the impl and the backend elsewhere."""
+def device(platform, kind=None):
+    kind = kind or {"cpu": "cpu", "tpu": "TPU v5 lite"}.get(platform, "NVIDIA H100 80GB HBM3")
+    return jax.sharding.AbstractDevice(device_kind=kind, num_cores=1, platform=platform)
+
+
+def on_mesh_of(platform):
+    """A context in which the mesh's devices are ``platform``'s (an abstract mesh), on this CPU host."""
+    mesh = jax.sharding.AbstractMesh((2,), ("x",), (jax.sharding.AxisType.Explicit,),
+                                     abstract_device=device("cuda" if platform == "gpu" else platform))
+    return jax.sharding.use_abstract_mesh(mesh)
+
+
+def test_interpret_mode_per_impl_and_platform():
+    """One resolver, on the mesh's device (not jax.default_backend()): True / InterpretParams(detect_races
+    =True) on CPU, compiled on the impl's own platform, a ValueError naming the impl and the platform
+    elsewhere; with no device given it reads the mesh in context (here an abstract one)."""
     races = pltpu.InterpretParams(detect_races=True)
     want = {"cpu": (True, races, races), "gpu": (False, "tpu", "tpu"), "tpu": ("gpu", False, False)}
-    for backend, modes in want.items():
-        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+    for platform, modes in want.items():
         for impl, mode in zip(("pallas_gpu", "pallas_tpu", "pallas_tpu_fused"), modes):
             if mode in ("gpu", "tpu"):
-                with pytest.raises(ValueError, match=f"impl='{impl}' needs a {mode.upper()} .*default backend "
-                                                     f"is '{backend}'"):
-                    tiles.interpret_mode(impl)
+                with pytest.raises(ValueError, match=f"impl='{impl}' needs a {mode.upper()} .*the mesh's platform "
+                                                     f"is '{platform}'"):
+                    tiles.interpret_mode(impl, device(platform))
             else:
-                assert tiles.interpret_mode(impl) == mode, (backend, impl)
+                assert tiles.interpret_mode(impl, device(platform)) == mode, (platform, impl)
+    assert tiles.interpret_mode("pallas_tpu") == races  # no mesh: this CPU host
+    with on_mesh_of("tpu"):
+        assert tiles.interpret_mode("pallas_tpu") is False and jax.default_backend() == "cpu"
 
 
 @pytest.mark.parametrize("name, other", [("pallas_gpu", "tpu"), ("pallas_tpu", "gpu")])
-def test_wrong_backend_is_rejected(name, other, monkeypatch):
+def test_wrong_platform_is_rejected(name, other):
     pb, _ = poisoned_problem("causal")
-    monkeypatch.setattr(jax, "default_backend", lambda: other)
-    with pytest.raises(ValueError, match=f"default backend is '{other}'"):
-        MODULES[name].hop_fwd(*shards(pb), pb["cfg"])
+    qs, kv = shards(pb)  # made on this host, before entering the abstract mesh
+    with on_mesh_of(other), pytest.raises(ValueError, match=f"the mesh's platform is '{'cuda' if other == 'gpu' else other}'"):
+        MODULES[name].hop_fwd(qs, kv, pb["cfg"])
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -440,11 +455,11 @@ def test_block_must_divide_the_shard(name):
         MODULES[name].hop_fwd(*shards(pb), cfg)
 
 
-def test_tpu_tiling_rule(monkeypatch):
+def test_tpu_tiling_rule():
     """On a TPU block_kv must be a multiple of 128 (or the whole shard); interpreted, a multiple of 8."""
     pb, _ = poisoned_problem("causal")
     with pytest.raises(ValueError, match="block_q % 8"):
         pallas_tpu.hop_fwd(*shards(pb), HopConfig(scale=0.1, block_q=4, block_kv=8))
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    with pytest.raises(ValueError, match="block_kv % 128"):
-        pallas_tpu.hop_fwd(*shards(pb), HopConfig(scale=0.1, block_q=8, block_kv=32))
+    qs, kv = shards(pb)
+    with on_mesh_of("tpu"), pytest.raises(ValueError, match="block_kv % 128"):
+        pallas_tpu.hop_fwd(qs, kv, HopConfig(scale=0.1, block_q=8, block_kv=32))

@@ -576,7 +576,7 @@ def check_recv_slot(recv_slot):
     if _pending(recv_slot, "recv_slot(step)"):
         return False
     for step in range(8):
-        want = 1 - step % 2  # pallas_tpu_fused._sends: compute on slot step % 2, receive into the other
+        want = 1 - step % 2  # fused_ring.remote_sends: compute on slot step % 2, receive into the other
         got = _as_int(recv_slot(step), f"recv_slot({step})")
         if got != want:
             raise AssertionError(f"step {step}: the device computes on slot {step % 2}; you say it receives "

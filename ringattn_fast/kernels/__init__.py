@@ -1,13 +1,20 @@
 """The code that computes a hop, one module per ``impl=`` value (docs/design.md, "Per-hop contract").
 
-- ``"xla"`` (``xla.py``): runs compiled on cpu, gpu, tpu; ``hop_fwd``, ``hop_bwd``;
-- ``"pallas_gpu"`` (``pallas_gpu.py``): compiled on gpu (Triton), interpreted on cpu; ``hop_fwd``, ``hop_bwd``;
-- ``"pallas_tpu"`` (``pallas_tpu.py``): compiled on tpu (Mosaic), interpreted on cpu; ``hop_fwd``, ``hop_bwd``;
-- ``"pallas_tpu_fused"`` (``pallas_tpu_fused.py``): compiled on tpu, interpreted on cpu; ``ring``, the whole
-  ring with remote DMA.
+======================  =========================  ================  ==============  ====================
+impl                    module                     runs compiled on  interpreted on  what it provides
+======================  =========================  ================  ==============  ====================
+``"xla"``               ``xla.py``                 cpu, gpu, tpu     —               ``hop_fwd``, ``hop_bwd``
+``"pallas_gpu"``        ``pallas_gpu.py``          gpu (Triton)      cpu             ``hop_fwd``, ``hop_bwd``
+``"pallas_tpu"``        ``pallas_tpu.py``          tpu (Mosaic)      cpu             ``hop_fwd``, ``hop_bwd``
+``"pallas_tpu_fused"``  ``pallas_tpu_fused.py``    tpu (Mosaic)      cpu             ``ring``: the whole ring, remote DMA
+======================  =========================  ================  ==============  ====================
 
 :data:`IMPLS` is that table, the one place that says where each impl runs (``dispatch`` and
-``tiles.interpret_mode`` read it). The modules are imported when an impl is first used
+``tiles.interpret_mode`` read it, on the platform of the mesh: ``mesh.mesh_device``, never
+``jax.default_backend()``, so an abstract TPU or GPU mesh lowers the real kernel on a CPU host).
+``budgets.py`` holds the per-chip VMEM / shared-memory table and the footprint estimates every
+compiled kernel checks before it is lowered; ``fused_ring.py`` the fused ring's plumbing.
+The modules are imported when an impl is first used
 (``dispatch.kernels_for``), never here, so ``import ringattn_fast`` pulls in no Pallas. ``tiles.py``
 is what the Pallas kernels share: tile bounds and schedules on ``masks.bounds_empty``, interpret mode
 and their own preconditions (dtypes, tile shapes). They assume a validated call: ``ringattn_fast.front``

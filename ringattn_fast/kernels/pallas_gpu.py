@@ -39,6 +39,7 @@ Triton needs power-of-two tensor sizes: on a GPU, block_q and block_kv must be p
 (>= 16, the smallest ``tl.dot``), and a head dim that is not a power of two is zero-padded (zeros
 change neither q.k nor o's first ``dim`` columns). On CPU (``interpret=True``) any divisor works.
 """
+import dataclasses
 import functools
 
 import jax
@@ -47,13 +48,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ringattn_fast.kernels.tiles import NEG_INF, hop_kernels, out_struct, same_vma
+from ringattn_fast.kernels import budgets
+from ringattn_fast.kernels.tiles import NEG_INF, Budget, hop_kernels, out_struct, same_vma
+from ringattn_fast.kernels import GPU_PLATFORMS
 from ringattn_fast.masks import allowed, bounds_empty, finite_part, masked_grad
+from ringattn_fast.schedule import HopConfig
 
-__all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts"]
+__all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts", "default_blocks", "footprints"]
 
 IMPL = "pallas_gpu"
-_STATIC = ("cfg", "interpret")
+_STATIC = ("cfg", "interpret", "vmem_limit")
 
 
 def _preload(interpret, q):
@@ -161,7 +165,7 @@ def _tile_rule(cfg, sq, sk, interpret):
 
 
 def _params(d):
-    return plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2)
+    return plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=budgets.TRITON_STAGES)
 
 
 def _inputs(qs, kv, d_pad, *extra):
@@ -173,8 +177,9 @@ def _inputs(qs, kv, d_pad, *extra):
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("count",))
-def _forward(qs, kv, *, cfg, interpret, count):
-    """pallas_call for the forward: (o, lse, computed K/V tiles per Q tile [b, h, nq] or None)."""
+def _forward(qs, kv, *, cfg, interpret, count, vmem_limit):
+    """pallas_call for the forward: (o, lse, computed K/V tiles per Q tile [b, h, nq] or None).
+    ``vmem_limit`` is always None here (a TPU setting; shared memory is only checked, `footprints`)."""
     (b, sq, h, d), (sk, hk) = qs.q.shape, kv.k.shape[1:3]
     group, d_pad, bq = h // hk, pl.next_power_of_2(d), cfg.block_q
     args = _inputs(qs, kv, d_pad)
@@ -258,7 +263,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_po
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _backward(qs, kv, do, lse, delta, *, cfg, interpret):
+def _backward(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit):
     """The two backward pallas_calls (dQ; dK and dV): (dq, dk, dv) float32."""
     (b, sq, h, d), (sk, hk) = qs.q.shape, kv.k.shape[1:3]
     group, d_pad, bq, bk = h // hk, pl.next_power_of_2(d), cfg.block_q, cfg.block_kv
@@ -300,4 +305,37 @@ def _backward(qs, kv, do, lse, delta, *, cfg, interpret):
     return dq[..., :d], dk[..., :d], dv[..., :d]
 
 
-hop_fwd, hop_bwd, fwd_tile_counts = hop_kernels(IMPL, _forward, _backward, _tile_rule)
+def footprints(cfg, q_shape, k_shape, dtype, backward):
+    """Shared memory of each Triton program (`budgets.triton_smem_bytes`), from the tiles each kernel
+    loads: the forward streams K/V tiles past one Q tile; dQ streams K/V past Q and dO; dK/dV streams
+    Q and dO past one K/V tile. The head dim is the padded one (`pl.next_power_of_2`)."""
+    d, bq, bk = pl.next_power_of_2(q_shape[-1]), cfg.block_q, cfg.block_kv
+    smem = lambda name, looped, once: budgets.Footprint(  # noqa: E731
+        budgets.triton_smem_bytes(looped=looped, once=once, score=(bq, bk), dtype=dtype), 0, name)
+    q_tile, kv_tile = (bq, d), (bk, d)
+    if not backward:
+        return [smem("ring_hop_fwd", [kv_tile] * 2, [q_tile])]
+    return [smem("ring_hop_bwd_dq", [kv_tile] * 2, [q_tile] * 2), smem("ring_hop_bwd_dkv", [q_tile] * 2, [kv_tile] * 2)]
+
+
+def _blocks(sq, sk, top=256):
+    """Tile sides Triton allows (powers of two >= 16 dividing the shard), largest first."""
+    pick = lambda s: [p for p in budgets.candidate_blocks(s, multiple=16, top=top) if p & (p - 1) == 0]  # noqa: E731
+    return pick(sq), pick(sk)
+
+
+def default_blocks(q_shape, k_shape, dtype, device, *, n=None):
+    """``(block_q, block_kv)`` when the caller gives none, compiled for ``device``: the largest
+    power-of-two tiles up to 128 whose forward and backward programs fit the GPU's shared memory (on an
+    A100, bfloat16 d=128: 64 x 64; float32: 32 x 32); None (``default_block``) when interpreted. ``n``
+    (the ring size) does not matter here."""
+    if device.platform not in GPU_PLATFORMS:
+        return None
+    chip, cfg = budgets.chip(device.device_kind), HopConfig()
+    est = lambda bq, bk: [f for bwd in (False, True)  # noqa: E731
+                          for f in footprints(dataclasses.replace(cfg, block_q=bq, block_kv=bk), q_shape, k_shape,
+                                               dtype, bwd)]
+    return budgets.largest_fitting(chip, est, *_blocks(q_shape[1], k_shape[1], top=128))
+
+
+hop_fwd, hop_bwd, fwd_tile_counts = hop_kernels(IMPL, _forward, _backward, _tile_rule, Budget(footprints, _blocks))

@@ -51,15 +51,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ringattn_fast.kernels.tiles import (NEG_INF, empty_tiles, hop_kernels, out_struct, resident_blocks, same_vma,
-                                         tile_bounds)
-from ringattn_fast.masks import allowed, bounds_empty, finite_part, masked_grad
+from ringattn_fast.kernels import budgets
+from ringattn_fast.kernels.tiles import (NEG_INF, Budget, empty_tiles, finite_keys, hop_kernels, out_struct,
+                                         resident_blocks, same_vma, tile_bounds)
+from ringattn_fast.masks import allowed, bounds_empty, masked_grad
+from ringattn_fast.schedule import HopConfig
 
-__all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts"]
+__all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts", "default_blocks", "footprints"]
 
 IMPL = "pallas_tpu"
 LANES, SUBLANES = 128, 8
-_STATIC = ("cfg", "interpret")
+_STATIC = ("cfg", "interpret", "vmem_limit")
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
@@ -197,7 +199,7 @@ def _pos_specs(sp, segments):
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("count",))
-def _forward(qs, kv, *, cfg, interpret, count):
+def _forward(qs, kv, *, cfg, interpret, count, vmem_limit):
     """pallas_call for the forward; returns (o, lse, computed K/V tiles per Q tile [b, h, nq] or None)."""
     (b, sq, h, d), (sk, hk) = qs.q.shape, kv.k.shape[1:3]
     n_q, n_kv, segments = sq // cfg.block_q, sk // cfg.block_kv, qs.seg is not None
@@ -218,7 +220,8 @@ def _forward(qs, kv, *, cfg, interpret, count):
         out_shape=[out_struct((b, h, sq, d), jnp.float32, q), out_struct((b, h, sq, LANES), jnp.float32, q),
                    out_struct((b * h * n_q,), jnp.int32, q) if count else None],
         compiler_params=pltpu.CompilerParams(  # the shared SMEM counter needs every axis in order
-            dimension_semantics=("arbitrary",) * 4 if count else ("parallel",) * 3 + ("arbitrary",)),
+            dimension_semantics=("arbitrary",) * 4 if count else ("parallel",) * 3 + ("arbitrary",),
+            vmem_limit_bytes=vmem_limit),
         interpret=interpret, name="ring_hop_fwd_tpu",
     )(*ops)
     counts = out[2].reshape(b, h, n_q) if count else None
@@ -248,7 +251,7 @@ def _dq_kernel(qb_ref, kb_ref, res_ref,
         k = k_ref[...]
         s = _logits(q_ref[...], k, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, cfg)
         _, ds = _tile_grads(s, do_ref[...], v_ref[...], lse_ref[...], delta_ref[...])
-        acc_sc[...] += cfg.scale * _dot(ds.astype(k.dtype), finite_part(k), _NN)  # a masked NaN key stays out
+        acc_sc[...] += cfg.scale * _dot(ds.astype(k.dtype), finite_keys(k), _NN)  # a masked NaN key stays out
 
     _unless_empty(_compute, qb_ref, kb_ref, (bi, i, j, n_q, n_kv), cfg, q_seg_ref is not None)
 
@@ -284,7 +287,7 @@ def _dkv_kernel(qb_ref, kb_ref, res_ref,
         dv_ref[...] = dv_sc[...]
 
 
-def _bwd_call(kernel, name, grid, specs, prefetch, args, out_specs, out_shape, scratch, interpret):
+def _bwd_call(kernel, name, grid, specs, prefetch, args, out_specs, out_shape, scratch, interpret, vmem_limit):
     """One backward pallas_call: batch, heads and the outer tile axis in parallel, the rest in order."""
     return pl.pallas_call(
         kernel,
@@ -292,13 +295,13 @@ def _bwd_call(kernel, name, grid, specs, prefetch, args, out_specs, out_shape, s
                                                out_specs=out_specs, scratch_shapes=scratch),
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel",) * 3 + ("arbitrary",) * (len(grid) - 3)),
+            dimension_semantics=("parallel",) * 3 + ("arbitrary",) * (len(grid) - 3), vmem_limit_bytes=vmem_limit),
         interpret=interpret, name=name,
     )(*prefetch, *args)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _backward(qs, kv, do, lse, delta, *, cfg, interpret):
+def _backward(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit):
     """The two backward pallas_calls (dQ; dK and dV): (dq, dk, dv) float32."""
     (b, sq, h, d), (sk, hk) = qs.q.shape, kv.k.shape[1:3]
     group, n_q, n_kv, segments = h // hk, sq // cfg.block_q, sk // cfg.block_kv, qs.seg is not None
@@ -314,7 +317,7 @@ def _backward(qs, kv, do, lse, delta, *, cfg, interpret):
     in_specs = [sp["q"], sp["kv"], sp["kv"], sp["q"], sp["stat"], sp["stat"]] + _pos_specs(sp, segments)
     dq = _bwd_call(functools.partial(_dq_kernel, **static), "ring_hop_bwd_dq_tpu", (b, h, n_q, n_kv),
                    in_specs, prefetch_q, args, sp["q"], out_struct((b, h, sq, d), jnp.float32, q),
-                   [pltpu.VMEM((cfg.block_q, d), jnp.float32)], interpret)
+                   [pltpu.VMEM((cfg.block_q, d), jnp.float32)], interpret, vmem_limit)
 
     # dK, dV: grid (b, kv heads, K/V tiles, group heads, Q tiles); the last two accumulate in scratch.
     sp = _kvmajor_specs(cfg, d, group, n_q, n_kv)
@@ -322,8 +325,53 @@ def _backward(qs, kv, do, lse, delta, *, cfg, interpret):
     dk, dv = _bwd_call(functools.partial(_dkv_kernel, group=group, **static), "ring_hop_bwd_dkv_tpu",
                        (b, hk, n_kv, group, n_q), in_specs, prefetch_kv, args, [sp["kv"], sp["kv"]],
                        [out_struct((b, hk, sk, d), jnp.float32, q)] * 2,
-                       [pltpu.VMEM((cfg.block_kv, d), jnp.float32)] * 2, interpret)
+                       [pltpu.VMEM((cfg.block_kv, d), jnp.float32)] * 2, interpret, vmem_limit)
     return dq.swapaxes(1, 2), dk.swapaxes(1, 2), dv.swapaxes(1, 2)
 
 
-hop_fwd, hop_bwd, fwd_tile_counts = hop_kernels(IMPL, _forward, _backward, _tile_rule)
+def footprints(cfg, q_shape, k_shape, dtype, backward):
+    """The VMEM / SMEM estimate of each pallas_call (`budgets`), from the BlockSpecs and scratch the
+    kernels are built with: the forward, or the dQ and the dK/dV kernels. Segment ids are counted
+    (they may be absent: an over-estimate of two int32 blocks)."""
+    (b, sq, h, d), (sk, hk) = q_shape, k_shape[1:3]
+    bq, bk, f32, i32 = cfg.block_q, cfg.block_kv, jnp.float32, jnp.int32
+    n_q, n_kv = sq // bq, sk // bk
+    smem = 4 * (b * n_q * 4 + b * n_kv * 4 + b * n_q * n_kv)  # tile bounds, resident blocks (int32)
+    out = []
+    for name, sp, scratch in (
+            [("ring_hop_fwd_tpu", _qmajor_specs(cfg, d, h // hk, n_q, n_kv),
+              [((bq, LANES), f32)] * 2 + [((bq, d), f32)])]
+            if not backward else
+            [("ring_hop_bwd_dq_tpu", _qmajor_specs(cfg, d, h // hk, n_q, n_kv), [((bq, d), f32)]),
+             ("ring_hop_bwd_dkv_tpu", _kvmajor_specs(cfg, d, h // hk, n_q, n_kv), [((bk, d), f32)] * 2)]):
+        of = lambda spec, dt: budgets.block_of(spec, dt)  # noqa: E731
+        ins = [of(sp["q"], dtype), of(sp["kv"], dtype), of(sp["kv"], dtype)]
+        ins += [of(sp["q"], dtype), of(sp["stat"], f32), of(sp["stat"], f32)] if backward else []
+        ins += [of(sp["q_col"], i32), of(sp["k_row"], i32)] * 2
+        outs = ([of(sp["q"], f32), of(sp["stat"], f32)] if not backward else
+                [of(sp["q"], f32)] if name.endswith("dq_tpu") else [of(sp["kv"], f32)] * 2)
+        temps = [((bq, bk), f32)] * (2 if not backward else 3)  # s, p (and dp / ds)
+        out.append(budgets.Footprint(budgets.tpu_vmem_bytes(ins + outs, scratch, temps), smem, name))
+    return out
+
+
+def _blocks(sq, sk):
+    """Tile sides Mosaic's tile rule allows for these shards, largest first (`budgets.candidate_blocks`)."""
+    return (budgets.candidate_blocks(sq, multiple=SUBLANES, top=2048),
+            budgets.candidate_blocks(sk, multiple=LANES, top=2048))
+
+
+def default_blocks(q_shape, k_shape, dtype, device, *, n=None):
+    """``(block_q, block_kv)`` when the caller gives none, compiled for ``device`` (q [b, sq, h, d], k
+    [b, sk, hk, d] shapes of a host): the largest tiles up to ``default_block``'s 128 that Mosaic's tile
+    rule allows and whose forward and backward fit the chip; None (use ``default_block``) when
+    interpreted. ``n`` (the ring size) does not matter here."""
+    if device.platform != "tpu":
+        return None
+    est = lambda bq, bk: [f for bwd in (False, True)  # noqa: E731
+                          for f in footprints(HopConfig(block_q=bq, block_kv=bk), q_shape, k_shape, dtype, bwd)]
+    return budgets.default_tiles(budgets.chip(device.device_kind), est, q_shape[1], k_shape[1],
+                                 q_multiple=SUBLANES, kv_multiple=LANES)
+
+
+hop_fwd, hop_bwd, fwd_tile_counts = hop_kernels(IMPL, _forward, _backward, _tile_rule, Budget(footprints, _blocks))

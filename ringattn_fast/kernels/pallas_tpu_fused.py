@@ -7,32 +7,35 @@ remote DMA (``pltpu.make_async_remote_copy``), so the overlap is in the program 
 the hop's tiles are computed, then the send is waited on.
 
 Called inside ``shard_map`` on this host's shards: ``fused_ring_attention_shard(QShard, KVShard,
-HopConfig, *, axis_name)`` (``ringattn_fast.schedule``; ``kv`` is this host's own K/V shard, the
-kernel moves it). Inputs are float16, bfloat16 or float32 (one dtype, ``dispatch.check_kernel_dtypes``),
-computed in float32; o and the gradients come back in the input dtype. All index arithmetic is int32
-(``jnp.int32`` constants), so the kernel also runs with ``jax_enable_x64`` on.
+HopConfig, *, axis_name)`` (``kv`` is this host's own K/V shard, the kernel moves it). Inputs are
+float16, bfloat16 or float32 (one dtype), computed in float32; o and the gradients come back in the
+input dtype.
+
+Memory: everything that grows with the shard stays in HBM (``memory_space=pl.ANY``): q, o, the
+travelling K/V (and, backward, dK/dV) double buffers, the running statistics. A kernel copies one
+Q tile and a stream of double-buffered K/V tiles into VMEM (`fused_ring.stream_tiles`: tile j + 1's DMA
+overlaps tile j's compute), so its VMEM is a few tiles, whatever ``s_local``; the remote DMA of the
+whole next shard runs, HBM to HBM, underneath (`budgets`: ~1 MiB at 128 x 128 tiles, d = 128).
 
 Notation (FlashAttention-2, Dao 2023, Algorithms 1 and 2):
 
-- Br, Bc: ``cfg.hop.block_q``, ``cfg.hop.block_kv``: one tile is ``q[Br rows] x k[Bc rows]``.
-- m, l, o: running row max, running row sum of ``exp(s - m)`` and the unnormalised output, float32
-  VMEM scratch ``m_scr``, ``l_scr``, ``acc_scr`` (FA-2 Alg. 1 lines 8-10); they live across the
-  ring steps (the grid axis), so the ring *is* the Bc loop.
-- S: ``s = scale * q @ k.T``, -inf where ``masks.allowed`` is False. ``kv`` arrives marked by
-  ``masks.mark_bad_keys`` (``ring_attention`` does it): a key that held a nan/inf has V = 0 and an
-  all-NaN K, so a masked one contributes nothing and exactly the rows that see it are NaN; dQ reads
-  ``masks.finite_part(K)``, dS is zeroed where P is 0 (``masks.masked_grad``).
-- lse: ``m + log(l)`` saved by the forward (FA-2 Alg. 1 line 13); -inf for a row that saw no key
-  (then o = 0).
-- D: ``delta = rowsum(dO * O)`` (FA-2 Alg. 2 line 4), computed outside the kernel.
-- step, my_idx: ring step (the grid index) and this device's index on ``axis_name``; at step
-  ``step`` device ``my_idx`` holds K/V shard ``kv_idx = (my_idx - step) % axis_size``.
+- Br, Bc: ``cfg.hop.block_q``, ``cfg.hop.block_kv``.
+- m, l, O (Alg. 1 lines 8-10): per Q tile in VMEM (``stat_v`` = [m | l] as two lane-replicated
+  (Br, 128) halves, ``acc_v`` the unnormalised O) while the tile runs through the hop's K/V tiles;
+  between ring steps in HBM (``stat``, ``acc``): the ring *is* FA-2's outer Bc loop, so the running
+  statistics of every Q tile live across the grid axis.
+- S: ``scale * q @ k.T``, -inf where ``masks.allowed`` is False. K/V arrive marked by
+  ``masks.mark_bad_keys``; dQ reads ``tiles.finite_keys(K)``, dS is zeroed where P is 0.
+- lse = m + log l (-inf for a row that saw nothing; then o = 0); D = rowsum(dO * O) (outside).
+- backward: per ring step two passes over the held shard, as the per-hop kernels' two pallas_calls:
+  pass B (K/V tiles outer, the GQA group's Q tiles streamed) accumulates dK/dV in VMEM and adds them
+  into the travelling ``dkv`` buffer; its send then overlaps pass A (Q tiles outer, K/V tiles
+  streamed), which adds dQ into HBM.
 
-What travels. Forward: ``kv`` = stack(K, V) ``[2, b, hk, sk, d]`` and ``kmeta`` = stack(k_pos,
-k_seg) ``[b, 2, sk]`` (positions travel with their K/V, so any layout - contiguous, striped, zigzag,
-an explicit permutation - gets exact masks). Backward: the same plus ``dkv`` = stack(dK, dV)
-float32, which makes one extra hop after the last step to arrive home; dQ stays (Ring Attention,
-Sec. 3).
+What travels (HBM to HBM). Forward: ``kv`` = stack(K, V) ``[2, b, hk, sk, d]`` and ``kmeta`` =
+stack(k_pos, k_seg) ``[b, 2, sk]`` (positions travel with their K/V, so every layout gets exact masks).
+Backward: the same plus ``dkv`` = stack(dK, dV) float32, which makes one extra hop after the last step
+to arrive home; dQ stays (Ring Attention, Sec. 3).
 
 Double buffer, semaphores and handshake (each device, N = axis_size, slot = step % 2; a ring of
 4, seen from device 1, whose right neighbour is 2 and left neighbour is 0)::
@@ -46,54 +49,40 @@ Double buffer, semaphores and handshake (each device, N = axis_size, slot = step
   dev 0 |   writes 1.slot 1        |   writes 1.slot 0 only after | ...                |
         |   (never read yet)       |   1's "cap" of step 0        |                    |
 
-*wait recv* (DMA semaphore ``recv_sem[array, slot]``) orders my reads of a slot after the write
-into it; *wait send* orders the end of my DMA's read of a slot before I declare it free; the
-*handshake* (REGULAR semaphore ``cap_sem``, signalled on the left neighbour, "my slot is free")
-orders the left neighbour's next write into a slot after my last read of it. Without it a device
-can run a step ahead and overwrite the slot its right neighbour is still computing on; the TPU
-interpreter's race detector reports exactly that (``tests/_fused_race_probe.py``). With N = 2 each
-device sends once, into a slot never read, so the handshake only matters from N = 3 on. The
-backward is the same ring plus ``dkv``: it is accumulated into during the compute, sent every step
-*including* the last (N sends for N - 1 of K/V, so dK/dV end at home in slot ``N % 2``), and
-``cap`` is signalled at steps 0..N-2 (forward 0..N-3). A barrier-semaphore exchange with both
-neighbours at step 0 makes sure they are inside the kernel (their scratch exists) before any DMA.
+*wait recv* orders my reads of a slot after the write into it; *wait send* orders the end of my
+DMA's read of a slot before I declare it free; the *handshake* (REGULAR semaphore ``cap_sem``,
+signalled on the left neighbour, "my slot is free") orders the left neighbour's next write into a
+slot after my last read of it (every tile copy out of the slot is waited on before the step ends).
+Without it a device can run a step ahead and overwrite the slot its right neighbour is still reading;
+the TPU interpreter's race detector reports exactly that (``tests/_fused_race_probe.py``). With N = 2
+each device sends once, into a slot never read, so the handshake only matters from N = 3 on. The
+backward sends ``dkv`` every step *including* the last (N sends for N - 1 of K/V, so dK/dV end at home
+in slot ``N % 2``), and ``cap`` is signalled at steps 0..N-2 (forward 0..N-3). A barrier-semaphore
+exchange with both neighbours at step 0 makes sure they are inside the kernel before any DMA.
+The plumbing (tables, ring position, handshake, sends, tile streams) is ``fused_ring.py``.
 
-Both kernels open with the same `_prologue` (ring position; at step 0 the barrier, slot 0 filled
-with this device's own shard, the accumulators zeroed) and keep the same handshake rule, written
-once in `_wait_cap` / `_signal_cap` in terms of the ring's last send (forward N-2, backward N-1):
-wait before each send but the first, signal after each step after which the left neighbour still
-sends.
-
-Skipping (docs/design.md, "Skipping"): outside the kernel, `tiles.empty_tiles` marks which
-``block_q x block_kv`` tiles of my Q shard against each K/V shard are provably empty (min/max of
-positions and segment ids, ``masks.bounds_empty``); the tables arrive by scalar prefetch in SMEM and
-the kernel skips a whole hop (``hop_empty[kv_idx] == 1``) or a tile (``empty[kv_idx, b, i, j] == 1``) with
-``pl.when``. With ``count=True`` (``_forward`` / ``_backward``) the kernels also return how many tiles
-they computed, so tests can check that; otherwise the counter ref is None.
-
-Memory: the whole per-device shards (q, o, both K/V slots and, backward, dQ and both dK/dV slots)
-sit in VMEM; fine for the shards a reference implementation is tested with and for a few thousand
-tokens per device on TPU v5e/v5p, not for 32K+ tokens per device (that needs HBM slots and a tile
-pipeline, ``pltpu.emit_pipeline``; not done here). Statistics use a trailing unit axis in the kernel
-(``[b, h, sq, 1]``). On TPU use ``block_q`` a multiple of 8 and ``block_kv`` a multiple of 128 (or
-the whole shard). Verified only in the CPU TPU interpreter: no TPU was available to compile it.
+Skipping (docs/design.md, "Skipping"): the SMEM tables hold each tile's position / segment bounds and
+which Q (K/V) tiles are live in which hop (`fused_ring.schedule`); a tile that is not live in a hop
+costs no DMA, and inside a hop a tile that ``masks.bounds_empty`` proves empty costs neither DMA nor
+compute. With ``count=True`` the kernels
+also return how many tiles they computed (the backward counts its dQ pass).
 
 Failure modes (JAX "Distributed computing in Pallas for TPUs" style):
 
-- a device that waits for a receive nobody sends hangs: every ``wait_recv`` here pairs with the left
+- a device that waits for a receive nobody sends hangs: every ``wait_recv`` pairs with the left
   neighbour's send of the same step, and there is no K/V send (and no wait) after the last step;
 - a semaphore left non-zero at exit crashes the kernel: ``cap_sem`` is signalled exactly as often as
   it is waited, and every DMA is waited on by both ends;
 - dropping the handshake (``_handshake=False``) is a silent data race on TPU; the interpreter with
   ``detect_races=True`` reports it, and the interpreter must then be reset (use a subprocess);
 - two kernels with different communication patterns must not share ``collective_id``; forward and
-  backward here talk only to ring neighbours on one axis, so they share ``_COLLECTIVE_ID``. A
-  neighbour cannot finish a kernel (and re-signal the barrier for the next one) before this device
-  has passed its barrier: it needs this device's data or ``cap`` first.
+  backward here talk only to ring neighbours on one axis, so they share ``_COLLECTIVE_ID``.
+
+On TPU use ``block_q`` a multiple of 8 and ``block_kv`` a multiple of 128 (or the whole shard).
+Lowered for TPU v4 / v5e / v5p / v6e in CI (``tests/test_lowering.py``), run only in the CPU TPU
+interpreter: no TPU was available to compile or time it.
 """
-import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -102,359 +91,382 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ringattn_fast.kernels.tiles import NEG_INF, check_kernel_call, empty_tiles, interpret_mode, out_struct, same_vma
-from ringattn_fast.masks import allowed, finite_part, masked_grad
-from ringattn_fast.schedule import KVShard, QShard
+from ringattn_fast.kernels import budgets
+from ringattn_fast.kernels import fused_ring as fr
+from ringattn_fast.kernels.fused_ring import I32
+from ringattn_fast.kernels.tiles import (NEG_INF, check_budget, check_kernel_call, finite_keys, interpret_mode,
+                                         out_struct, same_vma, target_chip)
+from ringattn_fast.masks import allowed, masked_grad
+from ringattn_fast.schedule import HopConfig, KVShard, QShard
 
 IMPL = "pallas_tpu_fused"
+LANES, SUBLANES = 128, 8
 _COLLECTIVE_ID = 7
-_I32 = jnp.int32  # every index constant: with jax_enable_x64 a Python int would become int64
-
-
-@dataclasses.dataclass(frozen=True)
-class _Cfg:
-    """Static configuration of one fused-ring call (hashable: a custom_vjp nondiff argument)."""
-    axis_name: object
-    axis_size: int
-    hop: object  # the checked HopConfig (blocks clamped to the shard)
-    has_seg: bool
-    interpret: object
-    handshake: bool = True
-    count: bool = False  # return the number of computed tiles (tests)
-
-
-# ---------------------------------------------------------------- ring plumbing (shared by fwd/bwd)
-
-def _schedule(cfg, qs, kv):
-    """The scalar-prefetched (SMEM) tables that steer the kernel, computed outside it:
-
-    ring int32 [3]            (my_idx, right, left) = (my_idx, (my_idx + 1) % N, (my_idx - 1) % N);
-    hop_empty  int32 [N]            1 if hop ``kv_idx`` has no tile to compute (the hop is skipped);
-    empty      int32 [N, b, nq, nk] 1 if tile (i, j) of my Q shard against K/V shard ``kv_idx`` is
-                                    provably empty (`tiles.empty_tiles`: min/max of positions, segments).
-    Building ``empty`` needs every shard's k positions: an ``all_gather`` of int32 metadata only, the
-    K/V themselves move inside the kernel. ``lax.axis_index`` is also kept out of the kernel: inside,
-    its arithmetic trips the interpreter's ``check_vma`` bookkeeping.
-    """
-    n, hop = _I32(cfg.axis_size), cfg.hop
-    my_idx = lax.axis_index(cfg.axis_name).astype(jnp.int32)
-    ring = jnp.stack([my_idx, lax.rem(my_idx + _I32(1), n), lax.rem(my_idx + n - _I32(1), n)])
-    k_pos_all = lax.all_gather(kv.pos, cfg.axis_name)                      # (N, b, sk)
-    k_seg_all = None if kv.seg is None else lax.all_gather(kv.seg, cfg.axis_name)
-    empty = jnp.stack([empty_tiles(qs.pos, k_pos_all[r], qs.seg, None if kv.seg is None else k_seg_all[r],
-                                   causal=hop.causal, window=hop.window, block_q=hop.block_q,
-                                   block_kv=hop.block_kv) for r in range(cfg.axis_size)]).astype(jnp.int32)
-    return ring, jnp.min(empty.reshape(cfg.axis_size, -1), axis=1), empty
-
-
-class _Ring(NamedTuple):
-    """Where this device stands at grid step ``step``: ``slot = step % 2`` holds K/V shard ``kv_idx``."""
-    step: jax.Array
-    n: int
-    slot: jax.Array
-    right: jax.Array
-    left: jax.Array
-    kv_idx: jax.Array
-
-
-def _prologue(cfg, ring_ref, fill, init):
-    """The opening both kernels share. Returns the `_Ring` of this step; at step 0: the barrier with
-    both neighbours, slot 0 of each travelling buffer filled (``fill``: pairs ``(buf, value)``, a
-    callable giving slot 0's content) and ``init()`` (zero the accumulators, the counter)."""
-    step, n = pl.program_id(0), cfg.axis_size
-    my_idx, right, left = ring_ref[0], ring_ref[1], ring_ref[2]
-    ring = _Ring(step, n, lax.rem(step, _I32(2)), right, left, lax.rem(my_idx - step + _I32(n), _I32(n)))
-
-    @pl.when(step == 0)
-    def _():
-        if n > 1:
-            _barrier(cfg, right, left)
-        for buf, value in fill:
-            buf[0] = value()
-        init()
-    return ring
-
-
-def _barrier(cfg, right, left):
-    """Both ring neighbours have entered the kernel (their scratch exists) before any remote DMA."""
-    sem = pltpu.get_barrier_semaphore()
-    for nb in (left, right):
-        pl.semaphore_signal(sem, 1, device_id={cfg.axis_name: nb})
-    pl.semaphore_wait(sem, 2)
-
-
-def _wait_cap(cfg, ring, cap_sem, last_send):
-    """Before my send of step ``0 < step <= last_send``: the right neighbour freed the slot I write."""
-    if ring.n > 1 and cfg.handshake:
-        @pl.when((ring.step > 0) & (ring.step <= last_send))
-        def _():
-            pl.semaphore_wait(cap_sem, 1)
-
-
-def _signal_cap(cfg, ring, cap_sem, last_send):
-    """After step ``step``: my slot ``step % 2`` is free; tell the left neighbour, which writes it at
-    its step + 1, if it sends again then (``step + 1 <= last_send``). Signals = waits, exactly."""
-    if ring.n > 1 and cfg.handshake:
-        @pl.when(ring.step < last_send)
-        def _():
-            pl.semaphore_signal(cap_sem, 1, device_id={cfg.axis_name: ring.left})
-
-
-def _sends(cfg, bufs, send_sem, recv_sem, slot, right):
-    """One remote copy per travelling buffer ``(a, buf)``: my ``buf[slot]`` -> right neighbour's
-    ``buf[1 - slot]``, with send semaphore ``send_sem[a]`` and receive semaphore ``recv_sem[a, 1 - slot]``."""
-    return [pltpu.make_async_remote_copy(buf.at[slot], buf.at[1 - slot], send_sem.at[a],
-                                         recv_sem.at[a, 1 - slot], device_id={cfg.axis_name: right})
-            for a, buf in bufs]
-
-
-def _finish(copies):
-    for c in copies:
-        c.wait_send()  # my DMA has read my slot: it may be declared free
-        c.wait_recv()  # the left neighbour's DMA has filled my other slot: it may be read
-
-
-# ---------------------------------------------------------------- tiles
-
-def _tile_index(t, h, nq, nk):
-    """Flat tile counter -> (bi, hi, i, j): batch, query head, q tile (Br), kv tile (Bc)."""
-    j = lax.rem(t, _I32(nk))
-    i = lax.rem(t // _I32(nk), _I32(nq))
-    hi = lax.rem(t // _I32(nk * nq), _I32(h))
-    return t // _I32(nk * nq * h), hi, i, j
-
-
-def _logits(cfg, q, k, qmeta_ref, kmeta_buf, slot, bi, rows, cols):
-    """fp32 (bq, bk) ``scale * q k^T``, -inf where the true positions (and segments) forbid the pair."""
-    s = _dot(q, k, ((1,), (1,))) * cfg.hop.scale
-    q_pos, k_pos = qmeta_ref[bi, 0, rows, :], kmeta_buf[slot, bi, pl.ds(0, 1), cols]    # (bq, 1), (1, bk)
-    seg = (qmeta_ref[bi, 1, rows, :], kmeta_buf[slot, bi, pl.ds(1, 1), cols]) if cfg.has_seg else (None, None)
-    allow = allowed(q_pos, k_pos, *seg, causal=cfg.hop.causal, window=cfg.hop.window)
-    return s if allow is None else jnp.where(allow, s, NEG_INF)
+_ANY = pl.BlockSpec(memory_space=pl.ANY)
 
 
 def _dot(a, b, contract):
     return lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
 
 
-def _for_each_tile_unless_empty(cfg, shape, tables, kv_idx, cnt_ref, tile_fn):
-    """Run ``tile_fn(bi, hi, kv_head, rows, cols)`` on every tile of hop ``kv_idx`` that the tables
-    ``(hop_empty_ref, empty_ref)`` do not mark empty (``kv_head`` of query head ``hi``); count them in
-    ``cnt_ref`` (None: no counting)."""
-    hop_empty_ref, empty_ref = tables
-    b, h, sq, hk, sk = shape
-    nq, nk = sq // cfg.hop.block_q, sk // cfg.hop.block_kv
+def _split(t, sizes):
+    """Flat loop counter -> indices of a row-major grid of ``sizes`` (int32)."""
+    out = []
+    for size in reversed(sizes[1:]):
+        out.append(lax.rem(t, I32(size)))
+        t = t // I32(size)
+    return [t] + out[::-1]
 
-    @pl.when(hop_empty_ref[kv_idx] == 0)
-    def _():
-        def body(t, carry):
-            bi, hi, i, j = _tile_index(t, h, nq, nk)
 
-            @pl.when(empty_ref[kv_idx, bi, i, j] == 0)
-            def _():
-                if cnt_ref is not None:
-                    cnt_ref[0] += 1
-                rows = pl.ds(i * _I32(cfg.hop.block_q), cfg.hop.block_q)
-                cols = pl.ds(j * _I32(cfg.hop.block_kv), cfg.hop.block_kv)
-                tile_fn(bi, hi, hi // _I32(h // hk), rows, cols)
-            return carry
-        lax.fori_loop(_I32(0), _I32(b * h * nq * nk), body, _I32(0))
+def _logits(cfg, q, k, qm, km):
+    """fp32 (bq, bk) ``scale * q k^T``, -inf where the true positions (and segments) forbid the pair.
+    qm: VMEM (2, bq, 128) lane-replicated query (pos, seg); km: VMEM (2, bk) key (pos, seg) rows."""
+    s = _dot(q, k, ((1,), (1,))) * cfg.hop.scale
+    if not cfg.masked:
+        return s
+    seg = (qm[1, :, :1], km[1:2, :]) if cfg.has_seg else (None, None)
+    allow = allowed(qm[0, :, :1], km[0:1, :], *seg, causal=cfg.hop.causal, window=cfg.hop.window)
+    return s if allow is None else jnp.where(allow, s, NEG_INF)
+
+
+def _shape(cfg, q_shape, k_shape):
+    b, h, sq, _ = q_shape
+    hk, sk = k_shape[2], k_shape[3]
+    return b, h, hk, sq // cfg.hop.block_q, sk // cfg.hop.block_kv
 
 
 # ---------------------------------------------------------------- forward kernel
 
-def _fwd_kernel(cfg, ring_ref, hop_empty_ref, empty_ref,                                  # SMEM tables
-                q_ref, qmeta_ref, kv_ref, kmeta_ref,                                 # inputs
-                o_ref, lse_ref, cnt_ref,                                             # outputs (cnt: None)
-                kv_buf, kmeta_buf, m_scr, l_scr, acc_scr, send_sem, recv_sem, cap_sem):
-    """Grid = (axis_size,): grid step ``step`` is ring step ``step`` (FA-2 Alg. 1 with the ring as Bc loop)."""
-    b, h, sq, _ = q_ref.shape
-    hk, sk = kv_ref.shape[2], kv_ref.shape[3]
+def _fwd_kernel(cfg, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,             # SMEM tables
+                q_hbm, qmeta_hbm, kv_hbm, kmeta_hbm,                                 # inputs (HBM)
+                o_hbm, stat_hbm, acc_hbm, kv_ring, kmeta_ring, cnt_ref,              # outputs (HBM; cnt SMEM)
+                q_v, qm_v, acc_v, stat_v, o_v, k_s, v_s, km_s,                       # VMEM tiles
+                sem, tile_sems, send_sem, recv_sem, cap_sem):
+    """Grid = (axis_size,): grid step ``step`` is ring step ``step`` (FA-2 Alg. 1 with the ring as its
+    outer Bc loop); per step, every Q tile that is live in this hop runs through the held shard's K/V
+    tiles. A Q tile that sees nothing of the shard is not touched (its state stays in HBM), except at
+    step 0 (its state is initialised) and at the last step (its o and lse are written)."""
+    b, h, hk, nq, nk = _shape(cfg, q_hbm.shape, kv_hbm.shape)
+    bq, bk = cfg.hop.block_q, cfg.hop.block_kv
+    del k_live_ref  # the backward's table
 
     def init():
-        m_scr[...] = jnp.full(m_scr.shape, NEG_INF, jnp.float32)
-        l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
-        acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
         if cnt_ref is not None:
             cnt_ref[0] = 0
 
-    ring = _prologue(cfg, ring_ref, [(kv_buf, lambda: kv_ref[...]), (kmeta_buf, lambda: kmeta_ref[...])], init)
+    ring = fr.prologue(cfg, ring_ref, [(kv_ring, kv_hbm), (kmeta_ring, kmeta_hbm)], init, sem)
     n, slot, last_send = ring.n, ring.slot, ring.n - 2  # K/V are sent at steps 0 .. N-2
-    copies = _sends(cfg, ((0, kv_buf), (1, kmeta_buf)), send_sem, recv_sem, slot, ring.right) if n > 1 else []
-    _wait_cap(cfg, ring, cap_sem, last_send)
+    copies = [] if n == 1 else fr.remote_sends(cfg, ((0, kv_ring), (1, kmeta_ring)), send_sem, recv_sem, slot,
+                                               ring.right)
+    fr.wait_cap(cfg, ring, cap_sem, last_send)
 
     @pl.when(ring.step <= last_send)
     def _():
         for c in copies:
             c.start()
 
-    def tile(bi, hi, kv_head, rows, cols):
-        q = q_ref[bi, hi, rows, :]                      # (bq, d)
-        k = kv_buf[slot, 0, bi, kv_head, cols, :]             # (bk, d)
-        v = kv_buf[slot, 1, bi, kv_head, cols, :]             # (bk, d)
-        s = _logits(cfg, q, k, qmeta_ref, kmeta_buf, slot, bi, rows, cols)  # (bq, bk)
-        m_prev = m_scr[bi, hi, rows, :]                 # (bq, 1)
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row with nothing seen yet: no NaN
-        p = jnp.exp(s - m_safe)                         # (bq, bk)  FA-2 P~ (masked: 0)
-        alpha = jnp.exp(m_prev - m_safe)                # (bq, 1)   e^{m_old - m}
-        l_scr[bi, hi, rows, :] = alpha * l_scr[bi, hi, rows, :] + jnp.sum(p, axis=1, keepdims=True)
-        acc_scr[bi, hi, rows, :] = alpha * acc_scr[bi, hi, rows, :] + _dot(p.astype(v.dtype), v, ((1,), (0,)))
-        m_scr[bi, hi, rows, :] = m_new
+    def q_tile(t, carry):
+        bi, hi, i = _split(t, (b, h, nq))
+        kv_head, rows = hi // I32(h // hk), pl.ds(i * I32(bq), bq)
+        live = fr.live(q_live_ref, ring.kv_idx, bi, i, b, nq)
+        first, last = ring.step == 0, ring.step == n - 1
 
-    _for_each_tile_unless_empty(cfg, (b, h, sq, hk, sk), (hop_empty_ref, empty_ref), ring.kv_idx, cnt_ref, tile)
+        @pl.when(live)
+        def _():
+            fr.copy(q_hbm.at[bi, hi, rows, :], q_v, sem)
+            if cfg.masked:
+                fr.copy(qmeta_hbm.at[bi, :, rows, :], qm_v, sem)
+
+        @pl.when(first)
+        def _():
+            stat_v[:, :LANES] = jnp.full((bq, LANES), NEG_INF, jnp.float32)
+            stat_v[:, LANES:] = jnp.zeros((bq, LANES), jnp.float32)
+            acc_v[...] = jnp.zeros(acc_v.shape, jnp.float32)
+
+        @pl.when(jnp.logical_not(first) & (live | last))
+        def _():
+            fr.copy(acc_hbm.at[bi, hi, rows, :], acc_v, sem)
+            fr.copy(stat_hbm.at[bi, hi, rows, :], stat_v, sem)
+
+        def kv_tile(j, buf):
+            if cnt_ref is not None:
+                cnt_ref[0] += 1
+            v = v_s[buf]
+            s = _logits(cfg, q_v[...], k_s[buf], qm_v, km_s.at[buf])     # (bq, bk)
+            m_prev, l_prev = stat_v[:, :LANES], stat_v[:, LANES:]        # (bq, 128) each, lane-replicated
+            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row with nothing seen yet: no NaN
+            p = jnp.exp(s - m_safe[:, :1])                    # FA-2 P~ (masked: 0)
+            alpha = jnp.exp(m_prev - m_safe)                  # e^{m_old - m}
+            stat_v[:, LANES:] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+            stat_v[:, :LANES] = m_new
+            acc_v[...] = alpha[:, :1] * acc_v[...] + _dot(p.astype(v.dtype), v, ((1,), (0,)))
+
+        cols = lambda j: pl.ds(j * I32(bk), bk)  # noqa: E731
+        pairs = [(lambda j: kv_ring.at[slot, 0, bi, kv_head, cols(j), :], k_s),
+                 (lambda j: kv_ring.at[slot, 1, bi, kv_head, cols(j), :], v_s)]
+        pairs += [(lambda j: kmeta_ring.at[slot, bi, :, cols(j)], km_s)] if cfg.masked else []
+        visible = lambda j: fr.tile_visible(cfg, (qb_ref, kb_ref), (b, nq, nk), ring.kv_idx, bi, i, j)  # noqa: E731
+
+        @pl.when(live)
+        def _():
+            fr.stream_tiles(nk, fr.Stream(tuple(pairs), tile_sems), visible, kv_tile)
+
+        @pl.when(last)
+        def _():
+            l, m = stat_v[:, LANES:], stat_v[:, :LANES]
+            empty = l == 0.0  # saw nothing (a NaN l stays NaN)
+            l_safe = jnp.where(empty, 1.0, l)
+            o_v[...] = jnp.where(empty[:, :1], 0.0, acc_v[...] / l_safe[:, :1]).astype(o_v.dtype)
+            stat_v[:, :LANES] = jnp.where(empty, NEG_INF, m + jnp.log(l_safe))  # lse, lane-replicated
+            fr.copy(o_v, o_hbm.at[bi, hi, rows, :], sem)
+            fr.copy(stat_v, stat_hbm.at[bi, hi, rows, :], sem)
+
+        @pl.when(jnp.logical_not(last) & (live | first))
+        def _():
+            fr.copy(acc_v, acc_hbm.at[bi, hi, rows, :], sem)
+            fr.copy(stat_v, stat_hbm.at[bi, hi, rows, :], sem)
+        return carry
+
+    lax.fori_loop(I32(0), I32(b * h * nq), q_tile, I32(0))
 
     @pl.when(ring.step <= last_send)
     def _():
-        _finish(copies)
-    _signal_cap(cfg, ring, cap_sem, last_send)
-
-    @pl.when(ring.step == n - 1)
-    def _():
-        l = l_scr[...]
-        empty = l == 0.0  # saw nothing (a NaN l stays NaN)
-        l_safe = jnp.where(empty, 1.0, l)
-        o_ref[...] = jnp.where(empty, 0.0, acc_scr[...] / l_safe).astype(o_ref.dtype)
-        lse_ref[...] = jnp.where(empty, NEG_INF, m_scr[...] + jnp.log(l_safe))
+        fr.finish(copies)
+    fr.signal_cap(cfg, ring, cap_sem, last_send)
 
 
-def _vmem():
-    return pl.BlockSpec(memory_space=pltpu.VMEM)
+def _fwd_scratch(cfg, d, dtype):
+    """(shape, dtype) of the forward's VMEM tiles, in kernel order (`_fwd_call`, `footprints`)."""
+    bq, bk, f32, i32 = cfg.hop.block_q, cfg.hop.block_kv, jnp.float32, jnp.int32
+    return [((bq, d), dtype), ((2, bq, LANES), i32), ((bq, d), f32), ((bq, 2 * LANES), f32), ((bq, d), dtype),
+            ((2, bk, d), dtype), ((2, bk, d), dtype), ((2, 2, bk), i32)]
 
 
-def _smem():
-    return pl.BlockSpec(memory_space=pltpu.SMEM)
-
-
-def _structs(like, *shapes_dtypes):
-    """Output types (`tiles.out_struct`) from ``(shape, dtype)`` pairs; None stays None."""
-    return tuple(None if sd is None else out_struct(*sd, like) for sd in shapes_dtypes)
-
-
-def _call(kernel, cfg, out_shape, in_specs, out_specs, scratch):
+def _call(kernel, name, cfg, out_shape, in_specs, out_specs, scratch):
     return pl.pallas_call(
         functools.partial(kernel, cfg),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3, grid=(cfg.axis_size,), in_specs=in_specs, out_specs=out_specs,
+            num_scalar_prefetch=5, grid=(cfg.axis_size,), in_specs=in_specs, out_specs=out_specs,
             scratch_shapes=scratch),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
-                                             collective_id=_COLLECTIVE_ID, has_side_effects=True),
-        interpret=cfg.interpret,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), collective_id=_COLLECTIVE_ID,
+                                             has_side_effects=True, vmem_limit_bytes=cfg.vmem_limit),
+        interpret=cfg.interpret, name=name,
     )
 
 
-def _counter(cfg):
-    """Shape and spec of the computed-tile counter output (None, None unless ``cfg.count``)."""
-    return (((1,), jnp.int32), _smem()) if cfg.count else (None, None)
+def _vmem(tiles):
+    return [pltpu.VMEM(shape, dt) for shape, dt in tiles]
+
+
+def _outputs(cfg, like, *shapes_dtypes):
+    """Output types (`tiles.out_struct`) from ``(shape, dtype)`` pairs, then the computed-tile counter
+    (int32 [1] in SMEM with ``cfg.count``, else None); every other output lives in HBM."""
+    structs = [out_struct(*sd, like) for sd in shapes_dtypes]
+    structs.append(out_struct((1,), jnp.int32, like) if cfg.count else None)
+    specs = [_ANY] * len(shapes_dtypes) + [pl.BlockSpec(memory_space=pltpu.SMEM) if cfg.count else None]
+    return structs, specs
 
 
 def _fwd_call(cfg, sched, q_t, qmeta, kv, kmeta):
-    """q_t [b, h, sq, d], qmeta [b, 2, sq, 1], kv [2, b, hk, sk, d], kmeta [b, 2, sk] ->
-    o [b, h, sq, d] (q dtype), lse [b, h, sq, 1] float32, computed-tile count int32 [1] or None."""
-    b, h, sq, d = q_t.shape
+    """q_t [b, h, sq, d], qmeta [b, 2, sq, 128], kv [2, b, hk, sk, d], kmeta [b, 2, sk] -> o [b, h, sq, d]
+    (q dtype), stat [b, h, sq, 256] float32 (lse in lanes 0..127), computed-tile count int32 [1] or None."""
     f32 = jnp.float32
     q_t, qmeta, kv, kmeta = same_vma(q_t, qmeta, kv, kmeta)
-    count_shape, count_spec = _counter(cfg)
-    out_shape = _structs(q_t, (q_t.shape, q_t.dtype), ((b, h, sq, 1), f32), count_shape)
-    scratch = [pltpu.VMEM((2,) + kv.shape, kv.dtype), pltpu.VMEM((2,) + kmeta.shape, jnp.int32),
-               pltpu.VMEM((b, h, sq, 1), f32), pltpu.VMEM((b, h, sq, 1), f32), pltpu.VMEM(q_t.shape, f32),
-               pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2, 2)), pltpu.SemaphoreType.REGULAR]
-    call = _call(_fwd_kernel, cfg, out_shape, [_vmem()] * 4, (_vmem(), _vmem(), count_spec), scratch)
-    return call(*sched, q_t, qmeta, kv, kmeta)
+    b, h, sq, d = q_t.shape
+    out_shape, out_specs = _outputs(cfg, q_t, (q_t.shape, q_t.dtype), ((b, h, sq, 2 * LANES), f32), (q_t.shape, f32),
+                                    ((2,) + kv.shape, kv.dtype), ((2,) + kmeta.shape, jnp.int32))
+    sems = [pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA((3, 2)), pltpu.SemaphoreType.DMA((2,)),
+            pltpu.SemaphoreType.DMA((2, 2)), pltpu.SemaphoreType.REGULAR]
+    call = _call(_fwd_kernel, "ring_fused_fwd_tpu", cfg, out_shape, [_ANY] * 4, out_specs,
+                 _vmem(_fwd_scratch(cfg, d, q_t.dtype)) + sems)
+    o, stat, _, _, _, cnt = call(*sched, q_t, qmeta, kv, kmeta)
+    return o, stat, cnt
 
 
 # ---------------------------------------------------------------- backward kernel
 
-def _bwd_kernel(cfg, ring_ref, hop_empty_ref, empty_ref,                                  # SMEM tables
-                q_ref, do_ref, lse_ref, delta_ref, qmeta_ref, kv_ref, kmeta_ref,     # inputs
-                dq_ref, dkv_ref, cnt_ref,                                            # outputs (cnt: None)
-                kv_buf, kmeta_buf, dkv_buf, send_sem, recv_sem, cap_sem):
-    """FA-2 Alg. 2 with the ring as the Bc loop: dQ accumulates here, dK/dV travel with K/V.
-
-    dK/dV make N sends (K/V make N-1): after the last step the partial sums are one device short of
-    home, so the last step sends only ``dkv`` and the device receives its own shard's finished
-    dK/dV into slot ``N % 2``.
-    """
-    b, h, sq, _ = q_ref.shape
-    hk, sk = kv_ref.shape[2], kv_ref.shape[3]
+def _bwd_kernel(cfg, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,             # SMEM tables
+                q_hbm, do_hbm, stat_hbm, qmeta_hbm, kv_hbm, kmeta_hbm,               # inputs (HBM)
+                dq_hbm, kv_ring, kmeta_ring, dkv_ring, cnt_ref,                      # outputs (HBM; cnt SMEM)
+                k_v, v_v, km_v, dk_v, dv_v, q_s, do_s, st_s, qm_s,                   # pass B tiles (dK, dV)
+                q_v, do_v, st_v, qm_v, dq_v, k_s, v_s, km_s,                         # pass A tiles (dQ)
+                sem, q_sems, kv_sems, send_sem, recv_sem, cap_sem):
+    """FA-2 Alg. 2 with the ring as the outer loop: dQ accumulates in HBM here, dK/dV travel with K/V.
+    stat: [lse | delta] lane-replicated float32 [b, h, sq, 256]. dK/dV make N sends (K/V make N-1):
+    the last step sends only ``dkv``, and the device receives its own shard's dK/dV into slot N % 2."""
+    b, h, hk, nq, nk = _shape(cfg, q_hbm.shape, kv_hbm.shape)
+    bq, bk, group, scale = cfg.hop.block_q, cfg.hop.block_kv, h // hk, cfg.hop.scale
 
     def init():
-        dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
         if cnt_ref is not None:
             cnt_ref[0] = 0
 
-    fill = [(kv_buf, lambda: kv_ref[...]), (kmeta_buf, lambda: kmeta_ref[...]),
-            (dkv_buf, lambda: jnp.zeros(dkv_ref.shape, jnp.float32))]
-    ring = _prologue(cfg, ring_ref, fill, init)
+    ring = fr.prologue(cfg, ring_ref, [(kv_ring, kv_hbm), (kmeta_ring, kmeta_hbm)], init, sem)
     n, slot, last_send = ring.n, ring.slot, ring.n - 1  # dK/dV are sent at steps 0 .. N-1
     kv_copies, dkv_copies = [], []
     if n > 1:
-        kv_copies = _sends(cfg, ((0, kv_buf), (1, kmeta_buf)), send_sem, recv_sem, slot, ring.right)
-        dkv_copies = _sends(cfg, ((2, dkv_buf),), send_sem, recv_sem, slot, ring.right)
-    _wait_cap(cfg, ring, cap_sem, last_send)  # covers the K/V and the dK/dV slot I write
+        kv_copies = fr.remote_sends(cfg, ((0, kv_ring), (1, kmeta_ring)), send_sem, recv_sem, slot, ring.right)
+        dkv_copies = fr.remote_sends(cfg, ((2, dkv_ring),), send_sem, recv_sem, slot, ring.right)
+    fr.wait_cap(cfg, ring, cap_sem, last_send)  # covers the K/V and the dK/dV slot I write
 
     @pl.when(ring.step < n - 1)
     def _():
         for c in kv_copies:
             c.start()
 
-    def tile(bi, hi, kv_head, rows, cols):
-        q = q_ref[bi, hi, rows, :]                      # (bq, d)
-        do = do_ref[bi, hi, rows, :]                    # (bq, d)
-        k = kv_buf[slot, 0, bi, kv_head, cols, :]             # (bk, d)
-        v = kv_buf[slot, 1, bi, kv_head, cols, :]             # (bk, d)
-        s = _logits(cfg, q, k, qmeta_ref, kmeta_buf, slot, bi, rows, cols)  # (bq, bk)
-        p = jnp.exp(s - lse_ref[bi, hi, rows, :])       # (bq, bk)  P = exp(S - lse), masked: 0
-        dp = _dot(do, v, ((1,), (1,)))                  # (bq, bk)  dP = dO V^T
-        ds = masked_grad(p, dp, delta_ref[bi, hi, rows, :])  # dS = P o (dP - D), 0 where P is 0
-        dq_ref[bi, hi, rows, :] += _dot(ds.astype(k.dtype), finite_part(k), ((1,), (0,))) * cfg.hop.scale
-        dkv_buf[slot, 0, bi, kv_head, cols, :] += _dot(ds.astype(q.dtype), q, ((0,), (0,))) * cfg.hop.scale
-        dkv_buf[slot, 1, bi, kv_head, cols, :] += _dot(p.astype(do.dtype), do, ((0,), (0,)))
+    tables, shape = (qb_ref, kb_ref), (b, nq, nk)
+    rows, cols = (lambda i: pl.ds(i * I32(bq), bq)), (lambda j: pl.ds(j * I32(bk), bk))
+    first = ring.step == 0
 
-    _for_each_tile_unless_empty(cfg, (b, h, sq, hk, sk), (hop_empty_ref, empty_ref), ring.kv_idx, cnt_ref, tile)
+    def grads(q, do, st, qm, k, v, km):
+        """P, dS of one tile (FA-2 Alg. 2 lines 11-20); st (bq, 256) = [lse | delta]."""
+        s = _logits(cfg, q, k, qm, km)
+        p = jnp.exp(s - st[:, :1])                               # P = exp(S - lse), masked: 0
+        return p, masked_grad(p, _dot(do, v, ((1,), (1,))), st[:, LANES:LANES + 1])  # dS = P (dP - D)
 
+    def kv_tile(t, carry):  # pass B: dK_j, dV_j += over the group's heads and my Q tiles
+        bi, kv_head, j = _split(t, (b, hk, nk))
+        live = fr.live(k_live_ref, ring.kv_idx, bi, j, b, nk)  # not live: dK_j, dV_j pass through untouched
+
+        @pl.when(live)
+        def _():
+            fr.copy(kv_ring.at[slot, 0, bi, kv_head, cols(j), :], k_v, sem)
+            fr.copy(kv_ring.at[slot, 1, bi, kv_head, cols(j), :], v_v, sem)
+            if cfg.masked:
+                fr.copy(kmeta_ring.at[slot, bi, :, cols(j)], km_v, sem)
+
+        @pl.when(first)
+        def _():
+            dk_v[...] = jnp.zeros(dk_v.shape, jnp.float32)
+            dv_v[...] = jnp.zeros(dv_v.shape, jnp.float32)
+
+        @pl.when(jnp.logical_not(first) & live)
+        def _():
+            fr.copy(dkv_ring.at[slot, 0, bi, kv_head, cols(j), :], dk_v, sem)
+            fr.copy(dkv_ring.at[slot, 1, bi, kv_head, cols(j), :], dv_v, sem)
+
+        head = lambda u: kv_head * I32(group) + u // I32(nq)  # noqa: E731  query head of stream tile u
+        pairs = [(lambda u: q_hbm.at[bi, head(u), rows(lax.rem(u, I32(nq))), :], q_s),
+                 (lambda u: do_hbm.at[bi, head(u), rows(lax.rem(u, I32(nq))), :], do_s),
+                 (lambda u: stat_hbm.at[bi, head(u), rows(lax.rem(u, I32(nq))), :], st_s)]
+        pairs += [(lambda u: qmeta_hbm.at[bi, :, rows(lax.rem(u, I32(nq))), :], qm_s)] if cfg.masked else []
+
+        def q_tile(u, buf):
+            q, do = q_s[buf], do_s[buf]
+            p, ds = grads(q, do, st_s[buf], qm_s.at[buf], k_v[...], v_v[...], km_v)
+            dv_v[...] += _dot(p.astype(do.dtype), do, ((0,), (0,)))          # dV_j += P^T dO_i
+            dk_v[...] += _dot(ds.astype(q.dtype), q, ((0,), (0,))) * scale   # dK_j += dS^T Q_i
+
+        visible = lambda u: fr.tile_visible(cfg, tables, shape, ring.kv_idx, bi, lax.rem(u, I32(nq)), j)  # noqa: E731
+
+        @pl.when(live)
+        def _():
+            fr.stream_tiles(group * nq, fr.Stream(tuple(pairs), q_sems), visible, q_tile)
+
+        @pl.when(live | first)
+        def _():
+            fr.copy(dk_v, dkv_ring.at[slot, 0, bi, kv_head, cols(j), :], sem)
+            fr.copy(dv_v, dkv_ring.at[slot, 1, bi, kv_head, cols(j), :], sem)
+        return carry
+
+    def dq_tile(t, carry):  # pass A: dQ_i += over the held shard's K/V tiles
+        bi, hi, i = _split(t, (b, h, nq))
+        kv_head, live = hi // I32(group), fr.live(q_live_ref, ring.kv_idx, bi, i, b, nq)
+
+        @pl.when(live)
+        def _():
+            for src, dst in ((q_hbm, q_v), (do_hbm, do_v), (stat_hbm, st_v)):
+                fr.copy(src.at[bi, hi, rows(i), :], dst, sem)
+            if cfg.masked:
+                fr.copy(qmeta_hbm.at[bi, :, rows(i), :], qm_v, sem)
+
+        @pl.when(first)
+        def _():
+            dq_v[...] = jnp.zeros(dq_v.shape, jnp.float32)
+
+        @pl.when(jnp.logical_not(first) & live)
+        def _():
+            fr.copy(dq_hbm.at[bi, hi, rows(i), :], dq_v, sem)
+
+        def k_tile(j, buf):
+            if cnt_ref is not None:
+                cnt_ref[0] += 1
+            k = k_s[buf]
+            _, ds = grads(q_v[...], do_v[...], st_v[...], qm_v, k, v_s[buf], km_s.at[buf])
+            dq_v[...] += _dot(ds.astype(k.dtype), finite_keys(k), ((1,), (0,))) * scale  # a masked NaN key: 0
+
+        pairs = [(lambda j: kv_ring.at[slot, 0, bi, kv_head, cols(j), :], k_s),
+                 (lambda j: kv_ring.at[slot, 1, bi, kv_head, cols(j), :], v_s)]
+        pairs += [(lambda j: kmeta_ring.at[slot, bi, :, cols(j)], km_s)] if cfg.masked else []
+        visible = lambda j: fr.tile_visible(cfg, tables, shape, ring.kv_idx, bi, i, j)  # noqa: E731
+
+        @pl.when(live)
+        def _():
+            fr.stream_tiles(nk, fr.Stream(tuple(pairs), kv_sems), visible, k_tile)
+
+        @pl.when(live | first)
+        def _():
+            fr.copy(dq_v, dq_hbm.at[bi, hi, rows(i), :], sem)
+        return carry
+
+    lax.fori_loop(I32(0), I32(b * hk * nk), kv_tile, I32(0))
     for c in dkv_copies:
-        c.start()  # every step, the last one included: it carries dK/dV home
+        c.start()  # every step, the last one included: it carries dK/dV home; overlaps pass A
+    lax.fori_loop(I32(0), I32(b * h * nq), dq_tile, I32(0))
 
     @pl.when(ring.step < n - 1)
     def _():
-        _finish(kv_copies)
-    _finish(dkv_copies)
-    _signal_cap(cfg, ring, cap_sem, last_send)
-
-    @pl.when(ring.step == n - 1)
-    def _():
-        dkv_ref[...] = dkv_buf[n % 2 if n > 1 else 0]  # home after N sends (no send when N == 1)
+        fr.finish(kv_copies)
+    fr.finish(dkv_copies)
+    fr.signal_cap(cfg, ring, cap_sem, last_send)
 
 
-def _bwd_call(cfg, sched, q_t, do_t, lse, delta, qmeta, kv, kmeta):
-    """-> dq [b, h, sq, d] float32, dkv [2, b, hk, sk, d] float32, computed-tile count int32 [1] or None."""
+def _bwd_scratch(cfg, d, dtype):
+    """(shape, dtype) of the backward's VMEM tiles, in kernel order (`_bwd_call`, `footprints`)."""
+    bq, bk, f32, i32 = cfg.hop.block_q, cfg.hop.block_kv, jnp.float32, jnp.int32
+    q, st, qm = ((bq, d), dtype), ((bq, 2 * LANES), f32), ((2, bq, LANES), i32)
+    k, km = ((bk, d), dtype), ((2, bk), i32)
+    two = lambda t: ((2,) + t[0], t[1])  # noqa: E731  double-buffered
+    return ([k, k, km, ((bk, d), f32), ((bk, d), f32), two(q), two(q), two(st), two(qm)]
+            + [q, q, st, qm, ((bq, d), f32), two(k), two(k), two(km)])
+
+
+def _bwd_call(cfg, sched, q_t, do_t, stat, qmeta, kv, kmeta):
+    """-> dq [b, h, sq, d] float32, dkv ring [2, 2, b, hk, sk, d] float32 (home: slot N % 2), count or None."""
     f32 = jnp.float32
-    q_t, do_t, lse, delta, qmeta, kv, kmeta = same_vma(q_t, do_t, lse, delta, qmeta, kv, kmeta)
-    count_shape, count_spec = _counter(cfg)
-    out_shape = _structs(q_t, (q_t.shape, f32), (kv.shape, f32), count_shape)
-    scratch = [pltpu.VMEM((2,) + kv.shape, kv.dtype), pltpu.VMEM((2,) + kmeta.shape, jnp.int32),
-               pltpu.VMEM((2,) + kv.shape, f32),
-               pltpu.SemaphoreType.DMA((3,)), pltpu.SemaphoreType.DMA((3, 2)), pltpu.SemaphoreType.REGULAR]
-    call = _call(_bwd_kernel, cfg, out_shape, [_vmem()] * 7, (_vmem(), _vmem(), count_spec), scratch)
-    return call(*sched, q_t, do_t, lse, delta, qmeta, kv, kmeta)
+    q_t, do_t, stat, qmeta, kv, kmeta = same_vma(q_t, do_t, stat, qmeta, kv, kmeta)
+    out_shape, out_specs = _outputs(cfg, q_t, (q_t.shape, f32), ((2,) + kv.shape, kv.dtype),
+                                    ((2,) + kmeta.shape, jnp.int32), ((2,) + kv.shape, f32))
+    sems = [pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA((4, 2)), pltpu.SemaphoreType.DMA((3, 2)),
+            pltpu.SemaphoreType.DMA((3,)), pltpu.SemaphoreType.DMA((3, 2)), pltpu.SemaphoreType.REGULAR]
+    call = _call(_bwd_kernel, "ring_fused_bwd_tpu", cfg, out_shape, [_ANY] * 6, out_specs,
+                 _vmem(_bwd_scratch(cfg, q_t.shape[-1], q_t.dtype)) + sems)
+    dq, _, _, dkv, cnt = call(*sched, q_t, do_t, stat, qmeta, kv, kmeta)
+    return dq, dkv, cnt
 
 
 # ---------------------------------------------------------------- layout glue and custom_vjp
 
+def _lanes(x):
+    """[..., s] -> [..., s, 128]: one value per row, replicated over the lanes (a (rows, 128) column tile)."""
+    return jnp.broadcast_to(x[..., None], x.shape + (LANES,))
+
+
 def _pack(qs, kv):
-    """[b, s, h, d] -> head-major kernel layout; positions and segments packed per side."""
+    """[b, s, h, d] -> head-major kernel layout; positions and segments packed per side (queries
+    lane-replicated [b, 2, sq, 128], keys as rows [b, 2, sk])."""
     meta = lambda pos, seg: jnp.stack([pos, jnp.zeros_like(pos) if seg is None else seg], 1).astype(jnp.int32)
     kv_t = jnp.stack([kv.k, kv.v]).transpose(0, 1, 3, 2, 4)  # (2, b, hk, sk, d)
-    return qs.q.transpose(0, 2, 1, 3), meta(qs.pos, qs.seg)[..., None], kv_t, meta(kv.pos, kv.seg)
+    return qs.q.transpose(0, 2, 1, 3), _lanes(meta(qs.pos, qs.seg)), kv_t, meta(kv.pos, kv.seg)
 
 
 def _forward(cfg, qs, kv):
     """-> o [b, sq, h, d] (q dtype), lse [b, h, sq] float32, tiles computed on this device (int32 [1]
     with ``cfg.count``, else None)."""
-    o, lse, cnt = _fwd_call(cfg, _schedule(cfg, qs, kv), *_pack(qs, kv))
-    return o.transpose(0, 2, 1, 3), lse[..., 0], cnt
+    o, stat, cnt = _fwd_call(cfg, fr.schedule(cfg, qs, kv), *_pack(qs, kv))
+    return o.transpose(0, 2, 1, 3), stat[..., 0], cnt
 
 
 def _backward(cfg, qs, kv, *, o, lse, do, dlse):
@@ -464,11 +476,12 @@ def _backward(cfg, qs, kv, *, o, lse, do, dlse):
     """
     q_t, qmeta, kv_t, kmeta = _pack(qs, kv)
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))  # (b, h, sq)
-    delta = (delta - dlse.astype(jnp.float32))[..., None]
-    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]  # a row that saw nothing: every p is 0 anyway
-    dq, dkv, cnt = _bwd_call(cfg, _schedule(cfg, qs, kv), q_t, do.transpose(0, 2, 1, 3), lse, delta, qmeta,
-                             kv_t, kmeta)
-    dk, dv = dkv.transpose(0, 1, 3, 2, 4)                # (b, sk, hk, d) each
+    delta = delta - dlse.astype(jnp.float32)
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # a row that saw nothing: every p is 0 anyway
+    stat = jnp.concatenate([_lanes(lse.astype(jnp.float32)), _lanes(delta)], axis=-1)  # (b, h, sq, 256)
+    dq, dkv, cnt = _bwd_call(cfg, fr.schedule(cfg, qs, kv), q_t, do.transpose(0, 2, 1, 3), stat, qmeta, kv_t, kmeta)
+    home = cfg.axis_size % 2 if cfg.axis_size > 1 else 0  # after N sends (none when N == 1)
+    dk, dv = dkv[home].transpose(0, 1, 3, 2, 4)           # (b, sk, hk, d) each
     return dq.transpose(0, 2, 1, 3).astype(qs.q.dtype), dk.astype(kv.k.dtype), dv.astype(kv.v.dtype), cnt
 
 
@@ -497,17 +510,57 @@ def _ring_bwd(cfg, res, cotangents):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
+# ---------------------------------------------------------------- budget and entry points
+
+def footprints(hop, q_shape, k_shape, dtype, *, n, has_seg=True):
+    """VMEM / SMEM of the forward and the backward kernel (`budgets`): their VMEM tiles (`_fwd_scratch`,
+    `_bwd_scratch`, all shard-length independent) plus the score-sized temporaries, and the SMEM tables
+    (`fused_ring.schedule`). q [b, sq, h, d], k [b, sk, hk, d] per device; ``n`` devices."""
+    cfg = fr.FusedConfig(None, n, hop, has_seg, False)
+    (b, sq, _, d), sk = q_shape, k_shape[1]
+    temps = [((hop.block_q, hop.block_kv), jnp.float32)]
+    nq, nk = sq // hop.block_q, sk // hop.block_kv
+    smem = 4 * (3 + n * b * (nq + nk) + b * nq * 4 + n * b * nk * 4)  # `fused_ring.schedule`'s tables
+    return [budgets.Footprint(budgets.tpu_vmem_bytes(scratch=_fwd_scratch(cfg, d, dtype), temps=temps * 2), smem,
+                              "the fused forward"),
+            budgets.Footprint(budgets.tpu_vmem_bytes(scratch=_bwd_scratch(cfg, d, dtype), temps=temps * 3), smem,
+                              "the fused backward")]
+
+
+def default_blocks(q_shape, k_shape, dtype, device, *, n=8):
+    """``(block_q, block_kv)`` when the caller gives none, compiled for ``device``: the largest tiles up
+    to 128 that Mosaic's tile rule allows and that fit the chip; None (``default_block``) when
+    interpreted. ``n``: the ring size (the SMEM tables grow with it)."""
+    if device.platform != "tpu":
+        return None
+    est = lambda bq, bk: footprints(HopConfig(block_q=bq, block_kv=bk), q_shape, k_shape, dtype, n=n)  # noqa: E731
+    return budgets.default_tiles(budgets.chip(device.device_kind), est, q_shape[1], k_shape[1],
+                                 q_multiple=SUBLANES, kv_multiple=LANES)
+
+
 def make_config(qs, kv, cfg, *, axis_name, interpret=None, _handshake=True, count=False):
-    """Validate the per-device shards and return the static ``_Cfg`` (call inside ``shard_map``)."""
+    """Validate the per-device shards and return the static `fused_ring.FusedConfig` (call inside
+    ``shard_map``). Compiled, the tiles are checked against the chip's VMEM and SMEM (`budgets`)
+    before anything is lowered; a ValueError names block_q / block_kv and what fits."""
     hop = check_kernel_call(IMPL, qs, kv, cfg)
     try:
         axis_size = int(lax.axis_size(axis_name))
     except NameError:
         raise ValueError(f"impl={IMPL!r}: axis_name {axis_name!r} is not a mesh axis of an enclosing "
                          f"jax.shard_map; call it on per-device shards inside shard_map") from None
-    return _Cfg(axis_name=axis_name, axis_size=axis_size, hop=hop, has_seg=qs.seg is not None,
-                interpret=interpret_mode(IMPL) if interpret is None else interpret, handshake=_handshake,
-                count=count)
+    interpret = interpret_mode(IMPL) if interpret is None else interpret
+    (sq, sk), limit, chip = (qs.q.shape[1], kv.k.shape[1]), None, target_chip(interpret)
+    if chip is not None:
+        if (hop.block_q != sq and hop.block_q % SUBLANES) or (hop.block_kv != sk and hop.block_kv % LANES):
+            raise ValueError(f"impl={IMPL!r}: TPU tiles need block_q % {SUBLANES} == 0 (or block_q == sq) and "
+                             f"block_kv % {LANES} == 0 (or block_kv == sk); got block_q={hop.block_q}, sq={sq}, "
+                             f"block_kv={hop.block_kv}, sk={sk}")
+        est = lambda c: footprints(c, qs.q.shape, kv.k.shape, qs.q.dtype, n=axis_size,  # noqa: E731
+                                    has_seg=qs.seg is not None)
+        limit = check_budget(IMPL, chip, est, hop, q_blocks=budgets.candidate_blocks(sq, multiple=SUBLANES, top=2048),
+                             kv_blocks=budgets.candidate_blocks(sk, multiple=LANES, top=2048))
+    return fr.FusedConfig(axis_name=axis_name, axis_size=axis_size, hop=hop, has_seg=qs.seg is not None,
+                          interpret=interpret, handshake=_handshake, count=count, vmem_limit=limit)
 
 
 def fused_ring_attention_shard(qs, kv, cfg, *, axis_name, interpret=None, return_lse=False, _handshake=True):
@@ -517,12 +570,14 @@ def fused_ring_attention_shard(qs, kv, cfg, *, axis_name, interpret=None, return
     kv = KVShard(k, v [b, sk, hk, d] (h % hk == 0, GQA), pos int32 [b, sk], seg or None, bias None)
     (this host's own K/V, marked by ``masks.mark_bad_keys``; any layout of true positions);
     cfg = HopConfig (scale, causal, window, block_q / block_kv clamped to the shard, dividing it).
-    Returns o [b, sq, h, d] in q's dtype (and lse [b, h, sq] float32 with ``return_lse=True``). Differentiable (``jax.custom_vjp``; the backward
-    is a second fused ring kernel in which dK/dV travel with K/V).
+    Returns o [b, sq, h, d] in q's dtype (and lse [b, h, sq] float32 with ``return_lse=True``).
+    Differentiable (``jax.custom_vjp``; the backward is a second fused ring kernel in which dK/dV
+    travel with K/V).
 
-    ``interpret``: None -> `tiles.interpret_mode` (on CPU the TPU interpreter with race detection, on
-    TPU compiled, elsewhere a ValueError); or a ``pltpu.InterpretParams`` / bool for ``pallas_call``.
-    ``_handshake=False`` drops the per-hop handshake (tests only: it makes the kernel racy).
+    ``interpret``: None -> `tiles.interpret_mode` on the mesh's platform (CPU: the TPU interpreter with
+    race detection; TPU, real or abstract: compiled; elsewhere a ValueError); or a
+    ``pltpu.InterpretParams`` / bool for ``pallas_call``. ``_handshake=False`` drops the per-hop
+    handshake (tests only: it makes the kernel racy).
     """
     fcfg = make_config(qs, kv, cfg, axis_name=axis_name, interpret=interpret, _handshake=_handshake)
     o, lse = _ring(fcfg, qs, kv)

@@ -15,6 +15,7 @@ once per ring by ``masks.mark_bad_keys``; what is left to them (``masks.finite_p
 ``masks.masked_grad``, shared with the XLA hop): dQ multiplies dS with the finite part of K, and dS is
 zeroed with ``where`` where P is 0 (never ``0 * nan``).
 """
+import dataclasses
 from typing import Callable, NamedTuple
 
 import jax
@@ -22,9 +23,9 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from ringattn_fast.dispatch import check_kernel_dtypes
-from ringattn_fast.kernels import IMPLS
+from ringattn_fast.kernels import IMPLS, budgets
 from ringattn_fast.masks import bounds_empty
-from ringattn_fast.mesh import vary_like, varying_axes
+from ringattn_fast.mesh import current_device, vary_like, varying_axes
 from ringattn_fast.schedule import HopGrads
 
 NEG_INF = float("-inf")
@@ -76,20 +77,46 @@ def resident_blocks(empty):
 
 # ---------------------------------------------------------------- preconditions and interpret mode
 
-def interpret_mode(impl):
-    """What ``pallas_call(interpret=...)`` needs for ``impl`` on the default backend.
+def interpret_mode(impl, device=None):
+    """What ``pallas_call(interpret=...)`` needs for ``impl`` on ``device`` (default: the mesh in context,
+    ``mesh.current_device``: inside ``shard_map`` its mesh's devices, real or abstract), never on
+    ``jax.default_backend()``: lowering for an abstract TPU mesh on a CPU host lowers the real kernel.
 
     pallas_gpu: True on CPU (Triton interpreter), False on a GPU. pallas_tpu, pallas_tpu_fused: the
-    TPU interpreter with race detection on CPU, False on a TPU. ValueError anywhere else.
+    TPU interpreter with race detection on CPU, False on a TPU. ValueError naming the impl and the
+    platform anywhere else.
     """
-    backend, row = jax.default_backend(), IMPLS[impl]
-    if backend in row.interpreted:
+    device = current_device() if device is None else device
+    platform, row = device.platform, IMPLS[impl]
+    if platform in row.interpreted:
         return True if impl == "pallas_gpu" else pltpu.InterpretParams(detect_races=True)
-    if backend in row.compiled:
+    if platform in row.compiled:
         return False
     other = "impl='pallas_tpu' or 'xla'" if impl == "pallas_gpu" else "impl='pallas_gpu' or 'xla'"
     raise ValueError(f"impl={impl!r} needs {'a GPU' if impl == 'pallas_gpu' else 'a TPU'} (or CPU, "
-                     f"interpreted); the default backend is {backend!r}: use {other} there")
+                     f"interpreted); the mesh's platform is {platform!r}: use {other} there")
+
+
+def target_chip(interpret):
+    """The `budgets.Chip` a compiled kernel is lowered for (the mesh's ``device_kind``), or None when
+    interpreting (the interpreters have no VMEM or shared-memory limit)."""
+    return None if interpret is not False else budgets.chip(current_device().device_kind)
+
+
+def check_budget(impl, chip, estimate, cfg, *, q_blocks, kv_blocks):
+    """``vmem_limit_bytes`` for ``cfg``'s tiles on ``chip`` (None: the default limit holds them) or a
+    ValueError naming block_q / block_kv (`budgets.check_fit`). ``estimate(cfg)`` -> [Footprint]."""
+    tiles = lambda bq, bk: estimate(dataclasses.replace(cfg, block_q=bq, block_kv=bk))  # noqa: E731
+    return budgets.check_fit(impl, chip, tiles, block_q=cfg.block_q, block_kv=cfg.block_kv,
+                             q_blocks=q_blocks, kv_blocks=kv_blocks)
+
+
+def finite_keys(k):
+    """``masks.finite_part(k)`` for a kernel: the non-finite test in float32, the result in k's dtype.
+
+    Mosaic's non-finite test (``tpu.weird``) takes float32 vectors only: on a bfloat16 or float16 K the
+    TPU backward kernels failed verification (``'tpu.weird' op Input type must be F32``)."""
+    return jnp.where(jnp.isfinite(k.astype(jnp.float32)), k, jnp.zeros((), k.dtype))
 
 
 def check_kernel_call(impl, qs, kv, cfg):
@@ -120,41 +147,54 @@ class HopKernels(NamedTuple):
     fwd_tile_counts: Callable
 
 
-def hop_kernels(impl, forward, backward, tile_rule=None):
+class Budget(NamedTuple):
+    """What a kernel module tells `hop_kernels` about its memory: ``estimate(cfg, q_shape, k_shape,
+    dtype, backward)`` -> [budgets.Footprint] (one per pallas_call, from its own block specs), and
+    ``blocks(sq, sk)`` -> (block_q candidates, block_kv candidates) its tile rule allows on the chip."""
+    estimate: Callable
+    blocks: Callable
+
+
+def hop_kernels(impl, forward, backward, tile_rule=None, budget=None):
     """The public functions of a per-hop kernel module from its two jitted halves.
 
-    ``forward(qs, kv, *, cfg, interpret, count) -> (o, lse, counts | None)``;
-    ``backward(qs, kv, do, lse, delta, *, cfg, interpret) -> (dq, dk, dv)``;
-    ``tile_rule(cfg, sq, sk, interpret)``: the backend's own tile-shape rule (raises), or None.
+    ``forward(qs, kv, *, cfg, interpret, count, vmem_limit) -> (o, lse, counts | None)``;
+    ``backward(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit) -> (dq, dk, dv)``;
+    ``tile_rule(cfg, sq, sk, interpret)``: the backend's own tile-shape rule (raises), or None;
+    ``budget``: a :class:`Budget`, checked for every compiled call on the mesh's chip (`check_budget`)
+    before anything is lowered; ``vmem_limit`` is what the chip needs set (None: its default).
     Every call is checked outside ``jit`` (`check_kernel_call`), so every call is checked.
     """
-    def prepare(qs, kv, cfg):
+    def prepare(qs, kv, cfg, backward_pass):
         cfg, interpret = check_kernel_call(impl, qs, kv, cfg), interpret_mode(impl)
+        sq, sk = qs.q.shape[1], kv.k.shape[1]
         if tile_rule is not None:
-            tile_rule(cfg, qs.q.shape[1], kv.k.shape[1], interpret)
-        return cfg, interpret
+            tile_rule(cfg, sq, sk, interpret)
+        chip, limit = target_chip(interpret), None
+        if chip is not None and budget is not None:
+            estimate = lambda c: budget.estimate(c, qs.q.shape, kv.k.shape, qs.q.dtype, backward_pass)  # noqa: E731
+            q_blocks, kv_blocks = budget.blocks(sq, sk)
+            limit = check_budget(impl, chip, estimate, cfg, q_blocks=q_blocks, kv_blocks=kv_blocks)
+        return dict(cfg=cfg, interpret=interpret, vmem_limit=limit)
 
     def hop_fwd(qs, kv, cfg):
         """One hop's attention: o float32 [b, sq, h, d] (normalised within the hop; 0 where the row saw
         nothing), lse float32 [b, h, sq] (-inf there). qs: QShard(q [b, sq, h, d], pos int32 [b, sq],
         seg or None); kv: KVShard(k, v [b, sk, hk, d], pos, seg, bias None); cfg: HopConfig."""
-        cfg, interpret = prepare(qs, kv, cfg)
-        o, lse, _ = forward(qs, kv, cfg=cfg, interpret=interpret, count=False)
+        o, lse, _ = forward(qs, kv, count=False, **prepare(qs, kv, cfg, False))
         return o, lse
 
     def hop_bwd(qs, kv, cfg, *, do, lse, delta):
         """One hop's gradients (FA-2 Alg. 2) from the final lse and delta = rowsum(do * o_final) (minus
         the lse cotangent, if any). do like q; lse, delta float32 [b, h, sq]. Returns HopGrads(dq
         float32 [b, sq, h, d], dk, dv float32 [b, sk, hk, d] summed over the GQA group, None)."""
-        cfg, interpret = prepare(qs, kv, cfg)
-        return HopGrads(*backward(qs, kv, do, lse, delta, cfg=cfg, interpret=interpret), None)
+        return HopGrads(*backward(qs, kv, do, lse, delta, **prepare(qs, kv, cfg, True)), None)
 
     def fwd_tile_counts(qs, kv, cfg):
         """int32 [b, h, sq // block_q]: K/V tiles the forward kernel computed per Q tile (counted inside
         the kernel, where the skip test skips the increment too); equals ``(~empty_tiles(...)).sum(-1)``
         broadcast over heads."""
-        cfg, interpret = prepare(qs, kv, cfg)
-        return forward(qs, kv, cfg=cfg, interpret=interpret, count=True)[2]
+        return forward(qs, kv, count=True, **prepare(qs, kv, cfg, False))[2]
 
     return HopKernels(hop_fwd, hop_bwd, fwd_tile_counts)
 

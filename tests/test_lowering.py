@@ -1,0 +1,229 @@
+"""Cross-lowering: every Pallas kernel lowered for the chips it targets, on a CPU host.
+
+Inside ``jax.sharding.use_abstract_mesh(AbstractMesh(..., abstract_device=AbstractDevice(device_kind=...,
+platform=...)))`` ``jax.jit(f).trace(*structs).lower()`` runs Pallas' Mosaic (TPU) or Triton (GPU)
+lowering and Mosaic's op verifier for a chip that is not here; nothing is compiled or run, so this
+proves the kernels *lower* (block shapes, dtypes, ops the chip's dialect accepts), and, through
+``kernels/budgets.py``, that their estimated VMEM / shared memory fits, not that they compile or how
+fast they are (docs/hardware.md). Each lowering must hold the real kernel's custom call, and no
+host callback (an interpreted kernel would be one).
+
+The matrix: impl x chip x dtype, each case one forward+backward lowering (``value_and_grad``, so
+the forward kernel and every backward kernel are in it) at per-device shapes of 1K-8K tokens, the
+default tiles, and one of three mask configurations rotated over chips and dtypes so that every
+dtype meets every configuration (causal + GQA; window + segment ids + MQA + zigzag; causal + segment
+ids, d = 256). The kernels take no bias: a key-only bias makes ``impl="auto"`` lower the XLA hop.
+"""
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+from ringattn_fast import ring_attention, ring_attention_shard
+from ringattn_fast.kernels import budgets
+from ringattn_fast.kernels import pallas_tpu_fused as fused
+from ringattn_fast.schedule import HopConfig
+
+TPU = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite", "v5p": "TPU v5", "v4": "TPU v4"}
+GPU = {"A100": "NVIDIA A100-SXM4-80GB", "H100": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200"}
+DTYPES = ("bfloat16", "float16", "float32")
+KERNELS = {"pallas_tpu": ("ring_hop_fwd_tpu", "ring_hop_bwd_dq_tpu", "ring_hop_bwd_dkv_tpu"),
+           "pallas_tpu_fused": ("ring_fused_fwd_tpu", "ring_fused_bwd_tpu"),
+           "pallas_gpu": ("ring_hop_fwd", "ring_hop_bwd_dq", "ring_hop_bwd_dkv")}
+# (devices, s_local, heads, kv_heads, dim, mask keywords, segment ids?)
+CONFIGS = (
+    dict(n=4, s=2048, h=8, hk=2, d=128, mask=dict(causal=True)),
+    dict(n=8, s=1024, h=8, hk=1, d=64, mask=dict(window=(256, 0), layout="zigzag"), seg=True),
+    dict(n=4, s=8192, h=4, hk=4, d=256, mask=dict(causal=True), seg=True),
+)
+
+
+def abstract_mesh(kind, n, axis="sp"):
+    platform = "tpu" if kind.startswith("TPU") else "cuda"
+    device = AbstractDevice(device_kind=kind, num_cores=1, platform=platform)
+    return AbstractMesh((n,), (axis,), (AxisType.Explicit,), abstract_device=device)
+
+
+def structs(mesh, b, s, h, hk, d, dtype, seg):
+    """Global ShapeDtypeStructs sharded like the ring's inputs (Explicit axes need the sharding)."""
+    sharding = jax.NamedSharding(mesh, jax.P(None, "sp"))
+    shard = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
+    out = [shard((b, s, h, d), dtype), shard((b, s, hk, d), dtype), shard((b, s, hk, d), dtype)]
+    return out + ([shard((b, s), jnp.int32)] if seg else [])
+
+
+def lower_shard(kind, impl, dtype, *, n, s, h, hk, d, mask, seg=False, backward=True, **kw):
+    """The text of ``ring_attention_shard`` in a shard_map over an abstract mesh of ``kind``, lowered
+    (forward, or forward+backward through ``value_and_grad``)."""
+    mesh = abstract_mesh(kind, n)
+
+    def per_host(q, k, v, *segment_ids):
+        return ring_attention_shard(q, k, v, axis_name="sp", impl=impl, segment_ids=segment_ids[0] if seg else None,
+                                    **mask, **kw)
+
+    spec = jax.P(None, "sp")
+    ring = jax.shard_map(per_host, mesh=mesh, in_specs=(spec,) * (4 if seg else 3), out_specs=spec)
+    loss = lambda q, k, v, *rest: ring(q, k, v, *rest).astype(jnp.float32).sum()  # noqa: E731
+    fn = jax.value_and_grad(loss, argnums=(0, 1, 2)) if backward else ring
+    with use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*structs(mesh, 1, n * s, h, hk, d, jnp.dtype(dtype), seg)).lower().as_text()
+
+
+def kernels_in(text):
+    """Names of the Pallas kernels (TPU ``kernel_name``, Triton ``name``) in a lowered module."""
+    tpu = re.findall(r'kernel_name = "([A-Za-z0-9_]+)"', text)
+    gpu = re.findall(r'name = "(ring_[A-Za-z0-9_]+)"', text) if "__gpu$xla.gpu.triton" in text else []
+    return set(tpu) | set(gpu)
+
+
+def assert_real_kernels(text, impl, backward=True):
+    want = set(KERNELS[impl]) if backward else {KERNELS[impl][0]}
+    assert want <= kernels_in(text), (impl, sorted(kernels_in(text)))
+    assert ("tpu_custom_call" if impl.startswith("pallas_tpu") else "__gpu$xla.gpu.triton") in text
+    assert "callback" not in text  # an interpreted kernel lowers to host callbacks
+
+
+MATRIX = ([(impl, chip, dt) for impl in ("pallas_tpu", "pallas_tpu_fused") for chip in TPU for dt in DTYPES]
+          + [("pallas_gpu", chip, dt) for chip in GPU for dt in DTYPES])
+
+
+@pytest.mark.parametrize("impl, chip, dtype", MATRIX)
+def test_kernel_lowers_for_its_chip(impl, chip, dtype):
+    chips = list(TPU if impl != "pallas_gpu" else GPU)
+    config = CONFIGS[(chips.index(chip) + DTYPES.index(dtype)) % len(CONFIGS)]
+    text = lower_shard({**TPU, **GPU}[chip], impl, dtype, **config)
+    assert_real_kernels(text, impl)
+
+
+@pytest.mark.parametrize("impl, kind", [("pallas_tpu", TPU["v5e"]), ("pallas_tpu_fused", TPU["v6e"]),
+                                        ("pallas_gpu", GPU["H100"])])
+def test_forward_only_lowers_the_forward_kernel(impl, kind):
+    text = lower_shard(kind, impl, "bfloat16", backward=False, **CONFIGS[0])
+    assert_real_kernels(text, impl, backward=False)
+    assert not set(KERNELS[impl][1:]) & kernels_in(text)
+
+
+@pytest.mark.parametrize("kind, want", [(TPU["v5e"], "pallas_tpu_fused"), (GPU["A100"], "pallas_gpu")])
+def test_global_arrays_and_auto_follow_the_mesh(kind, want):
+    """``ring_attention`` on global arrays over the abstract mesh, impl="auto": the mesh's platform
+    picks the kernel (no monkeypatching, whatever ``jax.default_backend()`` says); a key-only bias
+    (which no kernel takes) makes "auto" lower the XLA hop instead."""
+    mesh = abstract_mesh(kind, 4)
+    q, k, v = structs(mesh, 2, 4 * 1024, 8, 2, 128, jnp.bfloat16, False)
+    bias = jax.ShapeDtypeStruct((2, 1, 1, 4 * 1024), jnp.float32, sharding=jax.NamedSharding(mesh, jax.P()))
+
+    def loss(q, k, v, *bias):
+        o = ring_attention(q, k, v, mesh=mesh, causal=True, bias=bias[0] if bias else None)
+        return o.astype(jnp.float32).sum()
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    with use_abstract_mesh(mesh):
+        text = jax.jit(grad).trace(q, k, v).lower().as_text()
+        with_bias = jax.jit(grad).trace(q, k, v, bias).lower().as_text()
+    assert jax.default_backend() == "cpu"
+    assert_real_kernels(text, want)
+    assert not kernels_in(with_bias) and "tpu_custom_call" not in with_bias
+
+
+@pytest.mark.parametrize("kind", [TPU["v5e"], TPU["v6e"]])
+def test_fused_ring_lowers_at_32k_tokens_per_device(kind):
+    """The fused ring streams from HBM: 32K tokens per device, d = 128, bfloat16, default tiles; its
+    VMEM estimate is the same as at 1K (it does not grow with s_local) and fits the default limit."""
+    text = lower_shard(kind, "pallas_tpu_fused", "bfloat16", n=4, s=32768, h=8, hk=2, d=128, mask=dict(causal=True))
+    assert_real_kernels(text, "pallas_tpu_fused")
+    hop = HopConfig(block_q=128, block_kv=128)
+    at = lambda s: [f.vmem for f in fused.footprints(hop, (1, s, 8, 128), (1, s, 2, 128),  # noqa: E731
+                                                     jnp.bfloat16, n=4)]
+    assert at(1024) == at(32768) and max(at(32768)) < budgets.HEADROOM * budgets.chip(kind).default_limit
+
+
+def test_vmem_limit_is_raised_where_the_default_is_too_small():
+    """1024 x 1024 tiles of the per-hop kernel on a v5e: over the 16 MiB default scoped limit, within
+    the chip's 128 MiB, so each kernel is compiled with vmem_limit_bytes (its custom call's
+    ``scoped_memory_configs``, memory space 1 = VMEM); the default tiles need no such setting."""
+    config = dict(CONFIGS[0], s=4096)
+    text = lower_shard(TPU["v5e"], "pallas_tpu", "float32", block_q=1024, block_kv=1024, **config)
+    assert_real_kernels(text, "pallas_tpu")
+    sizes = [int(x) for x in re.findall(r'scoped_memory_configs\\22: \[\{\\22memory_space\\22:1, '
+                                        r'\\22offset\\22: 0, \\22size\\22: (\d+)', text)]
+    assert len(sizes) == 3 and all(16 * budgets.MiB < x <= budgets.chip(TPU["v5e"]).max_limit for x in sizes), sizes
+    assert "scoped_memory_configs" not in lower_shard(TPU["v5e"], "pallas_tpu", "float32", **config)
+
+
+def test_over_budget_is_a_value_error_naming_the_blocks():
+    """On a v4 (16 MiB of VMEM) 4096 x 4096 tiles cannot fit: a ValueError before lowering, naming
+    block_q / block_kv, the estimate and tiles that fit."""
+    with pytest.raises(ValueError, match=r"impl='pallas_tpu': block_q=4096, block_kv=4096 do not fit a v4: "
+                                         r"ring_hop_fwd_tpu needs an estimated [0-9.]+ MiB of VMEM.*block_q=\d+, "
+                                         r"block_kv=\d+ fit"):
+        lower_shard(TPU["v4"], "pallas_tpu", "float32", block_q=4096, block_kv=4096, **dict(CONFIGS[0], s=8192))
+    with pytest.raises(ValueError, match=r"impl='pallas_gpu': block_q=256, block_kv=256 do not fit a A100: .*shared "
+                                         r"memory.*fit"):
+        lower_shard(GPU["A100"], "pallas_gpu", "float32", block_q=256, block_kv=256, **CONFIGS[0])
+    with pytest.raises(ValueError, match=r"impl='pallas_tpu_fused': block_q=2048, block_kv=2048 do not fit a v4: "
+                                         r"the fused forward needs an estimated [0-9.]+ MiB of VMEM.*fit"):
+        lower_shard(TPU["v4"], "pallas_tpu_fused", "float32", block_q=2048, block_kv=2048, **CONFIGS[0])
+
+
+def test_budget_arithmetic():
+    """The pieces the estimates are made of: Mosaic's tile padding, the chip lookup, the tile candidates."""
+    assert budgets.tile_bytes((128, 1), jnp.float32) == 128 * 128 * 4      # a column costs 128 lanes
+    assert budgets.tile_bytes((2, 8, 100), jnp.bfloat16) == 2 * 16 * 128 * 2  # bf16 rows come in 16s
+    assert budgets.tpu_vmem_bytes(blocks=[((8, 128), jnp.float32)], scratch=[((8, 128), jnp.float32)]) == 3 * 4096
+    assert budgets.chip("NVIDIA A100-SXM4-40GB").name == "A100" and budgets.chip("TPU v5e").name == "v5e"
+    with pytest.raises(ValueError, match="device_kind 'NVIDIA GH200 480GB' is not in"):
+        budgets.chip("NVIDIA GH200 480GB")
+    assert budgets.candidate_blocks(96, multiple=8, top=128) == [96, 32, 16, 8]  # the shard, then powers of two
+    assert budgets.candidate_blocks(4096, multiple=128, top=1024) == [1024, 512, 256, 128]
+    v5e = budgets.chip("TPU v5 lite")
+    assert budgets.vmem_limit(v5e, [budgets.Footprint(8 * budgets.MiB)]) is None
+    assert budgets.vmem_limit(v5e, [budgets.Footprint(40 * budgets.MiB)]) == 50 * budgets.MiB
+
+
+@pytest.mark.parametrize("impl, kind, platform", [("pallas_tpu", GPU["H100"], "cuda"),
+                                                  ("pallas_tpu_fused", GPU["A100"], "cuda"),
+                                                  ("pallas_gpu", TPU["v5e"], "tpu")])
+def test_an_impl_on_the_wrong_platform_is_a_value_error(impl, kind, platform):
+    with pytest.raises(ValueError, match=f"impl='{impl}' cannot run on '{platform}' devices"):
+        lower_shard(kind, impl, "bfloat16", **CONFIGS[0])
+
+
+def test_an_unknown_chip_is_a_value_error_naming_device_kind():
+    with pytest.raises(ValueError, match=r"device_kind 'TPU v9' is not in the kernels' memory table.*known: "
+                                         r"\['TPU v4'"):
+        lower_shard("TPU v9", "pallas_tpu", "bfloat16", **CONFIGS[0])
+
+
+def test_default_tiles_fit_every_target_at_32k():
+    """The kernels' default tiles at s_local = 32K, d = 128 fit every chip in the table, forward and
+    backward, in every dtype (A100 float32 gets the smallest: the dK/dV program streams two Q tiles)."""
+    from ringattn_fast.kernels import pallas_gpu, pallas_tpu
+
+    q, k = (1, 32768, 8, 128), (1, 32768, 2, 128)
+    for kind in list(TPU.values()) + list(GPU.values()):
+        device = AbstractDevice(device_kind=kind, num_cores=1, platform="tpu" if kind.startswith("TPU") else "cuda")
+        chip = budgets.chip(kind)
+        for dtype in DTYPES:
+            dt = jnp.dtype(dtype)
+            if chip.platform == "tpu":
+                for module, est in ((pallas_tpu, lambda c: pallas_tpu.footprints(c, q, k, dt, False)
+                                     + pallas_tpu.footprints(c, q, k, dt, True)),
+                                    (fused, lambda c: fused.footprints(c, q, k, dt, n=8))):
+                    bq, bk = module.default_blocks(q, k, dt, device, n=8)
+                    assert (bq, bk) == (128, 128)
+                    assert all(budgets.fits(chip, f) for f in est(HopConfig(block_q=bq, block_kv=bk)))
+            else:
+                bq, bk = pallas_gpu.default_blocks(q, k, dt, device)
+                est = pallas_gpu.footprints(HopConfig(block_q=bq, block_kv=bk), q, k, dt, False)
+                est += pallas_gpu.footprints(HopConfig(block_q=bq, block_kv=bk), q, k, dt, True)
+                assert bq >= 16 and bk >= 16 and all(budgets.fits(chip, f) for f in est), (kind, dtype)
+
+
+def test_the_hardware_page_example_runs_as_written():
+    """docs/hardware.md's example (lower the fused ring for an absent v5e) runs as written."""
+    import pathlib
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "hardware.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    exec(compile(block, "docs/hardware.md", "exec"), {})
