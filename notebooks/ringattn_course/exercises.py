@@ -612,8 +612,9 @@ def check_remote_copies(n_copies):
     return _correct("n - 1, as in every ring of this course")
 
 
-def _pallas_scratch(fn, *args):
-    """Shapes and dtypes of the scratch buffers of the first ``pallas_call`` in ``jax.make_jaxpr(fn)(*args)``."""
+def _pallas_buffers(fn, *args):
+    """(shape, dtype) of every output, then of every scratch buffer, of the first ``pallas_call`` in
+    ``jax.make_jaxpr(fn)(*args)`` (traced only: nothing runs)."""
     import jax
 
     def calls(jaxpr):
@@ -628,12 +629,15 @@ def _pallas_scratch(fn, *args):
 
     eqn = next(calls(jax.make_jaxpr(fn)(*args).jaxpr))
     n = eqn.params["grid_mapping"].num_scratch_operands
-    return [(v.aval.shape, getattr(v.aval, "dtype", None)) for v in eqn.params["jaxpr"].invars[-n:]]
+    outputs = [(v.aval.shape, getattr(v.aval, "dtype", None)) for v in eqn.outvars]
+    scratch = [(v.aval.shape, getattr(v.aval, "dtype", None)) for v in eqn.params["jaxpr"].invars[-n:]]
+    return outputs, scratch
 
 
 def check_kv_double_buffer(kv_buffer_bytes):
-    """09, exercise 4: ``kv_buffer_bytes(batch, shard, kv_heads, dim, itemsize)``: VMEM bytes of the fused
-    forward's K/V double buffer, measured from the scratch its ``pallas_call`` declares."""
+    """09, exercise 4: ``kv_buffer_bytes(batch, shard, kv_heads, dim, itemsize)``: bytes of the fused
+    forward's K/V double buffer (both slots, K and V), measured from the ``pallas_call``: the buffer is
+    one of its HBM outputs (``memory_space=pl.ANY``), the one the left neighbour's remote DMA writes into."""
     if _pending(kv_buffer_bytes, "kv_buffer_bytes(batch, shard, kv_heads, dim, itemsize)"):
         return False
     import jax.numpy as jnp
@@ -645,15 +649,17 @@ def check_kv_double_buffer(kv_buffer_bytes):
         mesh = ringattn_fast.make_mesh(n)
         q = jnp.zeros((batch, n * shard, 2 * kv_heads, dim), dtype)
         kv = jnp.zeros((batch, n * shard, kv_heads, dim), dtype)
-        buffer = _pallas_scratch(lambda q, k, v: ringattn_fast.ring_attention(
-            q, k, v, mesh=mesh, causal=True, impl="pallas_tpu_fused", block_q=8, block_kv=8), q, kv, kv)[0]
-        want = int(np.prod(buffer[0])) * np.dtype(buffer[1]).itemsize
+        outputs, _ = _pallas_buffers(lambda q, k, v: ringattn_fast.ring_attention(
+            q, k, v, mesh=mesh, causal=True, impl="pallas_tpu_fused", block_q=8, block_kv=8), q, kv, kv)
+        slots = (2, 2, batch, kv_heads, shard, dim)                           # (slot, K|V, b, hk, s, d)
+        shape, dt = next(o for o in outputs if tuple(o[0]) == slots and o[1] == dtype)
+        want = int(np.prod(shape)) * np.dtype(dt).itemsize
         itemsize = np.dtype(dtype).itemsize
         got = _as_int(kv_buffer_bytes(batch, shard, kv_heads, dim, itemsize), "the byte count")
         if got != want:
             raise AssertionError(f"batch={batch}, shard={shard}, kv_heads={kv_heads}, dim={dim}, itemsize={itemsize}: "
-                                 f"the kernel declares a {buffer[0]} buffer of {want} bytes, you say {got}")
-    return _correct("2 slots x (K, V) x the shard: the VMEM the whole-shard kernel needs")
+                                 f"the kernel declares a {shape} buffer of {want} bytes, you say {got}")
+    return _correct("2 slots x (K, V) x the shard: in HBM; VMEM holds only tiles of it")
 
 
 # ---- 10 putting it together ------------------------------------------------------------------------
