@@ -57,15 +57,20 @@ def _check_broadcastable(x, name, shape):
                          f"got shape {x.shape}")
 
 
-def _lengths(lengths, batch, name):
-    """Sequence lengths: an integer ``[B]`` array (traced is fine: only its shape is inspected)."""
+def _lengths(lengths, batch, seq, name):
+    """Sequence lengths: an integer ``[B]`` array (traced is fine: only its shape is inspected), clipped to
+    ``[0, seq]`` in its own dtype before the int32 cast. Only ``position < length`` is ever asked, so
+    clipping changes no answer, and an int64 length of ``2**32 + 3`` means every position (as in
+    ``jax.nn``), not 3: a plain cast would wrap it silently under ``jit``."""
     if lengths is None:
         return None
     lengths = jnp.asarray(lengths)
     if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(f"{name} must be an integer array of shape (batch,) = ({batch},); "
                          f"got {lengths.dtype} {lengths.shape}")
-    return lengths.astype(jnp.int32)
+    if jnp.issubdtype(lengths.dtype, jnp.unsignedinteger):
+        return jnp.minimum(lengths, seq).astype(jnp.int32)
+    return jnp.clip(lengths, 0, seq).astype(jnp.int32)
 
 
 def _window(local_window_size):
@@ -174,8 +179,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                          f"got dtype {mask.dtype}")
     o, lse = masked_ring_attention(
         q, k, v, bias=bias, mask=mask, causal=is_causal, window=_window(local_window_size), scale=scale,
-        q_lengths=_lengths(query_seq_lengths, q.shape[0], "query_seq_lengths"),
-        kv_lengths=_lengths(key_value_seq_lengths, q.shape[0], "key_value_seq_lengths"),
+        q_lengths=_lengths(query_seq_lengths, q.shape[0], q.shape[1], "query_seq_lengths"),
+        kv_lengths=_lengths(key_value_seq_lengths, q.shape[0], k.shape[1], "key_value_seq_lengths"),
         impl=_impl(implementation), layout=layout, mesh=mesh, axis_name=axis_name)
     o = o.reshape(out_shape)
     if not return_residual:

@@ -124,6 +124,21 @@ def test_traced_int64_prompt_length_beyond_int32_overflows_the_row():
     assert np.isnan(np.asarray(o[0])).all() and np.isfinite(np.asarray(o[1])).all()
 
 
+def test_traced_int64_seq_lengths_of_the_twin_are_not_wrapped():
+    """Before: under jit, key_value_seq_lengths = 2**32 + 3 was cast to 3 (output identical to length 3);
+    now a length past the sequence means every key, as in jax.nn, and a negative one none."""
+    q, k, v = qkv(s=16)
+    twin = jax.jit(lambda q, k, v, kl, ql: rf.dot_product_attention(
+        q, k, v, key_value_seq_lengths=kl, query_seq_lengths=ql, mesh=rf.make_mesh(4)))
+    with jax.enable_x64(True):
+        wide = np.asarray(twin(q, k, v, jnp.asarray([2**32 + 3] * B, jnp.int64), jnp.asarray([2**32 + 3] * B, jnp.int64)))
+        full = np.asarray(twin(q, k, v, jnp.asarray([16] * B, jnp.int64), jnp.asarray([16] * B, jnp.int64)))
+        none = np.asarray(twin(q, k, v, jnp.asarray([16] * B, jnp.int64), jnp.asarray([-2**32 + 3] * B, jnp.int64)))
+    want = jax.nn.dot_product_attention(q, k, v)
+    assert rel_err(wide, want) <= 1e-5 and rel_err(full, want) <= 1e-5
+    assert (none == 0).all()  # query_seq_lengths < 0: every row is padding, zeroed (not 3 rows kept)
+
+
 @pytest.mark.parametrize("scale", [True, np.bool_(False), "0.5"])
 def test_scale_must_be_a_real_number(scale):
     """Before: scale=True ran with scale 1 (and "0.5" with 0.5)."""
