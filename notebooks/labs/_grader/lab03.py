@@ -98,7 +98,7 @@ def build(tasks):
     def verify(results):
         from ringattn_ref.attention import attention
 
-        from .programs import Program, require_ring
+        from .programs import Program, require_ppermute_only, require_ring
 
         out = results.arrays(perm_task)
         for i, size in enumerate(layout_sizes):
@@ -120,6 +120,7 @@ def build(tasks):
             # the ring itself is checked by the probe below (it sees where each token was attended)
             require_ring(prog, r.n_hosts, "the ring: a shard_map whose K/V travel i -> i+1 by ppermute", r,
                          counted=False, others=("all-reduce", "all-gather", "all-to-all"))
+            require_ppermute_only(prog, "K/V travel inside the shard_map by ppermute only", r)
             got = check_array("zigzag_ring_attention's output", prog(r.q, r.k, r.v)[0], r.q.shape, np.float64, r)
             check_close("o", got, attention(r.q, r.k, r.v, causal=r.causal), TOL,
                         "the ring's output is the float64 oracle's, in true order", r)

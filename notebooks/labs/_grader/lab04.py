@@ -1,12 +1,12 @@
 """Grader of lab 4: the bidirectional ring's output, and what its compiled program sends.
 
 Child: wraps the student's per-host function in the grader's ``shard_map`` (contiguous layout) and
-exports it, traced on shapes only. Parent: compiles and runs that program on its own inputs
-(fixed: 3, 5 and 8 hosts, GQA, b and d > 1, causal and not; plus draws) against the float64 oracle,
-and reads from the compiled program: every collective is a ppermute to a neighbour (no all-gather or
-all-to-all), each ppermute moves at most half a shard (K and V halves, and their positions), each
-direction moves (N - 1) halves in all (bytes from the operands, times the loop's trip count), and the
-per-device scratch memory stays O(S / N).
+exports it, traced on shapes only. Parent: compiles and runs that program on its own inputs (fixed: 3,
+5 and 8 hosts, GQA, b and d > 1, causal and not, logits past exp's float64 range; plus draws) against
+the float64 oracle, and reads from the compiled program: every collective is a ppermute to a neighbour
+(no all-gather or all-to-all), each ppermute moves at most half a shard (K and V halves, and their
+positions), each direction moves (N - 1) halves in all (bytes from the operands, times the loop's trip
+count), and the per-device scratch memory stays O(S / N).
 """
 from __future__ import annotations
 
@@ -41,12 +41,16 @@ class Ring:
 
 def fixed_rings():
     rng = np.random.default_rng(2404)
-    for name, n, (b, s, h, hk, d), causal in (("GQA, 3 hosts", 3, (2, 12, 4, 2, 3), True),
-                                               ("MQA, 5 hosts", 5, (1, 20, 3, 1, 2), False),
-                                               ("8 hosts, long shards", 8, (2, 64, 2, 1, 4), True),
-                                               ("8 hosts x 32 tokens (memory)", 8, (1, 256, 2, 2, 8), False)):
-        q = rng.standard_normal((b, s, h, d))
+    # (name, hosts, (b, s, h, hk, d), causal, logit size): "large logits" reach ~2000, where exp overflows
+    # float64 (past ~709): a merge without a running max gives NaN there
+    for name, n, (b, s, h, hk, d), causal, size in (("GQA, 3 hosts", 3, (2, 12, 4, 2, 3), True, 1),
+                                                     ("MQA, 5 hosts", 5, (1, 20, 3, 1, 2), False, 1),
+                                                     ("large logits, 3 hosts", 3, (1, 12, 2, 1, 4), False, 30),
+                                                     ("8 hosts, long shards", 8, (2, 64, 2, 1, 4), True, 1),
+                                                     ("8 hosts x 32 tokens (memory)", 8, (1, 256, 2, 2, 8), False, 1)):
+        q = size * rng.standard_normal((b, s, h, d))
         k, v = rng.standard_normal((2, b, s, hk, d))
+        k = size * k
         yield Ring(name, q, k, v, n, causal)
 
 

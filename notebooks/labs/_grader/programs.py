@@ -117,6 +117,16 @@ def require_ring(prog, n, prop, example, *, directions=("i -> i+1",), others=(),
     return by_way
 
 
+def require_ppermute_only(prog, prop, example):
+    """Fail if the program's StableHLO holds an explicit collective other than a ppermute. Explicit
+    collectives exist only inside a ``shard_map`` (the reorder outside it is partitioned by XLA later and
+    shows in the compiled HLO, not here), so this tells an all-gather inside the ring from the layout's."""
+    found = sorted(set(re.findall(r"stablehlo\.(all_gather|all_to_all|all_reduce|reduce_scatter)\b", prog.stablehlo)))
+    if found:
+        raise Fail(f"property '{prop}' failed on example {example!r}: the shard_map holds {', '.join(found)}; "
+                   f"inside it, K/V may move only by ppermute (lax.ppermute)")
+
+
 def require_memory(prog, budget, prop, example, what):
     """Fail unless the program's per-device scratch memory is within ``budget`` bytes."""
     if prog.temp_bytes > budget:
