@@ -5,7 +5,7 @@ directory, on a kernel that runs *this* interpreter (a kernelspec written on the
 never picks up some other ``python3`` kernel installed on the machine). Any cell error fails the
 test. Each notebook's wall time is recorded: printed as a table at the end of the module and written
 to ``build/notebook_times.json`` (``RINGATTN_NOTEBOOK_TIMES`` overrides the path). The budget is
-60 s per notebook on a 2-core CPU; it is reported, never asserted (wall time is not a test).
+90 s per notebook on a 2-core CPU (CI's); it is reported, never asserted (wall time is not a test).
 
 New notebooks are picked up automatically: one parametrized test per ``notebooks/[0-9][0-9]_*.md``.
 """
@@ -66,7 +66,7 @@ def report_times(request):
     out = Path(os.environ.get("RINGATTN_NOTEBOOK_TIMES", ROOT / "build" / "notebook_times.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(sorted(TIMES.items())), indent=2) + "\n")
-    lines = ["", "notebook run times (budget 60 s each on a 2-core CPU):"]
+    lines = ["", "notebook run times (budget 90 s each on a 2-core CPU):"]
     lines += [f"  {name:<40s} {t:7.1f} s" for name, t in sorted(TIMES.items())]
     lines += [f"  {'total':<40s} {sum(TIMES.values()):7.1f} s   (written to {out})"]
     capture = request.config.pluginmanager.getplugin("capturemanager")
