@@ -4,7 +4,9 @@
 runs the whole ring, moving K/V by remote DMA), GPU -> ``"pallas_gpu"`` (a Triton flash kernel per
 hop), CPU -> ``"xla"`` (``kernels/xla.py``). The Pallas kernels take no ``bias`` and compute in
 float32: with a bias ``"auto"`` falls back to ``"xla"``, and asking for a Pallas impl explicitly with a
-bias, with float64 or with mixed q/k/v dtypes is an error (``kernels.tiles.check_kernel_dtypes``). On
+bias, with float64 or with mixed q/k/v dtypes is an error (``kernels.tiles.check_kernel_dtypes``). On a
+chip the kernels' memory table does not know (``kernels.budgets.CHIPS``: no VMEM / shared-memory budget
+to check), ``"auto"`` picks ``"xla"`` and an explicit Pallas impl is an error naming ``device_kind``. On
 CPU the Pallas impls run in their interpreters (slow; for tests). Where each impl runs is the table
 ``kernels.IMPLS``; its modules are imported here when first used.
 """
@@ -15,7 +17,7 @@ from typing import Callable, NamedTuple
 
 import jax.numpy as jnp
 
-from .kernels import GPU_PLATFORMS, IMPLS
+from .kernels import GPU_PLATFORMS, IMPLS, budgets
 
 KERNEL_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 _AUTO = {"tpu": "pallas_tpu_fused", **{p: "pallas_gpu" for p in GPU_PLATFORMS}}
@@ -57,9 +59,10 @@ def check_kernel_dtypes(impl, q, k, v):
                          f"v {dtypes[2]} (cast them first, or use impl='xla')")
 
 
-def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, fused_ok=True):
+def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, fused_ok=True, device_kind=None):
     """The concrete impl for this call, or a ValueError naming what does not fit (bias, dropout, dtype,
-    platform). Attention dropout runs in the XLA hop only: ``"auto"`` picks it.
+    platform). Attention dropout runs in the XLA hop only: ``"auto"`` picks it, as it does on a TPU or
+    GPU ``device_kind`` that ``kernels.budgets`` has no row for.
 
     ``fused_ok=False``: the caller needs per-hop functions (``comm_dtype`` on the ring, the all-gather
     and Ulysses strategies), so "auto" picks "pallas_tpu" where it would pick the fused ring.
@@ -73,6 +76,8 @@ def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, fu
     if impl == "auto":
         impl = "xla" if has_bias or has_dropout else _AUTO.get(platform, "xla")
         impl = "pallas_tpu" if impl == "pallas_tpu_fused" and not fused_ok else impl
+        if impl != "xla" and platform != "cpu" and not budgets.knows(device_kind):
+            impl = "xla"  # a chip without a memory row: nothing to check a kernel's tiles against
         if impl != "xla":
             try:
                 check_kernel_dtypes(impl, q, k, v)

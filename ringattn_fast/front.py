@@ -157,7 +157,7 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
     q_len, kv_len = (s_local * n if whole else s_local for whole in (strategy.q_whole, strategy.kv_whole))
     fused_ok = strategy.fused_ok and comm_dtype is None and grad_comm_dtype is None
     impl = check_impl(impl, device.platform, q, k, v, has_bias=bias_mode is not None,
-                      has_dropout=dropout_rate > 0, fused_ok=fused_ok)
+                      has_dropout=dropout_rate > 0, fused_ok=fused_ok, device_kind=getattr(device, "device_kind", None))
     kernels = kernels_for(impl)
     tiles = None  # the kernels' own defaults for the chip they are compiled for (kernels/budgets.py)
     if (block_q is None or block_kv is None) and kernels.default_blocks is not None:

@@ -8,11 +8,12 @@ proves the kernels *lower* (block shapes, dtypes, ops the chip's dialect accepts
 fast they are (docs/hardware.md). Each lowering must hold the real kernel's custom call, and no
 host callback (an interpreted kernel would be one).
 
-The matrix: impl x chip x dtype, each case one forward+backward lowering (``value_and_grad``, so
-the forward kernel and every backward kernel are in it) at per-device shapes of 1K-8K tokens, the
-default tiles, and one of three mask configurations rotated over chips and dtypes so that every
-dtype meets every configuration (causal + GQA; window + segment ids + MQA + zigzag; causal + segment
-ids, d = 256). The kernels take no bias: a key-only bias makes ``impl="auto"`` lower the XLA hop.
+The matrix: impl x chip x dtype x mask configuration, each case one forward+backward lowering
+(``value_and_grad``, so the forward kernel and every backward kernel are in it) at per-device shapes
+of 1K-8K tokens and the default tiles; the three configurations are causal + GQA (d = 128);
+window + segment ids + MQA + zigzag (d = 64); causal + segment ids (d = 256). Forward-only programs
+per impl x dtype, and ``ring_attention`` on global arrays per impl, beside it. The kernels take no
+bias: a key-only bias makes ``impl="auto"`` lower the XLA hop.
 """
 import re
 
@@ -85,24 +86,53 @@ def assert_real_kernels(text, impl, backward=True):
     assert "callback" not in text  # an interpreted kernel lowers to host callbacks
 
 
-MATRIX = ([(impl, chip, dt) for impl in ("pallas_tpu", "pallas_tpu_fused") for chip in TPU for dt in DTYPES]
-          + [("pallas_gpu", chip, dt) for chip in GPU for dt in DTYPES])
+MATRIX = ([(impl, chip, dt, c) for impl in ("pallas_tpu", "pallas_tpu_fused") for chip in TPU for dt in DTYPES
+           for c in range(len(CONFIGS))]
+          + [("pallas_gpu", chip, dt, c) for chip in GPU for dt in DTYPES for c in range(len(CONFIGS))])
 
 
-@pytest.mark.parametrize("impl, chip, dtype", MATRIX)
-def test_kernel_lowers_for_its_chip(impl, chip, dtype):
-    chips = list(TPU if impl != "pallas_gpu" else GPU)
-    config = CONFIGS[(chips.index(chip) + DTYPES.index(dtype)) % len(CONFIGS)]
-    text = lower_shard({**TPU, **GPU}[chip], impl, dtype, **config)
+@pytest.mark.parametrize("impl, chip, dtype, config", MATRIX)
+def test_kernel_lowers_for_its_chip(impl, chip, dtype, config):
+    text = lower_shard({**TPU, **GPU}[chip], impl, dtype, **CONFIGS[config])
     assert_real_kernels(text, impl)
 
 
-@pytest.mark.parametrize("impl, kind", [("pallas_tpu", TPU["v5e"]), ("pallas_tpu_fused", TPU["v6e"]),
-                                        ("pallas_gpu", GPU["H100"])])
-def test_forward_only_lowers_the_forward_kernel(impl, kind):
-    text = lower_shard(kind, impl, "bfloat16", backward=False, **CONFIGS[0])
+FORWARD_CHIP = {"pallas_tpu": TPU["v5e"], "pallas_tpu_fused": TPU["v6e"], "pallas_gpu": GPU["H100"]}
+
+
+@pytest.mark.parametrize("impl, dtype", [(impl, dt) for impl in FORWARD_CHIP for dt in DTYPES])
+def test_forward_only_lowers_the_forward_kernel(impl, dtype):
+    """A forward-only program (no residuals kept for a backward) lowers only the forward kernel."""
+    config = CONFIGS[DTYPES.index(dtype) % len(CONFIGS)]
+    text = lower_shard(FORWARD_CHIP[impl], impl, dtype, backward=False, **config)
     assert_real_kernels(text, impl, backward=False)
     assert not set(KERNELS[impl][1:]) & kernels_in(text)
+
+
+@pytest.mark.parametrize("impl", list(FORWARD_CHIP))
+def test_global_arrays_lower_every_explicit_impl(impl):
+    """``ring_attention`` on global arrays over the abstract mesh with the impl named: the same kernels as
+    through ``ring_attention_shard`` (the front door pads, permutes and shards, then calls them)."""
+    mesh = abstract_mesh(FORWARD_CHIP[impl], 4)
+    q, k, v = structs(mesh, 1, 4 * 2048, 8, 2, 128, jnp.bfloat16, False)
+
+    def loss(q, k, v):
+        return ring_attention(q, k, v, mesh=mesh, causal=True, layout="zigzag", impl=impl).astype(jnp.float32).sum()
+
+    with use_abstract_mesh(mesh):
+        text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower().as_text()
+    assert_real_kernels(text, impl)
+
+
+@pytest.mark.parametrize("kind", ["NVIDIA L4", "TPU v9"])
+def test_auto_on_a_chip_without_a_memory_row_lowers_the_xla_hop(kind):
+    """"auto" picks a kernel only where ``kernels.budgets`` can check its tiles; elsewhere the XLA hop
+    (an explicit Pallas impl there is a ValueError naming device_kind: the test below)."""
+    mesh = abstract_mesh(kind, 4)
+    q, k, v = structs(mesh, 1, 4 * 1024, 8, 2, 128, jnp.bfloat16, False)
+    with use_abstract_mesh(mesh):
+        text = jax.jit(lambda q, k, v: ring_attention(q, k, v, mesh=mesh, causal=True)).trace(q, k, v).lower().as_text()
+    assert not kernels_in(text) and "tpu_custom_call" not in text and "triton" not in text
 
 
 @pytest.mark.parametrize("kind, want", [(TPU["v5e"], "pallas_tpu_fused"), (GPU["A100"], "pallas_gpu")])

@@ -81,6 +81,11 @@ CHIPS = {
 _GPU_MODEL = re.compile(r"\b(A100|H100|H200)\b")
 
 
+def knows(device_kind):
+    """Whether :func:`chip` has a row for ``device_kind`` (``"auto"`` picks a kernel only where it does)."""
+    return device_kind in CHIPS or bool(_GPU_MODEL.search(str(device_kind)))
+
+
 def chip(device_kind):
     """The :class:`Chip` of a ``device_kind`` (``"TPU v5 lite"``, ``"NVIDIA H100 80GB HBM3"``, ...), or a
     ValueError naming ``device_kind`` and the chips the tables know."""
