@@ -26,7 +26,7 @@ Process i's stdout and stderr are streamed line by line to ours, prefixed ``[i] 
 *left* the program when it exits, or when it writes its exit code (an integer) to
 ``LAUNCH_LOCAL_EXIT_FILE``: a JAX process that returns from its program is still alive, held in
 JAX's shutdown barrier until every process gets there (``shutdown_timeout_seconds``, 300 s by
-default), so only the program can say it has finished (``tests/_launch_exit.py`` does). The job
+default), so only the program can say it has finished (``tests/_multiprocess_job.py``'s ``run`` does). The job
 fails fast (every process is stopped: SIGTERM, then SIGKILL after ``KILL_GRACE_S``) when
 
   * a process leaves with a non-zero code: at once, exit code = that code (128 + N for signal N);

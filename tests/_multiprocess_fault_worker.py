@@ -53,6 +53,8 @@ def main():
     jax.block_until_ready(ring(q))
     print(f"process {me}: warm-up ring done", flush=True)
     failing = me == args.rank
+    if failing and args.fault in ("raise", "exit0", "kill"):
+        print(f"process {me}: fault at {time.time():.3f}", flush=True)  # the test times failure -> launcher exit
     if failing and args.fault == "raise":
         raise RuntimeError(f"process {me}: injected failure after the warm-up ring")
     if failing and args.fault == "exit0":
