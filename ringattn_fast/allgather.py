@@ -4,7 +4,7 @@ The simplest way to split attention over the sequence (Llama 3's context paralle
 §3.3.2): host ``my_idx`` keeps its query shard (a ``schedule.QShard``), all-gathers the K/V shards of
 all ``N`` hosts (a ``schedule.KVShard``: K, V, their true positions, segment ids and a key-only bias,
 so every mask of the ring means the same here), and runs **one hop** against the whole sequence: the
-ring's hop code (``hop.py`` or a Pallas kernel, ``dispatch``), whose tile classification skips what
+ring's hop code (``kernels/xla.py`` or a Pallas kernel, ``dispatch``), whose tile classification skips what
 a causal or document mask hides. Compared with the ring: the same bytes on the wire in the forward
 (``(N - 1)`` K/V shards), but in one collective instead of ``N - 1`` steps, so nothing to overlap
 with the compute and no per-step latency; and ``O(S)`` K/V per host while attending, not ``O(S/N)``.

@@ -66,12 +66,12 @@ def init_params(key, cfg):
     Jitted on the shapes alone (not the window or dtype): the ring and the one-shard model of a run
     share one compile (drawing ten normal arrays op by op would compile each op, seconds on a CPU).
     """
-    return _init_params(key, cfg.vocab, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                        cfg.d_ff)
+    return _init_params(key, vocab=cfg.vocab, d=cfg.d_model, L=cfg.n_layers, n_heads=cfg.n_heads,
+                        n_kv_heads=cfg.n_kv_heads, hd=cfg.head_dim, d_ff=cfg.d_ff)
 
 
-@partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7))
-def _init_params(key, vocab, d, L, n_heads, n_kv_heads, hd, d_ff):
+@partial(jax.jit, static_argnames=("vocab", "d", "L", "n_heads", "n_kv_heads", "hd", "d_ff"))
+def _init_params(key, *, vocab, d, L, n_heads, n_kv_heads, hd, d_ff):
     ks = jax.random.split(key, 8)
     normal = lambda k, shape, fan_in: jax.random.normal(k, shape, jnp.float32) * fan_in ** -0.5  # noqa: E731
     return {

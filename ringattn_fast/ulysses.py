@@ -2,7 +2,7 @@
 
 DeepSpeed-Ulysses (Jacobs et al., arXiv:2309.14509, §3): each of the ``N`` hosts holds ``S/N`` tokens
 of every head. One all-to-all per tensor re-splits q, k, v by heads: afterwards a host holds **the
-whole sequence** of ``heads/N`` heads, attends it with the ring's hop code (one hop, ``hop.py`` or a
+whole sequence** of ``heads/N`` heads, attends it with the ring's hop code (one hop, ``kernels/xla.py`` or a
 Pallas kernel, tiles skipped by the masks), and one all-to-all brings the output back to the sequence
 split. Every host sends ``(N-1)/N`` of its q, k, v and o (and, in the backward, of dO, dQ, dK, dV):
 a volume that does not grow with ``N``, unlike the ring's and the all-gather's ``(N-1)`` K/V shards;

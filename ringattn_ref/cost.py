@@ -42,7 +42,8 @@ HARDWARE = {hw.name: hw for hw in (
 )}
 
 
-def _positive(name, value):
+def positive(name, value):
+    """``value`` (a number or array) as float, checked positive and finite; ``name`` is for the error."""
     arr = np.asarray(value, dtype=float)
     if arr.size == 0 or not np.all(np.isfinite(arr)) or not np.all(arr > 0):
         raise ValueError(f"{name} must be a positive finite number (or array of them); got {value!r}")
@@ -54,7 +55,8 @@ def _plain(x):
     return float(x) if np.ndim(x) == 0 else x
 
 
-def _hardware(hardware):
+def as_hardware(hardware):
+    """A ``Hardware``, or the name of a row of ``HARDWARE`` (Table 2), as a ``Hardware``."""
     if isinstance(hardware, Hardware):
         return hardware
     if isinstance(hardware, str) and hardware in HARDWARE:
@@ -68,8 +70,8 @@ def step_flops(block, dim, *, batch=1, heads=1):
     ``block`` query tokens against ``block`` key tokens, per head of width ``dim``: ``Q K^T`` and
     ``P V`` are ``2 * block^2 * dim`` FLOPs each. With ``heads = 1, dim = d`` this is the paper's count.
     """
-    block, dim = _positive("block", block), _positive("dim", dim)
-    batch, heads = _positive("batch", batch), _positive("heads", heads)
+    block, dim = positive("block", block), positive("dim", dim)
+    batch, heads = positive("batch", batch), positive("heads", heads)
     return 4.0 * batch * heads * block ** 2 * dim
 
 
@@ -78,9 +80,9 @@ def step_bytes(block, dim, *, batch=1, kv_heads=1, dtype_bytes=2):
 
     In bf16 (``dtype_bytes = 2``) with ``kv_heads = 1, dim = d`` this is the paper's ``4 c d`` (§3).
     """
-    block, dim = _positive("block", block), _positive("dim", dim)
-    batch, kv_heads = _positive("batch", batch), _positive("kv_heads", kv_heads)
-    return 2.0 * batch * block * kv_heads * dim * _positive("dtype_bytes", dtype_bytes)
+    block, dim = positive("block", block), positive("dim", dim)
+    batch, kv_heads = positive("batch", batch), positive("kv_heads", kv_heads)
+    return 2.0 * batch * block * kv_heads * dim * positive("dtype_bytes", dtype_bytes)
 
 
 def min_block_size(flops_per_s, bandwidth_bytes_per_s, *, dtype_bytes=2, heads=1, kv_heads=None, fill=1.0):
@@ -95,12 +97,12 @@ def min_block_size(flops_per_s, bandwidth_bytes_per_s, *, dtype_bytes=2, heads=1
     the whole block, so it scales by ``1 / fill``. Pass *achieved* FLOP/s and bandwidth, not peak,
     for a real host: the hop runs at the achieved rates.
     """
-    f = _positive("flops_per_s", flops_per_s)
-    b = _positive("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
-    heads = _positive("heads", heads)
-    kv_heads = heads if kv_heads is None else _positive("kv_heads", kv_heads)
-    fill = _positive("fill", fill)
-    return f / b * _positive("dtype_bytes", dtype_bytes) / 2.0 * (kv_heads / heads) / fill
+    f = positive("flops_per_s", flops_per_s)
+    b = positive("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
+    heads = positive("heads", heads)
+    kv_heads = heads if kv_heads is None else positive("kv_heads", kv_heads)
+    fill = positive("fill", fill)
+    return f / b * positive("dtype_bytes", dtype_bytes) / 2.0 * (kv_heads / heads) / fill
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ def hop_times(block, hardware, *, dim=128, batch=1, heads=1, kv_heads=None, dtyp
     :data:`HARDWARE`. ``kv_heads`` defaults to ``heads``. Compute grows as ``c^2`` and transfer as
     ``c``; with ``kv_heads == heads`` they cross at ``c = min_block_size(F, B, dtype_bytes=...)``.
     """
-    hw = _hardware(hardware)
+    hw = as_hardware(hardware)
     kv_heads = heads if kv_heads is None else kv_heads
     flops = step_flops(block, dim, batch=batch, heads=heads)
     sent = step_bytes(block, dim, batch=batch, kv_heads=kv_heads, dtype_bytes=dtype_bytes)
@@ -141,7 +143,7 @@ def table2(hardware=None, *, dtype_bytes=2):
     paper's order). Returns a list of :class:`Table2Row`; ``min_block`` and ``min_seq`` in tokens.
     """
     rows = []
-    for hw in (HARDWARE.values() if hardware is None else [_hardware(h) for h in hardware]):
+    for hw in (HARDWARE.values() if hardware is None else [as_hardware(h) for h in hardware]):
         c = min_block_size(hw.flops_per_s, hw.bandwidth_bytes_per_s, dtype_bytes=dtype_bytes)
         rows.append(Table2Row(hw.name, hw.flops_per_s, hw.bandwidth_bytes_per_s, c, SEQ_PER_BLOCK * c))
     return rows
@@ -176,9 +178,9 @@ def activation_bytes(method, *, batch, seq, hidden, heads, block, dtype_bytes=2)
     (in bf16 bytes it is ``12bch``; the paper's ``2bns^2`` is bytes); it does not
     depend on ``seq``: more hosts, not more memory per host.
     """
-    b, s = _positive("batch", batch), _positive("seq", seq)
-    h, n, c = _positive("hidden", hidden), _positive("heads", heads), _positive("block", block)
-    unit = _positive("dtype_bytes", dtype_bytes) / 2.0
+    b, s = positive("batch", batch), positive("seq", seq)
+    h, n, c = positive("hidden", hidden), positive("heads", heads), positive("block", block)
+    unit = positive("dtype_bytes", dtype_bytes) / 2.0
     formulas = {
         "vanilla": (2 * b * n * s ** 2, 8 * b * s * h),
         "memory-efficient attention": (2 * b * s * h + 4 * b * c * h, 8 * b * s * h),

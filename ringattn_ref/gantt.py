@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cost import _positive
+from .cost import positive
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,8 @@ def ring_timeline(trace, flops_per_s, bandwidth_bytes_per_s):
 
     trace: a :class:`ringattn_ref.ring.RingTrace` (``ring_attention(..., return_trace=True)``).
     """
-    f = _positive("flops_per_s", flops_per_s)
-    b = _positive("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
+    f = positive("flops_per_s", flops_per_s)
+    b = positive("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
     t_compute = np.asarray(trace.flops, dtype=float) / f  # (hosts, steps)
     t_send = np.asarray(trace.bytes_sent, dtype=float) / b  # (hosts, steps), 0 at the last step
     n, n_steps = t_compute.shape

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .blockwise import default_block
-from .cost import _hardware
+from .cost import as_hardware
 from .strategies import local_kv_index, ulysses_heads
 
 STRATEGIES = ("ring", "allgather", "ulysses")
@@ -79,7 +79,7 @@ def _number(name, value, *, zero_ok=False):
 
 def _checked_hardware(hardware):
     """``hardware`` as a ``Hardware`` whose FLOP rate and bandwidth are positive finite numbers."""
-    hw = _hardware(hardware)
+    hw = as_hardware(hardware)
     _number(f"hardware.flops_per_s (of {hw.name!r})", hw.flops_per_s)
     _number(f"hardware.bandwidth_bytes_per_s (of {hw.name!r})", hw.bandwidth_bytes_per_s)
     return hw

@@ -20,7 +20,8 @@ from .validation import check_window
 SKIPPED_GREY = (0.82, 0.82, 0.82, 1.0)
 
 
-def _pyplot():
+def pyplot():
+    """``matplotlib.pyplot``, switched to the Agg backend first when there is no display and no ``MPLBACKEND``."""
     import matplotlib
     headless = not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
     if headless and not os.environ.get("MPLBACKEND") and "matplotlib.pyplot" not in sys.modules:
@@ -40,7 +41,7 @@ def plot_schedule(trace):
     Cell ``(host i, step s)`` shows ``kv_idx[i, s] = (i - s) mod N``: blocks move one host down per
     step. Hops the mask leaves empty (skipped, no compute) are grey.
     """
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.colors import BoundaryNorm, ListedColormap
     from matplotlib.patches import Patch
 
@@ -88,7 +89,7 @@ def plot_hop_masks(seq, n_hosts, layout="contiguous", causal=True, window=None, 
     number of visible pairs: with a causal mask, contiguous hosts get 0 or all of them, striped and
     zigzag hosts about half each (Brandon et al. 2023).
     """
-    plt = _pyplot()
+    plt = pyplot()
     window = check_window(window)
     perm = layout_permutation(layout, seq, n_hosts)
     shard = seq // n_hosts
@@ -131,7 +132,7 @@ def plot_work_heatmap(trace):
     Hosts synchronise every hop, so a step lasts as long as its busiest host: the critical path is
     the sum over steps of the max over hosts. Cells show tiles computed / tiles in the hop.
     """
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.ticker import EngFormatter, MaxNLocator
 
     flops = np.asarray(trace.flops, dtype=float)  # (hosts, steps)
@@ -174,7 +175,7 @@ def plot_memory_vs_seq(seqs=None, *, batch=1, hidden=4096, heads=32, block=4096,
     stays at ``6bch`` per host (more hosts, not more memory). ``device_bytes`` draws a device's
     memory as a horizontal line (None to omit).
     """
-    plt = _pyplot()
+    plt = pyplot()
     seqs = np.logspace(10, 24, 57, base=2) if seqs is None else np.asarray(seqs, dtype=float)
     fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
     styles = {"vanilla": "-", "memory-efficient attention": "--", "blockwise parallel transformer": "-.",
@@ -205,12 +206,12 @@ def plot_overlap(blocks=None, hardware=("A100 NVLink", "TPU v5e", "A100 InfiniBa
     done, so communication is hidden. hardware: names of :data:`ringattn_ref.cost.HARDWARE` or
     ``Hardware`` objects.
     """
-    plt = _pyplot()
+    plt = pyplot()
     blocks = np.logspace(6, 17, 45, base=2) if blocks is None else np.asarray(blocks, dtype=float)
     fig, ax = plt.subplots(figsize=(7.5, 5.2), layout="constrained")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (color, hw) in enumerate(zip(colors, hardware)):
-        hw = cost._hardware(hw)
+        hw = cost.as_hardware(hw)
         t = cost.hop_times(blocks, hw, dim=dim, batch=batch, heads=heads, dtype_bytes=dtype_bytes)
         c = cost.min_block_size(hw.flops_per_s, hw.bandwidth_bytes_per_s, dtype_bytes=dtype_bytes)
         at = cost.hop_times(c, hw, dim=dim, batch=batch, heads=heads, dtype_bytes=dtype_bytes)
@@ -238,7 +239,7 @@ def plot_ring_gantt(trace, flops_per_s, bandwidth_bytes_per_s, *, title=None):
     """
     from .gantt import ring_timeline
 
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     tl = ring_timeline(trace, flops_per_s, bandwidth_bytes_per_s)

@@ -10,7 +10,7 @@ import numpy as np
 
 from .masks import allowed, tile_is_empty
 from .validation import check_window
-from .viz import _pyplot
+from .viz import pyplot
 
 
 def plot_online_softmax(logits, values, block):
@@ -21,7 +21,7 @@ def plot_online_softmax(logits, values, block):
     ``m``. Right: the running normalised output ``o / l`` after each block against the exact
     ``softmax(logits) @ values``: equal after the last block, not approximately but exactly.
     """
-    plt = _pyplot()
+    plt = pyplot()
     logits = np.asarray(logits, dtype=np.float64)
     values = np.asarray(values, dtype=np.float64)
     if logits.ndim != 1 or values.shape != logits.shape:
@@ -71,7 +71,7 @@ def plot_tiles(q_pos, k_pos, block_q, block_kv, *, causal=True, window=None, tit
     skipped without computing, because :func:`ringattn_ref.masks.tile_is_empty` proves them empty
     from the min/max positions alone. The title counts computed / all tiles.
     """
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.patches import Rectangle
 
     q_pos, k_pos = np.asarray(q_pos), np.asarray(k_pos)

@@ -21,21 +21,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from ringattn_ref.viz import pyplot  # matplotlib.pyplot, Agg when headless (strategy_figures, timeline use it)
+
 SKIPPED = (0.86, 0.86, 0.86, 1.0)
 COMPUTED = (0.17, 0.40, 0.69, 1.0)
 SLOT_COLORS = ("#8fb9e0", "#f5b971")  # slot 0, slot 1
-
-
-def _pyplot():
-    import os
-    import sys
-
-    import matplotlib
-    headless = not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
-    if headless and not os.environ.get("MPLBACKEND") and "matplotlib.pyplot" not in sys.modules:
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
 
 
 def plot_memory_vs_devices(n_devices, ring_bytes, dense_bytes=None, *, local_seq):
@@ -47,7 +37,7 @@ def plot_memory_vs_devices(n_devices, ring_bytes, dense_bytes=None, *, local_seq
     Bytes are ``compiled.memory_analysis().temp_size_in_bytes`` (Ring Attention, Table 1: the ring's
     per-host activation memory does not depend on the sequence, only on the block).
     """
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.ticker import FuncFormatter
 
     n_devices = np.asarray(n_devices)
@@ -81,7 +71,7 @@ def plot_empty_tiles(empty, *, title=None):
     tiles are all empty is skipped whole. The right-hand labels give each host's total, whose maximum
     is the critical path of the ring.
     """
-    plt = _pyplot()
+    plt = pyplot()
     empty = np.asarray(empty, dtype=bool)
     if empty.ndim != 4:
         raise ValueError(f"empty must be bool [hosts, steps, n_q_tiles, n_kv_tiles]; got shape {empty.shape}")
@@ -129,7 +119,7 @@ def plot_double_buffer(n_devices=4, *, handshake=True):
     slot. With ``handshake=False`` the red marks show those writes: nothing orders them after the
     neighbour's reads, which is the race the interpreter's race detector reports.
     """
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.patches import FancyBboxPatch, Patch
 
     if not isinstance(n_devices, (int, np.integer)) or n_devices < 1:
@@ -197,7 +187,7 @@ def plot_decode_schedules(n_hosts, ring_s, reduction_s, *, hardware=""):
     if set(ring_s) != set(reduction_s):
         raise ValueError(f"ring_s and reduction_s must have the same labels; got {sorted(ring_s)} and "
                          f"{sorted(reduction_s)}")
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax, ratio) = plt.subplots(1, 2, figsize=(10, 3.5))
     for label in ring_s:
         ring, tree = np.asarray(ring_s[label]), np.asarray(reduction_s[label])
@@ -215,7 +205,7 @@ def plot_decode_schedules(n_hosts, ring_s, reduction_s, *, hardware=""):
 def plot_training(metrics):
     """``examples.recall.train``'s figure from its metrics dict (``run_experiment``'s result or
     ``metrics.json``): training loss of every run; eval accuracy by question-fact distance."""
-    plt = _pyplot()
+    plt = pyplot()
     from examples.recall.plots import draw
     return draw(metrics, plt.figure(figsize=(11, 4), layout="constrained"))
 
@@ -231,7 +221,7 @@ def plot_roofline(chips, points):
     """
     if not chips or not points:
         raise ValueError(f"need at least one chip and one point; got {len(chips)} chips, {len(points)} points")
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     intensity = {label: flops / hbm for label, (flops, hbm) in points.items()}
     xs = np.logspace(np.log10(min(min(intensity.values()), 1) / 2), np.log10(max(intensity.values()) * 2), 200)

@@ -41,9 +41,9 @@ def resident(strategy, n_hosts, *, step=0, heads=None):
 def plot_strategies(n_hosts=4, *, step=1):
     """Three panels, one per strategy: for each host a row of q and a row of k/v, cut into
     ``n_hosts`` sequence blocks x ``n_hosts`` head groups; a filled cell is held while attending."""
-    from ringattn_course.figures import _pyplot
+    from ringattn_ref.viz import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     n = n_hosts
     fig, axes = plt.subplots(1, 3, figsize=(12, 0.75 * n + 1.6), layout="constrained")
     for ax, name in zip(axes, ("ring", "allgather", "ulysses")):
@@ -70,9 +70,9 @@ def plot_memory_vs_seq(seqs, measured, predicted=None, *, title=None, xlabel="se
     ``predicted`` (dashed) are dicts ``strategy -> bytes per seq``."""
     from matplotlib.ticker import ScalarFormatter
 
-    from ringattn_course.figures import _pyplot
+    from ringattn_ref.viz import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
     for name, values in measured.items():
         ax.plot(seqs, np.asarray(values) / 2**20, "o-", color=STRATEGY_COLORS[name], label=f"{name} (measured)")

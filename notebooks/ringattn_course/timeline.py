@@ -247,9 +247,9 @@ def plot_timeline(spans, *, title=None, ax=None):
     Compute is drawn in the lower half of a row and collectives in the upper half, so that overlap
     (both at once) shows as stacked bars. Returns the matplotlib ``Figure``.
     """
-    from ringattn_course.figures import _pyplot
+    from ringattn_ref.viz import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     devices = sorted({s.device for s in spans})
     if ax is None:
         fig, ax = plt.subplots(figsize=(10, 0.45 * len(devices) + 1.2))

@@ -49,13 +49,13 @@ def schedule(cfg, qs, kv):
     """The scalar-prefetched (SMEM) tables, computed outside the kernel, all int32 and flat:
 
     ring     [3]              (my_idx, right, left) = (my_idx, (my_idx + 1) % N, (my_idx - 1) % N);
-    q_live   [N * b * nq]     1 if my Q tile i (of batch row bi) sees some key of shard r;
-    k_live   [N * b * nk]     1 if K/V tile j of shard r is seen by some of my queries;
+    q_live   [N * b * nq]     1 (live) if my Q tile i (of batch row bi) sees some key of shard r, else 0;
+    k_live   [N * b * nk]     1 (live) if K/V tile j of shard r is seen by some of my queries, else 0;
     q_bounds [b * nq * 4]     (pos_min, pos_max, seg_min, seg_max) of each of my Q tiles;
     k_bounds [N * b * nk * 4] the same for each K/V tile of every shard (`tiles.tile_bounds`).
-    A tile is skipped when ``masks.bounds_empty`` proves it empty from these bounds (`tile_visible`),
-    and a Q (K/V) tile that is not live in a hop costs no DMA at all: O(tiles) of SMEM, not
-    O(tiles^2). Building ``k_bounds`` needs every shard's k positions: an ``all_gather`` of int32
+    A tile is skipped when ``masks.bounds_empty`` proves it empty from these bounds (`tile_empty`),
+    and a Q (K/V) tile that is not live in a hop (all its tiles empty) costs no DMA at all: O(tiles)
+    of SMEM, not O(tiles^2). Building ``k_bounds`` needs every shard's k positions: an ``all_gather`` of int32
     metadata only; the K/V themselves move inside the kernel.
     """
     n, hop = I32(cfg.axis_size), cfg.hop
@@ -76,20 +76,21 @@ def schedule(cfg, qs, kv):
 
 
 def live(table_ref, kv_idx, bi, i, b, n_tiles):
-    """bool scalar: entry (kv_idx, bi, i) of a ``q_live`` / ``k_live`` table (`schedule`)."""
+    """bool scalar: entry (kv_idx, bi, i) of a ``q_live`` / ``k_live`` table (`schedule`); True = live
+    (the tile is not empty against every tile of the other side: it must be loaded)."""
     return table_ref[(kv_idx * I32(b) + bi) * I32(n_tiles) + i] == 1
 
 
-def tile_visible(cfg, tables, shape, kv_idx, bi, i, j):
-    """bool scalar: tile (Q tile i, K/V tile j) of batch row ``bi`` against shard ``kv_idx`` may hold a
-    visible pair (not proven empty by `masks.bounds_empty` on the SMEM bounds). shape = (b, nq, nk)."""
+def tile_empty(cfg, tables, shape, *, kv_idx, bi, i, j):
+    """bool scalar, True = empty: `masks.bounds_empty` on the SMEM bounds proves that tile (Q tile i,
+    K/V tile j) of batch row ``bi`` against shard ``kv_idx`` holds no visible pair. shape = (b, nq, nk)."""
     qb_ref, kb_ref = tables
     b, nq, nk = shape
     nb = 4 if cfg.has_seg else 2
     q0, k0 = (bi * I32(nq) + i) * I32(4), ((kv_idx * I32(b) + bi) * I32(nk) + j) * I32(4)
     empty = bounds_empty(tuple(qb_ref[q0 + I32(c)] for c in range(nb)), tuple(kb_ref[k0 + I32(c)] for c in range(nb)),
                          causal=cfg.hop.causal, window=cfg.hop.window)
-    return jnp.bool_(True) if empty is None else jnp.logical_not(empty)
+    return jnp.bool_(False) if empty is None else empty
 
 
 # ---------------------------------------------------------------- the ring
@@ -182,27 +183,27 @@ class Stream(NamedTuple):
                 for a, (src, dst) in enumerate(self.pairs)]
 
 
-def stream_tiles(n, stream: Stream, visible: Callable, body: Callable):
-    """``body(u, buf)`` for each tile ``u < n`` with ``visible(u)``, once its copies into buffer ``buf =
+def stream_tiles(n, stream: Stream, empty: Callable, body: Callable):
+    """``body(u, buf)`` for each tile ``u < n`` that is not ``empty(u)``, once its copies into buffer ``buf =
     u % 2`` have landed. The copy of tile ``u + 1`` starts before tile ``u``'s is waited on, so one
-    tile's DMA overlaps the previous tile's compute; an invisible tile costs neither DMA nor compute.
+    tile's DMA overlaps the previous tile's compute; an empty tile costs neither DMA nor compute.
     Buffer ``(u + 1) % 2`` is free then: it held tile ``u - 1``, whose compute is done."""
     def start(u, buf):
         for c in stream.copies(u, buf):
             c.start()
 
-    @pl.when(visible(I32(0)))
+    @pl.when(jnp.logical_not(empty(I32(0))))
     def _():
         start(I32(0), I32(0))
 
     def step(u, carry):
         buf, nxt = lax.rem(u, I32(2)), u + I32(1)
 
-        @pl.when((nxt < I32(n)) & visible(jnp.minimum(nxt, I32(n - 1))))
+        @pl.when((nxt < I32(n)) & jnp.logical_not(empty(jnp.minimum(nxt, I32(n - 1)))))
         def _():
             start(nxt, I32(1) - buf)
 
-        @pl.when(visible(u))
+        @pl.when(jnp.logical_not(empty(u)))
         def _():
             for c in stream.copies(u, buf):
                 c.wait()

@@ -108,7 +108,7 @@ def _unless_empty(compute, carry, q_bounds, k_bounds, cfg):
     return compute(carry) if empty is None else lax.cond(empty, lambda c: c, compute, carry)
 
 
-def _logits(q, k, q_pos, k_pos, q_seg, k_seg, cfg):
+def _logits(q, k, cfg, *, q_pos, k_pos, q_seg, k_seg):
     """S_ij = scale * q k^T, fp32 [block_q, block_kv], -inf where the mask forbids the pair."""
     s = cfg.scale * _dot(q, k, trans_b=True)
     allow = allowed(q_pos[:, None], k_pos[None, :], None if q_seg is None else q_seg[:, None],
@@ -133,7 +133,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
         def compute(carry):
             o, m, l, n = carry
             k, v = k_rows[kv, :], v_rows[kv, :]  # (block_kv, d)
-            s = _logits(q, k, q_pos, k_pos, q_seg, k_seg, cfg)  # (block_q, block_kv)
+            s = _logits(q, k, cfg, q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg)  # (block_q, block_kv)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row with nothing seen yet: exp(-inf) = 0
             p = jnp.exp(s - m_safe[:, None])  # masked: exp(-inf) = 0
@@ -224,7 +224,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos
 
         def compute(dq):
             k, v = k_rows[kv, :], v_rows[kv, :]
-            _, ds = _tile_grads(_logits(q, k, q_pos, k_pos, q_seg, k_seg, cfg), do, v, lse, delta)
+            s = _logits(q, k, cfg, q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg)
+            _, ds = _tile_grads(s, do, v, lse, delta)
             return dq + cfg.scale * _dot(ds.astype(k.dtype), finite_part(k))  # dQ_i += dS_ij K_j (a masked NaN K: 0)
 
         return _unless_empty(compute, dq, _bounds(q_pos, q_seg), _bounds(k_pos, k_seg), cfg)
@@ -250,7 +251,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_po
             def compute(carry):
                 dk, dv = carry
                 q, do = q_rows[rows, member, :], do_rows[rows, member, :]  # (block_q, d)
-                s = _logits(q, k, q_pos, k_pos, q_seg, k_seg, cfg)
+                s = _logits(q, k, cfg, q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg)
                 p, ds = _tile_grads(s, do, v, lse_rows[member, rows], delta_rows[member, rows])
                 dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)  # dV_j += P_ij^T dO_i
                 dk = dk + cfg.scale * _dot(ds.astype(q.dtype), q, trans_a=True)  # dK_j += dS_ij^T Q_i

@@ -113,7 +113,7 @@ def _unless_empty(body, qb_ref, kb_ref, tile, cfg, segments):
         pl.when(jnp.logical_not(empty))(body)
 
 
-def _logits(q, k, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, cfg):
+def _logits(q, k, cfg, *, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref):
     """fp32 [block_q, block_kv] ``scale * q k^T``, -inf where masked; positions from a (block_q, 128)
     query column and an (8, block_kv) key row."""
     s = cfg.scale * _dot(q, k, _NT)
@@ -141,7 +141,8 @@ def _fwd_kernel(qb_ref, kb_ref, res_ref,                                    # SM
 
     def _compute():
         v = v_ref[...]
-        s = _logits(q_ref[...], k_ref[...], q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, cfg)  # (block_q, block_kv)
+        s = _logits(q_ref[...], k_ref[...], cfg, q_pos_ref=q_pos_ref, k_pos_ref=k_pos_ref,  # (block_q, block_kv)
+                    q_seg_ref=q_seg_ref, k_seg_ref=k_seg_ref)
         m_prev = m_sc[...]  # (block_q, 128), lane-replicated
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row with nothing seen yet: exp(-inf) = 0
@@ -249,7 +250,8 @@ def _dq_kernel(qb_ref, kb_ref, res_ref,
 
     def _compute():
         k = k_ref[...]
-        s = _logits(q_ref[...], k, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, cfg)
+        s = _logits(q_ref[...], k, cfg, q_pos_ref=q_pos_ref, k_pos_ref=k_pos_ref, q_seg_ref=q_seg_ref,
+                    k_seg_ref=k_seg_ref)
         _, ds = _tile_grads(s, do_ref[...], v_ref[...], lse_ref[...], delta_ref[...])
         acc_sc[...] += cfg.scale * _dot(ds.astype(k.dtype), finite_keys(k), _NN)  # a masked NaN key stays out
 
@@ -274,7 +276,8 @@ def _dkv_kernel(qb_ref, kb_ref, res_ref,
 
     def _compute():
         q, do = q_ref[...], do_ref[...]
-        s = _logits(q, k_ref[...], q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, cfg)
+        s = _logits(q, k_ref[...], cfg, q_pos_ref=q_pos_ref, k_pos_ref=k_pos_ref, q_seg_ref=q_seg_ref,
+                    k_seg_ref=k_seg_ref)
         p, ds = _tile_grads(s, do, v_ref[...], lse_ref[...], delta_ref[...])
         dv_sc[...] += _dot(p.astype(do.dtype), do, _TN)  # dV_j += P_ij^T dO_i
         dk_sc[...] += cfg.scale * _dot(ds.astype(q.dtype), q, _TN)  # dK_j += dS_ij^T Q_i
@@ -287,7 +290,7 @@ def _dkv_kernel(qb_ref, kb_ref, res_ref,
         dv_ref[...] = dv_sc[...]
 
 
-def _bwd_call(kernel, name, grid, specs, prefetch, args, out_specs, out_shape, scratch, interpret, vmem_limit):
+def _bwd_call(kernel, name, grid, *, specs, prefetch, args, out_specs, out_shape, scratch, interpret, vmem_limit):
     """One backward pallas_call: batch, heads and the outer tile axis in parallel, the rest in order."""
     return pl.pallas_call(
         kernel,
@@ -316,16 +319,18 @@ def _backward(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit):
     sp = _qmajor_specs(cfg, d, group, n_q, n_kv)
     in_specs = [sp["q"], sp["kv"], sp["kv"], sp["q"], sp["stat"], sp["stat"]] + _pos_specs(sp, segments)
     dq = _bwd_call(functools.partial(_dq_kernel, **static), "ring_hop_bwd_dq_tpu", (b, h, n_q, n_kv),
-                   in_specs, prefetch_q, args, sp["q"], out_struct((b, h, sq, d), jnp.float32, q),
-                   [pltpu.VMEM((cfg.block_q, d), jnp.float32)], interpret, vmem_limit)
+                   specs=in_specs, prefetch=prefetch_q, args=args, out_specs=sp["q"],
+                   out_shape=out_struct((b, h, sq, d), jnp.float32, q),
+                   scratch=[pltpu.VMEM((cfg.block_q, d), jnp.float32)], interpret=interpret, vmem_limit=vmem_limit)
 
     # dK, dV: grid (b, kv heads, K/V tiles, group heads, Q tiles); the last two accumulate in scratch.
     sp = _kvmajor_specs(cfg, d, group, n_q, n_kv)
     in_specs = [sp["q"], sp["kv"], sp["kv"], sp["q"], sp["stat"], sp["stat"]] + _pos_specs(sp, segments)
     dk, dv = _bwd_call(functools.partial(_dkv_kernel, group=group, **static), "ring_hop_bwd_dkv_tpu",
-                       (b, hk, n_kv, group, n_q), in_specs, prefetch_kv, args, [sp["kv"], sp["kv"]],
-                       [out_struct((b, hk, sk, d), jnp.float32, q)] * 2,
-                       [pltpu.VMEM((cfg.block_kv, d), jnp.float32)] * 2, interpret, vmem_limit)
+                       (b, hk, n_kv, group, n_q), specs=in_specs, prefetch=prefetch_kv, args=args,
+                       out_specs=[sp["kv"], sp["kv"]], out_shape=[out_struct((b, hk, sk, d), jnp.float32, q)] * 2,
+                       scratch=[pltpu.VMEM((cfg.block_kv, d), jnp.float32)] * 2, interpret=interpret,
+                       vmem_limit=vmem_limit)
     return dq.swapaxes(1, 2), dk.swapaxes(1, 2), dv.swapaxes(1, 2)
 
 

@@ -206,11 +206,12 @@ def _fwd_kernel(cfg, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,          
         pairs = [(lambda j: kv_ring.at[slot, 0, bi, kv_head, cols(j), :], k_s),
                  (lambda j: kv_ring.at[slot, 1, bi, kv_head, cols(j), :], v_s)]
         pairs += [(lambda j: kmeta_ring.at[slot, bi, :, cols(j)], km_s)] if cfg.masked else []
-        visible = lambda j: fr.tile_visible(cfg, (qb_ref, kb_ref), (b, nq, nk), ring.kv_idx, bi, i, j)  # noqa: E731
+        tile_empty = lambda j: fr.tile_empty(cfg, (qb_ref, kb_ref), (b, nq, nk),  # noqa: E731
+                                             kv_idx=ring.kv_idx, bi=bi, i=i, j=j)
 
         @pl.when(live)
         def _():
-            fr.stream_tiles(nk, fr.Stream(tuple(pairs), tile_sems), visible, kv_tile)
+            fr.stream_tiles(nk, fr.Stream(tuple(pairs), tile_sems), tile_empty, kv_tile)
 
         @pl.when(last)
         def _():
@@ -243,7 +244,7 @@ def _fwd_scratch(cfg, d, dtype):
             ((2, bk, d), dtype), ((2, bk, d), dtype), ((2, 2, bk), i32)]
 
 
-def _call(kernel, name, cfg, out_shape, in_specs, out_specs, scratch):
+def _call(kernel, name, cfg, *, out_shape, in_specs, out_specs, scratch):
     return pl.pallas_call(
         functools.partial(kernel, cfg),
         out_shape=out_shape,
@@ -279,8 +280,8 @@ def _fwd_call(cfg, sched, q_t, qmeta, kv, kmeta):
                                     ((2,) + kv.shape, kv.dtype), ((2,) + kmeta.shape, jnp.int32))
     sems = [pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA((3, 2)), pltpu.SemaphoreType.DMA((2,)),
             pltpu.SemaphoreType.DMA((2, 2)), pltpu.SemaphoreType.REGULAR]
-    call = _call(_fwd_kernel, "ring_fused_fwd_tpu", cfg, out_shape, [_ANY] * 4, out_specs,
-                 _vmem(_fwd_scratch(cfg, d, q_t.dtype)) + sems)
+    call = _call(_fwd_kernel, "ring_fused_fwd_tpu", cfg, out_shape=out_shape, in_specs=[_ANY] * 4,
+                 out_specs=out_specs, scratch=_vmem(_fwd_scratch(cfg, d, q_t.dtype)) + sems)
     o, stat, _, _, _, cnt = call(*sched, q_t, qmeta, kv, kmeta)
     return o, stat, cnt
 
@@ -359,11 +360,12 @@ def _bwd_kernel(cfg, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,          
             dv_v[...] += _dot(p.astype(do.dtype), do, ((0,), (0,)))          # dV_j += P^T dO_i
             dk_v[...] += _dot(ds.astype(q.dtype), q, ((0,), (0,))) * scale   # dK_j += dS^T Q_i
 
-        visible = lambda u: fr.tile_visible(cfg, tables, shape, ring.kv_idx, bi, lax.rem(u, I32(nq)), j)  # noqa: E731
+        tile_empty = lambda u: fr.tile_empty(cfg, tables, shape,  # noqa: E731
+                                             kv_idx=ring.kv_idx, bi=bi, i=lax.rem(u, I32(nq)), j=j)
 
         @pl.when(live)
         def _():
-            fr.stream_tiles(group * nq, fr.Stream(tuple(pairs), q_sems), visible, q_tile)
+            fr.stream_tiles(group * nq, fr.Stream(tuple(pairs), q_sems), tile_empty, q_tile)
 
         @pl.when(live | first)
         def _():
@@ -400,11 +402,11 @@ def _bwd_kernel(cfg, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,          
         pairs = [(lambda j: kv_ring.at[slot, 0, bi, kv_head, cols(j), :], k_s),
                  (lambda j: kv_ring.at[slot, 1, bi, kv_head, cols(j), :], v_s)]
         pairs += [(lambda j: kmeta_ring.at[slot, bi, :, cols(j)], km_s)] if cfg.masked else []
-        visible = lambda j: fr.tile_visible(cfg, tables, shape, ring.kv_idx, bi, i, j)  # noqa: E731
+        tile_empty = lambda j: fr.tile_empty(cfg, tables, shape, kv_idx=ring.kv_idx, bi=bi, i=i, j=j)  # noqa: E731
 
         @pl.when(live)
         def _():
-            fr.stream_tiles(nk, fr.Stream(tuple(pairs), kv_sems), visible, k_tile)
+            fr.stream_tiles(nk, fr.Stream(tuple(pairs), kv_sems), tile_empty, k_tile)
 
         @pl.when(live | first)
         def _():
@@ -433,16 +435,17 @@ def _bwd_scratch(cfg, d, dtype):
             + [q, q, st, qm, ((bq, d), f32), two(k), two(k), two(km)])
 
 
-def _bwd_call(cfg, sched, q_t, do_t, stat, qmeta, kv, kmeta):
-    """-> dq [b, h, sq, d] float32, dkv ring [2, 2, b, hk, sk, d] float32 (home: slot N % 2), count or None."""
+def _bwd_call(cfg, sched, q_t, qmeta, kv, kmeta, *, do_t, stat):
+    """The backward's inputs as `_fwd_call`'s, plus do_t (like q_t) and stat [b, h, sq, 256] = [lse | delta]
+    -> dq [b, h, sq, d] float32, dkv ring [2, 2, b, hk, sk, d] float32 (home: slot N % 2), count or None."""
     f32 = jnp.float32
     q_t, do_t, stat, qmeta, kv, kmeta = same_vma(q_t, do_t, stat, qmeta, kv, kmeta)
     out_shape, out_specs = _outputs(cfg, q_t, (q_t.shape, f32), ((2,) + kv.shape, kv.dtype),
                                     ((2,) + kmeta.shape, jnp.int32), ((2,) + kv.shape, f32))
     sems = [pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA((4, 2)), pltpu.SemaphoreType.DMA((3, 2)),
             pltpu.SemaphoreType.DMA((3,)), pltpu.SemaphoreType.DMA((3, 2)), pltpu.SemaphoreType.REGULAR]
-    call = _call(_bwd_kernel, "ring_fused_bwd_tpu", cfg, out_shape, [_ANY] * 6, out_specs,
-                 _vmem(_bwd_scratch(cfg, q_t.shape[-1], q_t.dtype)) + sems)
+    call = _call(_bwd_kernel, "ring_fused_bwd_tpu", cfg, out_shape=out_shape, in_specs=[_ANY] * 6,
+                 out_specs=out_specs, scratch=_vmem(_bwd_scratch(cfg, q_t.shape[-1], q_t.dtype)) + sems)
     dq, _, _, dkv, cnt = call(*sched, q_t, do_t, stat, qmeta, kv, kmeta)
     return dq, dkv, cnt
 
@@ -479,7 +482,8 @@ def _backward(cfg, qs, kv, *, o, lse, do, dlse):
     delta = delta - dlse.astype(jnp.float32)
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # a row that saw nothing: every p is 0 anyway
     stat = jnp.concatenate([_lanes(lse.astype(jnp.float32)), _lanes(delta)], axis=-1)  # (b, h, sq, 256)
-    dq, dkv, cnt = _bwd_call(cfg, fr.schedule(cfg, qs, kv), q_t, do.transpose(0, 2, 1, 3), stat, qmeta, kv_t, kmeta)
+    dq, dkv, cnt = _bwd_call(cfg, fr.schedule(cfg, qs, kv), q_t, qmeta, kv_t, kmeta,
+                             do_t=do.transpose(0, 2, 1, 3), stat=stat)
     home = cfg.axis_size % 2 if cfg.axis_size > 1 else 0  # after N sends (none when N == 1)
     dk, dv = dkv[home].transpose(0, 1, 3, 2, 4)           # (b, sk, hk, d) each
     return dq.transpose(0, 2, 1, 3).astype(qs.q.dtype), dk.astype(kv.k.dtype), dv.astype(kv.v.dtype), cnt
