@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 
 import jax.numpy as jnp
 
-from .kernels import GPU_PLATFORMS, IMPLS, budgets
+from .kernels import GPU_PLATFORMS, IMPLS
 
 KERNEL_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 _AUTO = {"tpu": "pallas_tpu_fused", **{p: "pallas_gpu" for p in GPU_PLATFORMS}}
@@ -59,6 +59,12 @@ def check_kernel_dtypes(impl, q, k, v):
                          f"v {dtypes[2]} (cast them first, or use impl='xla')")
 
 
+def _chip_known(device_kind):
+    from .kernels import budgets  # no numpy tables on import: kernels' modules load when first used
+
+    return budgets.knows(device_kind)
+
+
 def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, fused_ok=True, device_kind=None):
     """The concrete impl for this call, or a ValueError naming what does not fit (bias, dropout, dtype,
     platform). Attention dropout runs in the XLA hop only: ``"auto"`` picks it, as it does on a TPU or
@@ -76,7 +82,7 @@ def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, fu
     if impl == "auto":
         impl = "xla" if has_bias or has_dropout else _AUTO.get(platform, "xla")
         impl = "pallas_tpu" if impl == "pallas_tpu_fused" and not fused_ok else impl
-        if impl != "xla" and platform != "cpu" and not budgets.knows(device_kind):
+        if impl != "xla" and platform != "cpu" and not _chip_known(device_kind):
             impl = "xla"  # a chip without a memory row: nothing to check a kernel's tiles against
         if impl != "xla":
             try:
