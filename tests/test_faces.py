@@ -78,6 +78,42 @@ def test_adapters_model_and_inference_on_an_explicit_mesh():
     assert max_abs_error(o1[:1, 0], full[:, -1]) < 1e-5
 
 
+SHARD_FNS = {"ring": rf.ring_attention_shard, "allgather": rf.allgather_attention_shard,
+             "ulysses": rf.ulysses_attention_shard}
+
+
+@pytest.mark.parametrize("name", SHARD_FNS)
+def test_every_shard_function_inside_shard_map_over_an_explicit_mesh(name):
+    """The ``*_shard`` functions called in the user's own ``jax.shard_map`` over a ``jax.make_mesh`` mesh
+    (Explicit axes), forward and gradient: the float64 oracle's answer."""
+    q, k, v = random_qkv(1, 32, 4, 2, 8, seed=6)
+    mesh, spec = explicit_mesh(), jax.P(None, "sp")
+    ring = jax.shard_map(lambda q, k, v: SHARD_FNS[name](q, k, v, axis_name="sp", causal=True), mesh=mesh,
+                         in_specs=(spec,) * 3, out_specs=spec)
+    put = lambda x: jax.device_put(x, jax.NamedSharding(mesh, spec))  # noqa: E731
+    o = jax.jit(ring)(put(q), put(k), put(v))
+    assert max_abs_error(o, ref.attention(q, k, v, causal=True)) < 1e-5
+    dq = jax.jit(jax.grad(lambda q, k, v: ring(q, k, v).sum()))(put(q), put(k), put(v))
+    dq_auto = jax.grad(lambda q: rf.ring_attention(q, k, v, mesh=rf.make_mesh(4), causal=True).sum())(q)
+    assert max_abs_error(dq, dq_auto) < 1e-5
+
+
+def test_twin_and_inference_under_set_mesh_with_no_mesh_argument():
+    """``mesh=None`` under ``jax.set_mesh(jax.make_mesh(...))``: the twin and a cache made there use that
+    mesh (Explicit axes), jitted and eager."""
+    mesh = explicit_mesh()
+    q, k, v = random_qkv(2, 32, 4, 2, 8, seed=7)
+    with jax.set_mesh(mesh):
+        o = jax.jit(lambda q, k, v: rf.dot_product_attention(q, k, v, is_causal=True))(q, k, v)
+        cache = rf.init_cache(2, 64, 2, 8)
+        o_pre, cache = rf.prefill(q[:, :8], k[:, :8], v[:, :8], cache)
+        o_dec, cache = rf.decode_step(q[:, 8:9], k[:, 8:9], v[:, 8:9], cache)
+    assert max_abs_error(o, jax.nn.dot_product_attention(q, k, v, is_causal=True)) < 1e-5
+    assert cache.mesh.shape == mesh.shape and cache.lengths.tolist() == [9, 9]
+    want = ref.attention(q[:, :9], k[:, :9], v[:, :9], causal=True)
+    assert max_abs_error(o_pre, want[:, :8]) < 1e-5 and max_abs_error(o_dec[:, 0], want[:, 8]) < 1e-5
+
+
 def test_the_cache_remembers_its_mesh():
     """A cache made on a 4-device mesh is used there with ``mesh=None`` (it used to resolve the default
     8-device mesh and fail); another mesh is a ValueError naming ``mesh``, the cache untouched."""
@@ -145,6 +181,27 @@ def test_bad_input_is_one_value_error_raised_before_tracing(name, monkeypatch):
     runs.clear()
     rf.ring_attention(q, k, v, mesh=rf.make_mesh(2), causal=True)
     assert len(runs) == 1  # one round of checks per call, none again per host
+
+
+PUBLIC = {"ring_attention": (rf.ring_attention, "ring.py"), "allgather_attention": (rf.allgather_attention, "allgather.py"),
+          "ulysses_attention": (rf.ulysses_attention, "ulysses.py")}
+
+
+@pytest.mark.parametrize("fn", PUBLIC)
+@pytest.mark.parametrize("name", ["scale", "causal", "block_q", "impl"])
+def test_every_strategy_raises_once_from_its_own_frame(fn, name, monkeypatch):
+    """As above for the all-gather and Ulysses too: one ValueError naming the argument, one round of
+    checks, no jax frame, the public function's module the outermost library frame."""
+    q, k, v = random_qkv(1, 16, 2, 2, 8, seed=5)
+    runs = []
+    monkeypatch.setattr(front, "check_settings", lambda *a, _f=front.check_settings, **kw: runs.append(1) or _f(*a, **kw))
+    call, module = PUBLIC[fn]
+    with pytest.raises(ValueError, match=name) as err:
+        call(q, k, v, mesh=rf.make_mesh(2), **BAD_CALLS[name])
+    files = [frame.filename for frame in traceback.extract_tb(err.value.__traceback__)]
+    assert not [f for f in files if os.sep + "jax" + os.sep in f], files
+    assert files[1].endswith(os.path.join("ringattn_fast", module)), files
+    assert len(runs) <= 1
 
 
 def test_importing_the_package_imports_no_pallas():
