@@ -183,7 +183,8 @@ def test_bad_input_is_one_value_error_raised_before_tracing(name, monkeypatch):
     assert len(runs) == 1  # one round of checks per call, none again per host
 
 
-PUBLIC = {"ring_attention": (rf.ring_attention, "ring.py"), "allgather_attention": (rf.allgather_attention, "allgather.py"),
+PUBLIC = {"ring_attention": (rf.ring_attention, "ring.py"),
+          "allgather_attention": (rf.allgather_attention, "allgather.py"),
           "ulysses_attention": (rf.ulysses_attention, "ulysses.py")}
 
 
@@ -194,7 +195,8 @@ def test_every_strategy_raises_once_from_its_own_frame(fn, name, monkeypatch):
     checks, no jax frame, the public function's module the outermost library frame."""
     q, k, v = random_qkv(1, 16, 2, 2, 8, seed=5)
     runs = []
-    monkeypatch.setattr(front, "check_settings", lambda *a, _f=front.check_settings, **kw: runs.append(1) or _f(*a, **kw))
+    counted = lambda *a, _f=front.check_settings, **kw: runs.append(1) or _f(*a, **kw)  # noqa: E731
+    monkeypatch.setattr(front, "check_settings", counted)
     call, module = PUBLIC[fn]
     with pytest.raises(ValueError, match=name) as err:
         call(q, k, v, mesh=rf.make_mesh(2), **BAD_CALLS[name])
