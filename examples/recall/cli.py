@@ -124,16 +124,16 @@ def main(argv=None):
             preset[name] = getattr(args, name)
     check(p, args, preset)
     config = dict(preset, layout=args.layout, dtype=args.dtype, seed=args.seed, compare_dtypes=args.compare_dtypes)
-    try:
-        checkpoints = Checkpoints(args.checkpoint_dir or os.path.join(args.out, "checkpoints"),
-                                  every=args.checkpoint_every, config=config, resume=args.resume)
-    except ValueError as err:
-        p.error(str(err))
     with devices_and_cache(preset["devices"], sys.stderr), Stop() as stop:
         import jax
         if preset["devices"] > jax.device_count():
             p.error(f"--devices must be at most the {jax.device_count()} {jax.default_backend()} devices here; "
                     f"got {preset['devices']}")
+        try:  # after every check: a fresh run (no --resume) clears the old checkpoints
+            checkpoints = Checkpoints(args.checkpoint_dir or os.path.join(args.out, "checkpoints"),
+                                      every=args.checkpoint_every, config=config, resume=args.resume)
+        except ValueError as err:
+            p.error(str(err))
         try:
             metrics = experiment.run_experiment(layout=args.layout, dtype=args.dtype, seed=args.seed,
                                                 compare_dtypes=args.compare_dtypes, checkpoints=checkpoints,
