@@ -5,10 +5,13 @@ Reading order: ``attention`` (the oracle) -> ``softmax`` (online softmax, merge)
 ``feedforward`` -> ``cost`` -> ``viz`` -> ``testing``; ``packing`` for packed documents;
 ``strategies`` (all-gather and Ulysses beside the ring) -> ``strategy_cost`` (which one to use).
 Serving: ``inference`` (a KV cache over the hosts, ring prefill, decode with a merge tree).
+Programming attention: ``variants`` (mask and score functions of true positions; the oracle takes
+``mask_fn``, ``score_fn``, ``logit_softcap``, ``sinks``, a value width of its own and ``t != s``).
 
 Plain imports: every module needs only numpy (matplotlib and hypothesis are imported inside the
 functions that use them), so importing all of them costs a few milliseconds beyond numpy.
 """
+from . import variants
 from .attention import attention
 from .backward import hop_attention_vjp, ring_attention_vjp
 from .blockwise import blockwise_attention, hop_attention

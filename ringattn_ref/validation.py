@@ -21,16 +21,20 @@ def is_float_dtype(dtype):
     return np.issubdtype(dtype, np.floating) or dtype.name.startswith(("bfloat", "float"))
 
 
-def check_qkv(q, k, v):
-    """Check q/k/v shapes and dtypes; return ``(batch, seq, heads, kv_heads, dim)``.
-
-    q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim] with heads % kv_heads == 0.
-    """
+def _check_4d_float(q, k, v):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if len(x.shape) != 4:
             raise ValueError(f"{name} must be 4-D [batch, seq, heads, dim]; got shape {tuple(x.shape)}")
         if not is_float_dtype(x.dtype):
             raise ValueError(f"{name} must be a floating-point array; got dtype {x.dtype}")
+
+
+def check_qkv(q, k, v):
+    """Check q/k/v shapes and dtypes; return ``(batch, seq, heads, kv_heads, dim)``.
+
+    q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim] with heads % kv_heads == 0.
+    """
+    _check_4d_float(q, k, v)
     if q.shape[1] < 1:
         raise ValueError(f"q must hold at least one token; got shape {tuple(q.shape)} (seq = 0)")
     if tuple(k.shape) != tuple(v.shape):
@@ -45,6 +49,49 @@ def check_qkv(q, k, v):
         raise ValueError(f"q heads ({h}) must be divisible by k/v heads ({kh}) for GQA/MQA; "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}")
     return b, s, h, kh, d
+
+
+def check_attention_shapes(q, k, v):
+    """Shapes of the general attention the oracle computes; return ``(batch, t, s, heads, kv_heads, dim, dim_v)``.
+
+    q: [batch, t, heads, dim]; k: [batch, s, kv_heads, dim]; v: [batch, s, kv_heads, dim_v]: queries and
+    keys may differ in length (cross-attention, ``t != s``) and values in width (MLA: ``dim_v != dim``).
+    """
+    _check_4d_float(q, k, v)
+    (b, t, h, d), (kb, s, kh, kd), (vb, vs, vh, dv) = q.shape, k.shape, v.shape
+    if t < 1 or s < 1:
+        raise ValueError(f"q and k must hold at least one token; got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if (kb, kd) != (b, d) or (vb, vs, vh) != (b, s, kh):
+        raise ValueError(f"need q [batch={b}, t, heads, dim={d}], k [batch={b}, s, kv_heads, dim={d}] and v "
+                         f"[batch={b}, s, kv_heads, dim_v] (v like k but its width); got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if kh < 1 or h % kh:
+        raise ValueError(f"q heads ({h}) must be divisible by k/v heads ({kh}) for GQA/MQA; "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return b, t, s, h, kh, d, dv
+
+
+def check_softcap(logit_softcap):
+    """``logit_softcap``: None, or a positive finite real number (not a bool): ``s = c * tanh(s / c)``."""
+    if logit_softcap is None:
+        return None
+    if isinstance(logit_softcap, (bool, np.bool_)) or not isinstance(logit_softcap, (int, float, np.number)):
+        raise ValueError(f"logit_softcap must be a positive finite real number (not a bool or a string); got "
+                         f"{logit_softcap!r} of type {type(logit_softcap).__name__}")
+    if not (np.isfinite(logit_softcap) and logit_softcap > 0):
+        raise ValueError(f"logit_softcap must be a positive finite number; got {logit_softcap!r}")
+    return float(logit_softcap)
+
+
+def check_sinks(sinks, heads):
+    """``sinks``: None, or one float logit per query head, shape ``[heads]``."""
+    if sinks is None:
+        return None
+    shape, dtype = tuple(np.shape(sinks)), getattr(sinks, "dtype", None) or np.asarray(sinks).dtype
+    if shape != (heads,) or not is_float_dtype(dtype):
+        raise ValueError(f"sinks must be a floating-point array of shape [heads] = ({heads},), one logit per "
+                         f"query head; got {dtype} {shape}")
+    return sinks
 
 
 def check_scale(scale, dim):
@@ -134,7 +181,7 @@ def check_int32_values(x, name, *, low=-INT32_MAX - 1, traced_wide_ok=False):
     return x
 
 
-def check_segment_ids(segment_ids, batch, seq):
+def check_segment_ids(segment_ids, batch, seq, name="segment_ids"):
     """segment_ids: int [batch, seq] or None, values in ``[-2**31 + 2, 2**31)``.
 
     The two smallest int32 values are reserved: ``-2**31`` (``ringattn_fast.padding.NO_KEY``, the id
@@ -146,13 +193,13 @@ def check_segment_ids(segment_ids, batch, seq):
         return None
     shape = tuple(segment_ids.shape)
     if shape != (batch, seq):
-        raise ValueError(f"segment_ids must have shape [batch, seq] = {(batch, seq)}; got {shape}")
+        raise ValueError(f"{name} must have shape [batch, seq] = {(batch, seq)}; got {shape}")
     values = concrete_values(segment_ids) if np.issubdtype(np.dtype(segment_ids.dtype), np.integer) else None
     if values is not None and values.size and SEGMENT_MIN - 2 <= values.min() < SEGMENT_MIN:
-        raise ValueError(f"segment_ids must not hold the reserved ids -2**31 and -2**31 + 1 (padding.NO_KEY, "
+        raise ValueError(f"{name} must not hold the reserved ids -2**31 and -2**31 + 1 (padding.NO_KEY, "
                          f"padding.PADDING: the padding's own ids); got a minimum of {values.min()}; any other "
                          f"int32 id is yours")
-    return check_int32_values(segment_ids, "segment_ids", low=SEGMENT_MIN)
+    return check_int32_values(segment_ids, name, low=SEGMENT_MIN)
 
 
 def check_positions(positions, batch, seq, name="positions"):
@@ -165,12 +212,13 @@ def check_positions(positions, batch, seq, name="positions"):
     return check_int32_values(positions, name, low=0, traced_wide_ok=True)
 
 
-def check_bias(bias, batch, heads, seq):
-    """bias: broadcastable to [batch, heads, seq, seq] (each dim equal or 1), float, or None."""
+def check_bias(bias, batch, heads, seq, kv_seq=None):
+    """bias: broadcastable to [batch, heads, seq, kv_seq] (each dim equal or 1; ``kv_seq`` defaults to
+    ``seq``), float, or None."""
     if bias is None:
         return None
     shape = tuple(bias.shape)
-    need = (batch, heads, seq, seq)
+    need = (batch, heads, seq, seq if kv_seq is None else kv_seq)
     if len(shape) != 4 or any(g not in (1, n) for g, n in zip(shape, need)):
         raise ValueError(f"bias must be broadcastable to [batch, heads, seq, seq] = {need} "
                          f"(each dim equal or 1, 4-D); got shape {shape}")

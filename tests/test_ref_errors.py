@@ -24,10 +24,12 @@ def blockwise(q, k, v, **kw):
 
 ALL = [attention, blockwise, ring, vjp]
 RING = [ring, vjp]
+SELF = [blockwise, ring, vjp]  # the oracle also takes t != s and a value width of its own (test_ref_variants)
 
 CASES = [  # (functions, q, k, v, kwargs, message pattern)
-    (ALL, Q, K[:, :8], V[:, :8], {}, r"k/v shape \(2, 8, 2, 3\) does not match q shape"),
-    (ALL, Q, K, V[..., :2], {}, r"k and v must have the same shape"),
+    (SELF, Q, K[:, :8], V[:, :8], {}, r"k/v shape \(2, 8, 2, 3\) does not match q shape"),
+    (SELF, Q, K, V[..., :2], {}, r"k and v must have the same shape"),
+    ([attention], Q, K[:, :, :, :2], V, {}, r"need q \[batch=2, t, heads, dim=3\], k \[batch=2, s, kv_heads, dim=3\]"),
     (ALL, Q[0], K, V, {}, r"q must be 4-D \[batch, seq, heads, dim\]; got shape \(16, 4, 3\)"),
     (ALL, Q, rng.normal(size=(B, S, 3, D)), rng.normal(size=(B, S, 3, D)), {},
      r"q heads \(4\) must be divisible by k/v heads \(3\)"),

@@ -1,0 +1,101 @@
+"""Attention you can program: mask and score functions of true positions, and the built-ins as such.
+
+A **mask function** ``mask_fn(q_pos, k_pos, q_seg, k_seg, head) -> bool`` says which (query, key) pairs
+may attend; a **score function** ``score_fn(s, q_pos, k_pos, head) -> s`` rewrites the scaled logits
+(FlexAttention's ``mask_mod`` / ``score_mod``, Dong et al. 2024). Both see *true* positions, so every
+layout gives the same answer, and both are called on arrays that broadcast to ``[batch, heads, q, k]``:
+
+- ``q_pos``, ``q_seg``: ``[b|1, 1, q, 1]``; ``k_pos``, ``k_seg``: ``[b|1, 1, 1, k]`` (int; segment ids are
+  0 everywhere when the call has none); ``head``: ``[1, heads, 1, 1]`` (int: the query head);
+- ``s``: ``[b, heads, q, k]`` float, after the scale (and ``logit_softcap``) and before the mask.
+
+The oracle (:func:`ringattn_ref.attention.attention`) calls them once on the whole ``[T, S]`` grid; the
+ring and the kernels call them per tile, with tile-shaped arrays of the same rank, so a function must
+use only elementwise operations that broadcast (no reductions over positions, no shape of its own).
+Written with operators and ``x.__array_namespace__()`` (numpy >= 2 and jax.numpy both have it), each
+function here runs on numpy in the oracle and on jax.numpy in a hop or a kernel.
+
+The built-ins below equal the keywords where one exists (``causal=True`` is :func:`causal`, ``window``
+is :func:`window`, ``segment_ids`` is :func:`document`, ``logit_softcap=c`` is :func:`softcap`); the
+others are what models use: prefix-LM (T5, PaLI), chunked local attention (Llama 4), StreamingLLM's
+sink tokens plus a window (Xiao et al. 2023), ALiBi (Press et al. 2022).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def causal(q_pos, k_pos, q_seg, k_seg, head):
+    """A key at or before the query: ``k <= q``."""
+    return k_pos <= q_pos
+
+
+def window(left, right):
+    """``q - left <= k <= q + right`` (-1: unbounded on that side), the ``window=(left, right)`` keyword."""
+    def mask_fn(q_pos, k_pos, q_seg, k_seg, head):
+        ok = (k_pos - q_pos) == (k_pos - q_pos)  # all True, broadcast
+        if left >= 0:
+            ok = ok & (q_pos - k_pos <= left)
+        if right >= 0:
+            ok = ok & (k_pos - q_pos <= right)
+        return ok
+    return mask_fn
+
+
+def document(q_pos, k_pos, q_seg, k_seg, head):
+    """Packed documents see only their own: equal segment ids (the ``segment_ids`` keyword)."""
+    return q_seg == k_seg
+
+
+def prefix_lm(prefix):
+    """Bidirectional over the first ``prefix`` positions, causal after them."""
+    def mask_fn(q_pos, k_pos, q_seg, k_seg, head):
+        return (k_pos < prefix) | (k_pos <= q_pos)
+    return mask_fn
+
+
+def chunked_local(chunk):
+    """Causal inside chunks of ``chunk`` positions, nothing across them (Llama 4's local layers)."""
+    def mask_fn(q_pos, k_pos, q_seg, k_seg, head):
+        return (q_pos // chunk == k_pos // chunk) & (k_pos <= q_pos)
+    return mask_fn
+
+
+def streaming(n_sinks, recent):
+    """StreamingLLM: causal, each query sees the first ``n_sinks`` positions and the ``recent`` before it."""
+    def mask_fn(q_pos, k_pos, q_seg, k_seg, head):
+        return (k_pos <= q_pos) & ((k_pos < n_sinks) | (q_pos - k_pos <= recent))
+    return mask_fn
+
+
+def both(*mask_fns):
+    """The pairs every one of ``mask_fns`` allows."""
+    def mask_fn(q_pos, k_pos, q_seg, k_seg, head):
+        ok = mask_fns[0](q_pos, k_pos, q_seg, k_seg, head)
+        for fn in mask_fns[1:]:
+            ok = ok & fn(q_pos, k_pos, q_seg, k_seg, head)
+        return ok
+    return mask_fn
+
+
+def softcap(c):
+    """Gemma 2's logit soft-capping as a score function: ``c * tanh(s / c)`` (the ``logit_softcap`` keyword)."""
+    def score_fn(s, q_pos, k_pos, head):
+        return c * s.__array_namespace__().tanh(s / c)
+    return score_fn
+
+
+def alibi_slopes(heads):
+    """ALiBi's per-head slopes ``2 ** (-8 (i + 1) / heads)`` (Press et al. 2022, Sec. 3), float64 ``[heads]``."""
+    return 2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)
+
+
+def alibi(slopes):
+    """ALiBi: ``s - slope[head] * |q - k|``, a linear penalty on distance; ``slopes`` float ``[heads]``."""
+    slopes = np.asarray(slopes, np.float64)
+
+    def score_fn(s, q_pos, k_pos, head):
+        xp = s.__array_namespace__()
+        slope = xp.asarray(slopes, dtype=s.dtype)[head]  # (1, h, 1, 1)
+        return s - slope * xp.abs(q_pos - k_pos).astype(s.dtype)
+    return score_fn
