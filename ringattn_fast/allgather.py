@@ -47,9 +47,9 @@ def _gather_kv(kv, axis_name):
 
 
 def _scatter(x, cfg, axis):
-    """Reduce-scatter ``x`` over the hosts along ``axis``: each host keeps the sum of its block.
+    """Reduce-scatter ``x`` over the hosts along ``axis``: each host keeps the sum of its shard.
 
-    With ``grad_comm_dtype`` the blocks travel as the bits of that dtype in one all-to-all and are
+    With ``grad_comm_dtype`` the shards travel as the bits of that dtype in one all-to-all and are
     summed at home in ``x``'s dtype (float32): the same bytes as a reduce-scatter (``(N-1)/N`` of
     ``x``), one rounding per contribution, and XLA CPU cannot widen it back (it turns a bfloat16
     ``psum_scatter`` into a float32 reduce-scatter, measured).
@@ -60,15 +60,15 @@ def _scatter(x, cfg, axis):
         return lax.psum_scatter(x, cfg.axis_name, scatter_dimension=axis, tiled=True)
     n = lax.axis_size(cfg.axis_name)
     bits = comm.as_bits(x.astype(cfg.grad_comm_dtype))
-    blocks = lax.all_to_all(bits, cfg.axis_name, split_axis=axis, concat_axis=axis, tiled=True)  # host i's block i..
-    blocks = lax.bitcast_convert_type(blocks, cfg.grad_comm_dtype).astype(x.dtype)
+    shards = lax.all_to_all(bits, cfg.axis_name, split_axis=axis, concat_axis=axis, tiled=True)  # host i's shard i..
+    shards = lax.bitcast_convert_type(shards, cfg.grad_comm_dtype).astype(x.dtype)
     shape = x.shape[:axis] + (n, x.shape[axis] // n) + x.shape[axis + 1:]
-    return blocks.reshape(shape).sum(axis=axis)
+    return shards.reshape(shape).sum(axis=axis)
 
 
 def whole_kv(cfg, gather, kv, bias):
     """The K/V the hop reads: all hosts' (``gather``) or ``kv`` itself (already whole: Ulysses), marked
-    (``masks.mark_bad_keys``), with the bias block for these keys: the gathered key-only bias, or the
+    (``masks.mark_bad_keys``), with the bias for these keys: the gathered key-only bias, or the
     host's bias rows (``cfg.bias_mode`` "columns": every key column; "static": one for all)."""
     dtype, kv = kv.k.dtype, masks.mark_bad_keys_of(kv)
     if gather:

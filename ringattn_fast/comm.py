@@ -6,15 +6,15 @@ element, the hop's compute accumulates in float32 whatever the inputs. With
 rounded shard is what travels and what every hop (its own included) reads, widened back to the
 input dtype: the result is exactly attention on ``K, V`` rounded to bfloat16, accumulated in
 float32, at half the bytes. ``"float8_e4m3fn"`` / ``"float8_e5m2"`` send a quarter of the bytes: the
-shard is divided by a per-block scale first (one float per batch row and kv head of the shard:
-``amax / dtype max``, so the block's largest value lands at the top of the float8 range) and the
+shard is divided by a per-shard scale first (one float per batch row and kv head of the shard:
+``amax / dtype max``, so the shard's largest value lands at the top of the float8 range) and the
 scale travels with it (:class:`Wire`). Gradients pass straight through the rounding (those of
 attention on the rounded K/V), so the forward and the backward agree.
 
 ``grad_comm_dtype`` (default None: the float32/64 accumulators as they are) rounds the dK/dV
 accumulators to that dtype before each send; the receiver keeps accumulating in float32, so the
 rounding happens ``N`` times along the ring (once per contribution in the all-gather, which sums the
-received blocks in float32). Errors measured: ``docs/benchmarks.md``, "bfloat16 on the wire".
+received shards in float32). Errors measured: ``docs/benchmarks.md``, "bfloat16 on the wire".
 """
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 @dataclasses.dataclass(frozen=True)
 class Wire:
     """A K/V shard as sent: ``kv`` (a ``schedule.KVShard``) with k, v holding the bits of their values in
-    ``dtype`` (the comm dtype's name: static, not a leaf), and for float8 the per-block scales
-    ``k_scale, v_scale`` [b, blocks, hk, 1] (one block per shard; after an all-gather,
-    ``blocks = N``), else None."""
+    ``dtype`` (the comm dtype's name: static, not a leaf), and for float8 the per-shard scales
+    ``k_scale, v_scale`` [b, shards, hk, 1] (one per shard; after an all-gather, ``shards = N``),
+    else None."""
     kv: object
     dtype: str
     k_scale: jax.Array | None = None
@@ -93,10 +93,10 @@ def encode(kv, comm_dtype):
 
 
 def _unscale(x, scale, dtype):
-    """x [b, s, hk, d] times its blocks' scales [b, blocks, hk, 1] (``s / blocks`` tokens per block)."""
+    """x [b, s, hk, d] times its shards' scales [b, shards, hk, 1] (``s / shards`` tokens per shard)."""
     b, s, hk, d = x.shape
-    blocks = scale.shape[1]
-    x = x.astype(scale.dtype).reshape(b, blocks, s // blocks, hk, d) * scale[:, :, None]
+    shards = scale.shape[1]
+    x = x.astype(scale.dtype).reshape(b, shards, s // shards, hk, d) * scale[:, :, None]
     return x.reshape(b, s, hk, d).astype(dtype)
 
 

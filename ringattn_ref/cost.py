@@ -1,9 +1,10 @@
 """Cost and memory model of Ring Attention (Liu, Zaharia, Abbeel, arXiv:2310.01889, §3, Tables 1-2).
 
-One ring step on one host: its query block of ``c`` tokens attends to the K/V shard of ``c`` tokens it
+One ring step on one host: its query shard of ``c`` tokens attends to the K/V shard of ``c`` tokens it
 holds (``4 d c^2`` FLOPs: ``Q K^T`` and ``P V``, 2 FLOPs per multiply-add) while it sends that K/V
-block on (``4 c d`` bytes: K and V, ``c x d`` each, 2 bytes in bf16). The transfer hides behind the
-compute when ``4 d c^2 / F >= 4 c d / B``, i.e. when the block size is at least::
+shard on (``4 c d`` bytes: K and V, ``c x d`` each, 2 bytes in bf16). The transfer hides behind the
+compute when ``4 d c^2 / F >= 4 c d / B``, i.e. when the shard length ``c`` (tokens per host; the
+paper's "block size") is at least::
 
     c >= F / B        (F = FLOP/s per host, B = unidirectional host-to-host bandwidth in bytes/s)
 
@@ -12,7 +13,7 @@ asks for ``s = 6c`` tokens per host (6.2K). Over InfiniBand (12.5 GB/s) it needs
 
 Units: FLOPs, bytes and seconds. Activation formulas reproduce Table 1 as printed, and the table is
 not in one unit: vanilla attention's ``2bns^2`` is bytes in bf16 (``b n s^2`` scores, 2 bytes each),
-while Ring Attention's ``6bch`` counts *elements* (six ``b x c x h`` blocks; ``12bch`` bytes in bf16).
+while Ring Attention's ``6bch`` counts *elements* (six ``b x c x h`` arrays; ``12bch`` bytes in bf16).
 ``dtype_bytes`` (default 2) rescales them by ``dtype_bytes / 2``.
 """
 from __future__ import annotations
@@ -64,37 +65,40 @@ def as_hardware(hardware):
     raise ValueError(f"hardware must be a Hardware or one of {sorted(HARDWARE)}; got {hardware!r}")
 
 
-def step_flops(block, dim, *, batch=1, heads=1):
-    """FLOPs of one ring step on one host: ``4 * batch * heads * block^2 * dim`` (§3, ``4 d c^2``).
+def step_flops(shard, dim, *, batch=1, heads=1):
+    """FLOPs of one ring step on one host: ``4 * batch * heads * shard^2 * dim`` (§3, ``4 d c^2``).
 
-    ``block`` query tokens against ``block`` key tokens, per head of width ``dim``: ``Q K^T`` and
-    ``P V`` are ``2 * block^2 * dim`` FLOPs each. With ``heads = 1, dim = d`` this is the paper's count.
+    ``shard`` (tokens per host, the paper's ``c``) query tokens against ``shard`` key tokens, per head
+    of width ``dim``: ``Q K^T`` and ``P V`` are ``2 * shard^2 * dim`` FLOPs each. With
+    ``heads = 1, dim = d`` this is the paper's count.
     """
-    block, dim = positive("block", block), positive("dim", dim)
+    shard, dim = positive("shard", shard), positive("dim", dim)
     batch, heads = positive("batch", batch), positive("heads", heads)
-    return 4.0 * batch * heads * block ** 2 * dim
+    return 4.0 * batch * heads * shard ** 2 * dim
 
 
-def step_bytes(block, dim, *, batch=1, kv_heads=1, dtype_bytes=2):
-    """Bytes one host sends per ring step: K and V, ``2 * batch * block * kv_heads * dim * dtype_bytes``.
+def step_bytes(shard, dim, *, batch=1, kv_heads=1, dtype_bytes=2):
+    """Bytes one host sends per ring step: K and V, ``2 * batch * shard * kv_heads * dim * dtype_bytes``.
 
-    In bf16 (``dtype_bytes = 2``) with ``kv_heads = 1, dim = d`` this is the paper's ``4 c d`` (§3).
+    ``shard``: tokens per host (the paper's ``c``). In bf16 (``dtype_bytes = 2``) with
+    ``kv_heads = 1, dim = d`` this is the paper's ``4 c d`` (§3).
     """
-    block, dim = positive("block", block), positive("dim", dim)
+    shard, dim = positive("shard", shard), positive("dim", dim)
     batch, kv_heads = positive("batch", batch), positive("kv_heads", kv_heads)
-    return 2.0 * batch * block * kv_heads * dim * positive("dtype_bytes", dtype_bytes)
+    return 2.0 * batch * shard * kv_heads * dim * positive("dtype_bytes", dtype_bytes)
 
 
 def min_block_size(flops_per_s, bandwidth_bytes_per_s, *, dtype_bytes=2, heads=1, kv_heads=None, fill=1.0):
-    """Smallest block ``c`` (tokens) whose compute hides the K/V transfer: ``c >= F / B`` (§3).
+    """The paper's "minimal block size": the shortest shard ``c`` (tokens per host) whose compute hides
+    the K/V transfer, ``c >= F / B`` (§3).
 
     From ``4 d c^2 / F >= 2 c d * dtype_bytes / B``: ``c >= (dtype_bytes / 2) * F / B``, i.e. ``F / B``
-    in bf16. Returns a float (round up for a usable block). A100 + NVLink: 312e12 / 300e9 = 1040.
+    in bf16. Returns a float (round up for a usable shard). A100 + NVLink: 312e12 / 300e9 = 1040.
 
     Beyond the paper's count (defaults reproduce it): with grouped-query attention all ``heads``
     compute while only ``kv_heads`` travel, so the bound scales by ``kv_heads / heads``; a hop that
     computes only a fraction ``fill`` of its tiles (about 1/2 for the causal diagonal hop) still sends
-    the whole block, so it scales by ``1 / fill``. Pass *achieved* FLOP/s and bandwidth, not peak,
+    the whole shard, so it scales by ``1 / fill``. Pass *achieved* FLOP/s and bandwidth, not peak,
     for a real host: the hop runs at the achieved rates.
     """
     f = positive("flops_per_s", flops_per_s)
@@ -107,28 +111,29 @@ def min_block_size(flops_per_s, bandwidth_bytes_per_s, *, dtype_bytes=2, heads=1
 
 @dataclass(frozen=True)
 class HopTimes:
-    """Seconds one ring step takes to compute and to send its K/V shard (arrays if ``block`` is)."""
+    """Seconds one ring step takes to compute and to send its K/V shard (arrays if ``shard`` is)."""
     compute_s: float | np.ndarray
     transfer_s: float | np.ndarray
 
 
-def hop_times(block, hardware, *, dim=128, batch=1, heads=1, kv_heads=None, dtype_bytes=2):
-    """Per-hop compute time ``step_flops / F`` and transfer time ``step_bytes / B`` for ``block``.
+def hop_times(shard, hardware, *, dim=128, batch=1, heads=1, kv_heads=None, dtype_bytes=2):
+    """Per-hop compute time ``step_flops / F`` and transfer time ``step_bytes / B`` for ``shard``.
 
-    block: int or array of block sizes (tokens per host); hardware: a :class:`Hardware` or a key of
+    shard: int or array of shard lengths (tokens per host, ``c``); hardware: a :class:`Hardware` or a key of
     :data:`HARDWARE`. ``kv_heads`` defaults to ``heads``. Compute grows as ``c^2`` and transfer as
     ``c``; with ``kv_heads == heads`` they cross at ``c = min_block_size(F, B, dtype_bytes=...)``.
     """
     hw = as_hardware(hardware)
     kv_heads = heads if kv_heads is None else kv_heads
-    flops = step_flops(block, dim, batch=batch, heads=heads)
-    sent = step_bytes(block, dim, batch=batch, kv_heads=kv_heads, dtype_bytes=dtype_bytes)
+    flops = step_flops(shard, dim, batch=batch, heads=heads)
+    sent = step_bytes(shard, dim, batch=batch, kv_heads=kv_heads, dtype_bytes=dtype_bytes)
     return HopTimes(flops / hw.flops_per_s, sent / hw.bandwidth_bytes_per_s)
 
 
 @dataclass(frozen=True)
 class Table2Row:
-    """One row of Table 2: hardware, F, B, minimal block ``c = F/B`` and sequence per host ``6c``."""
+    """One row of Table 2: hardware, F, B, ``min_block`` = the paper's "minimal block size" ``c = F/B``
+    (tokens per host: the shortest shard whose compute hides its transfer) and sequence per host ``6c``."""
     name: str
     flops_per_s: float
     bandwidth_bytes_per_s: float
@@ -137,7 +142,8 @@ class Table2Row:
 
 
 def table2(hardware=None, *, dtype_bytes=2):
-    """Reproduce Table 2 of arXiv:2310.01889: minimal block size and sequence length per host.
+    """Reproduce Table 2 of arXiv:2310.01889: minimal shard length ``c`` (the paper's "minimal block
+    size", tokens per host) and sequence length per host ``6c``.
 
     hardware: iterable of :class:`Hardware` or names (default: all of :data:`HARDWARE`, in the
     paper's order). Returns a list of :class:`Table2Row`; ``min_block`` and ``min_seq`` in tokens.
@@ -160,7 +166,7 @@ def format_table2(rows):
 
 # Table 1 of arXiv:2310.01889 as printed: maximum activation per layer (bf16 bytes for 2bns^2; 6bch
 # counts elements, see the module docstring)
-# (b batch, s sequence, h hidden, n heads, c block size).
+# (b batch, s sequence, h hidden, n heads, c tokens per host: the shard length, the paper's "block size").
 TABLE1_FORMULAS = {
     "vanilla": ("2bns^2", "8bsh"),
     "memory-efficient attention": ("2bsh + 4bch", "8bsh"),
@@ -169,17 +175,18 @@ TABLE1_FORMULAS = {
 }
 
 
-def activation_bytes(method, *, batch, seq, hidden, heads, block, dtype_bytes=2):
+def activation_bytes(method, *, batch, seq, hidden, heads, shard, dtype_bytes=2):
     """Per-host peak activation bytes ``(attention, feedforward)`` of one layer (Table 1).
 
-    method: a key of :data:`TABLE1_FORMULAS`. Any size argument may be a numpy array (for curves).
+    method: a key of :data:`TABLE1_FORMULAS`; ``shard``: tokens per host (the paper's ``c``). Any size
+    argument may be a numpy array (for curves).
     The table's values as printed, scaled by ``dtype_bytes / 2``. Ring Attention's ``6bch`` is six
-    ``b x c x h`` blocks -- query, K and V held, K and V receive buffers, output -- counted in elements
+    ``b x c x h`` arrays -- query, K and V held, K and V receive buffers, output -- counted in elements
     (in bf16 bytes it is ``12bch``; the paper's ``2bns^2`` is bytes); it does not
     depend on ``seq``: more hosts, not more memory per host.
     """
     b, s = positive("batch", batch), positive("seq", seq)
-    h, n, c = positive("hidden", hidden), positive("heads", heads), positive("block", block)
+    h, n, c = positive("hidden", hidden), positive("heads", heads), positive("shard", shard)
     unit = positive("dtype_bytes", dtype_bytes) / 2.0
     formulas = {
         "vanilla": (2 * b * n * s ** 2, 8 * b * s * h),
@@ -204,11 +211,12 @@ class Table1Row:
     total_bytes: float  # the layer's peak: attention and FFN run one after the other
 
 
-def table1(*, batch, seq, hidden, heads, block, dtype_bytes=2):
-    """Table 1 of arXiv:2310.01889 evaluated at the given sizes: a list of :class:`Table1Row`."""
+def table1(*, batch, seq, hidden, heads, shard, dtype_bytes=2):
+    """Table 1 of arXiv:2310.01889 evaluated at the given sizes (``shard``: tokens per host, ``c``):
+    a list of :class:`Table1Row`."""
     rows = []
     for method, (attn_formula, ffn_formula) in TABLE1_FORMULAS.items():
         attn, ffn = activation_bytes(method, batch=batch, seq=seq, hidden=hidden, heads=heads,
-                                     block=block, dtype_bytes=dtype_bytes)
+                                     shard=shard, dtype_bytes=dtype_bytes)
         rows.append(Table1Row(method, attn_formula, ffn_formula, attn, ffn, _plain(np.maximum(attn, ffn))))
     return rows

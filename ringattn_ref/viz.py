@@ -38,7 +38,7 @@ def _layout_name(trace):
 def plot_schedule(trace):
     """Which K/V shard each host holds at each step: a hosts x steps grid (Algorithm 1).
 
-    Cell ``(host i, step s)`` shows ``kv_idx[i, s] = (i - s) mod N``: blocks move one host down per
+    Cell ``(host i, step s)`` shows ``kv_idx[i, s] = (i - s) mod N``: shards move one host down per
     step. Hops the mask leaves empty (skipped, no compute) are grey.
     """
     plt = pyplot()
@@ -167,12 +167,13 @@ def plot_work_heatmap(trace):
     return fig
 
 
-def plot_memory_vs_seq(seqs=None, *, batch=1, hidden=4096, heads=32, block=4096, dtype_bytes=2,
+def plot_memory_vs_seq(seqs=None, *, batch=1, hidden=4096, heads=32, shard=4096, dtype_bytes=2,
                        device_bytes=80e9):
     """Max activation per layer against sequence length for each row of Table 1 (log-log).
 
     Vanilla attention grows as ``s^2``, memory-efficient attention and BPT as ``s``, Ring Attention
-    stays at ``6bch`` per host (more hosts, not more memory). ``device_bytes`` draws a device's
+    stays at ``6bch`` per host (more hosts, not more memory; ``shard``: tokens per host, ``c``).
+    ``device_bytes`` draws a device's
     memory as a horizontal line (None to omit).
     """
     plt = pyplot()
@@ -182,7 +183,7 @@ def plot_memory_vs_seq(seqs=None, *, batch=1, hidden=4096, heads=32, block=4096,
               "ring attention": "-"}
     for method, (attn_f, ffn_f) in cost.TABLE1_FORMULAS.items():
         attn, ffn = cost.activation_bytes(method, batch=batch, seq=seqs, hidden=hidden, heads=heads,
-                                          block=block, dtype_bytes=dtype_bytes)
+                                          shard=shard, dtype_bytes=dtype_bytes)
         ax.plot(seqs, np.maximum(attn, ffn), styles[method], lw=2, label=f"{method}  ({attn_f}; FFN {ffn_f})")
     if device_bytes is not None:
         ax.axhline(device_bytes, color="0.4", lw=1, ls=":")
@@ -192,36 +193,36 @@ def plot_memory_vs_seq(seqs=None, *, batch=1, hidden=4096, heads=32, block=4096,
     ax.set_xlabel("sequence length s (tokens)")
     ax.set_ylabel(f"max activation per layer per host (bytes, {8 * dtype_bytes}-bit)")
     ax.set_title(f"Table 1: activation memory vs sequence length\n(b={batch}, h={hidden}, n={heads}, "
-                 f"block c={block})", fontsize=10)
+                 f"shard c={shard} tokens per host)", fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=8)
     return fig
 
 
-def plot_overlap(blocks=None, hardware=("A100 NVLink", "TPU v5e", "A100 InfiniBand"), *, dim=128,
+def plot_overlap(shards=None, hardware=("A100 NVLink", "TPU v5e", "A100 InfiniBand"), *, dim=128,
                  batch=1, heads=1, dtype_bytes=2):
-    """Per-hop compute time (solid, ``∝ c^2``) vs K/V transfer time (dashed, ``∝ c``) against block size.
+    """Per-hop compute time (solid, ``∝ c^2``) vs K/V transfer time (dashed, ``∝ c``) against shard length.
 
     They cross at ``c = F/B`` (§3): above it the next K/V shard arrives before the current one is
-    done, so communication is hidden. hardware: names of :data:`ringattn_ref.cost.HARDWARE` or
-    ``Hardware`` objects.
+    done, so communication is hidden. shards: the shard lengths ``c`` to plot (tokens per host);
+    hardware: names of :data:`ringattn_ref.cost.HARDWARE` or ``Hardware`` objects.
     """
     plt = pyplot()
-    blocks = np.logspace(6, 17, 45, base=2) if blocks is None else np.asarray(blocks, dtype=float)
+    shards = np.logspace(6, 17, 45, base=2) if shards is None else np.asarray(shards, dtype=float)
     fig, ax = plt.subplots(figsize=(7.5, 5.2), layout="constrained")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (color, hw) in enumerate(zip(colors, hardware)):
         hw = cost.as_hardware(hw)
-        t = cost.hop_times(blocks, hw, dim=dim, batch=batch, heads=heads, dtype_bytes=dtype_bytes)
+        t = cost.hop_times(shards, hw, dim=dim, batch=batch, heads=heads, dtype_bytes=dtype_bytes)
         c = cost.min_block_size(hw.flops_per_s, hw.bandwidth_bytes_per_s, dtype_bytes=dtype_bytes)
         at = cost.hop_times(c, hw, dim=dim, batch=batch, heads=heads, dtype_bytes=dtype_bytes)
         lw = max(3.5 - 1.0 * i, 1.0)  # later lines thinner: equal F gives equal compute lines
-        ax.plot(blocks, t.compute_s, "-", color=color, lw=lw, label=f"{hw.name}: compute")
-        ax.plot(blocks, t.transfer_s, "--", color=color, lw=1.5, label=f"{hw.name}: transfer")
+        ax.plot(shards, t.compute_s, "-", color=color, lw=lw, label=f"{hw.name}: compute")
+        ax.plot(shards, t.transfer_s, "--", color=color, lw=1.5, label=f"{hw.name}: transfer")
         ax.plot([c], [at.compute_s], "o", color=color, ms=7, label=f"{hw.name}: c = F/B = {c / 1e3:.1f}K")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("block size c (tokens per host)")
+    ax.set_xlabel("shard length c (tokens per host)")
     ax.set_ylabel("time per hop (s)")
     ax.set_title(f"Overlap condition: compute (solid) hides transfer (dashed) when c >= F/B\n"
                  f"(batch={batch}, heads={heads}, head dim={dim}, {8 * dtype_bytes}-bit K/V)", fontsize=10)
@@ -234,8 +235,8 @@ def plot_ring_gantt(trace, flops_per_s, bandwidth_bytes_per_s, *, title=None):
     """The ring as a Gantt chart: per host, when it computes (top bar) and sends (bottom bar) each step.
 
     Times come from :func:`ringattn_ref.gantt.ring_timeline` (a host computes ``flops / F``, sends
-    ``bytes / B``, and waits for its neighbour's block). A compute bar is labelled with the K/V
-    block it uses; skipped hops have no compute bar; gaps are waiting. Microseconds on the x axis.
+    ``bytes / B``, and waits for its neighbour's shard). A compute bar is labelled with the K/V
+    shard it uses; skipped hops have no compute bar; gaps are waiting. Microseconds on the x axis.
     """
     from .gantt import ring_timeline
 

@@ -180,7 +180,7 @@ def test_gradients_in_bfloat16_on_the_wire(fn):
 
 
 def test_float8_scale_keeps_the_error_relative():
-    """float8 with a per-block scale: V scaled by 1e-4 gives 1e-4 times the output error (without a
+    """float8 with a per-shard scale: V scaled by 1e-4 gives 1e-4 times the output error (without a
     scale, e4m3's smallest subnormal 2**-9 would flush all of it to 0); the error is float8-sized."""
     q, k, v, do = _qkv((1, 64, 4, 16), kv_heads=2, seed=2)
     f32, fp8 = _fwd_bwd(rf.ring_attention, 4), _fwd_bwd(rf.ring_attention, 4, comm_dtype="float8_e4m3fn")

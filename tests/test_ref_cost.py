@@ -46,7 +46,7 @@ def test_table2_nvlink_numbers_and_text():
 
 def test_table2_custom_hardware_and_dtype():
     hw = Hardware("toy", 100e12, 50e9)
-    (row,) = table2([hw], dtype_bytes=4)  # fp32 K/V: twice the bytes, twice the block
+    (row,) = table2([hw], dtype_bytes=4)  # fp32 K/V: twice the bytes, twice the min block
     assert row.min_block == pytest.approx(4000.0)
 
 
@@ -74,19 +74,19 @@ def test_step_counts_follow_the_paper():
 
 
 def test_hop_times_vectorised_and_gqa_sends_less():
-    blocks = np.array([256, 1024, 4096])
-    t = hop_times(blocks, "TPU v4", dim=128, heads=8)
+    shards = np.array([256, 1024, 4096])
+    t = hop_times(shards, "TPU v4", dim=128, heads=8)
     assert t.compute_s.shape == t.transfer_s.shape == (3,)
     np.testing.assert_allclose(t.compute_s[1:] / t.compute_s[:-1], 16.0)  # c^2
     np.testing.assert_allclose(t.transfer_s[1:] / t.transfer_s[:-1], 4.0)  # c
-    gqa = hop_times(blocks, "TPU v4", dim=128, heads=8, kv_heads=2)
+    gqa = hop_times(shards, "TPU v4", dim=128, heads=8, kv_heads=2)
     np.testing.assert_allclose(gqa.transfer_s, t.transfer_s / 4)
     np.testing.assert_allclose(gqa.compute_s, t.compute_s)
 
 
 def test_table1_formulas():
     b, s, h, n, c = 2, 8192, 1024, 16, 512
-    rows = {r.method: r for r in table1(batch=b, seq=s, hidden=h, heads=n, block=c)}
+    rows = {r.method: r for r in table1(batch=b, seq=s, hidden=h, heads=n, shard=c)}
     want = {  # bytes in bf16, straight from Table 1
         "vanilla": (2 * b * n * s * s, 8 * b * s * h),
         "memory-efficient attention": (2 * b * s * h + 4 * b * c * h, 8 * b * s * h),
@@ -104,7 +104,7 @@ def test_table1_formulas():
 
 def test_table1_scaling_in_seq_and_dtype():
     seqs = np.array([4096.0, 8192.0, 16384.0])
-    kw = dict(batch=1, seq=seqs, hidden=4096, heads=32, block=2048)
+    kw = dict(batch=1, seq=seqs, hidden=4096, heads=32, shard=2048)
     vanilla, _ = activation_bytes("vanilla", **kw)
     bpt, _ = activation_bytes("blockwise parallel transformer", **kw)
     ring, ring_ffn = activation_bytes("ring attention", **kw)
@@ -120,12 +120,12 @@ def test_table1_scaling_in_seq_and_dtype():
     (lambda: min_block_size(1e12, -3), r"bandwidth_bytes_per_s must be .*got -3"),
     (lambda: min_block_size(1e12, float("nan")), r"bandwidth_bytes_per_s must be"),
     (lambda: min_block_size(1e12, 1e9, dtype_bytes=0), r"dtype_bytes must be"),
-    (lambda: step_flops(0, 64), r"block must be"),
+    (lambda: step_flops(0, 64), r"shard must be"),
     (lambda: step_bytes(16, 64, kv_heads=0), r"kv_heads must be"),
     (lambda: hop_times(128, "H100 magic"), r"hardware must be a Hardware or one of .*got 'H100 magic'"),
     (lambda: table2(["TPU v9"]), r"hardware must be"),
-    (lambda: activation_bytes("flash", batch=1, seq=8, hidden=8, heads=1, block=4), r"method must be one of"),
-    (lambda: table1(batch=1, seq=-8, hidden=8, heads=1, block=4), r"seq must be"),
+    (lambda: activation_bytes("flash", batch=1, seq=8, hidden=8, heads=1, shard=4), r"method must be one of"),
+    (lambda: table1(batch=1, seq=-8, hidden=8, heads=1, shard=4), r"seq must be"),
 ])
 def test_bad_inputs_raise(call, match):
     with pytest.raises(ValueError, match=match):

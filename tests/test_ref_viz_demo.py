@@ -47,7 +47,7 @@ def test_schedule_figure_shows_blocks_and_greys_skipped_hops():
     is_grey = np.all(np.isclose(rgba, viz.SKIPPED_GREY), axis=-1)
     np.testing.assert_array_equal(is_grey, skipped)
     colors = {tuple(rgba[i, s]) for i in range(3) for s in range(3) if not skipped[i, s]}
-    assert len(colors) == 3  # one colour per K/V block
+    assert len(colors) == 3  # one colour per K/V shard
     assert (ax.get_xlabel(), ax.get_ylabel()) == ("step", "host")
     assert "Ring schedule" in ax.get_title() and "(i - step) mod 3" in ax.get_title()
     assert fig.axes[1].get_ylabel() == "K/V shard index"  # the colourbar
@@ -113,7 +113,7 @@ def test_work_heatmap_shows_the_trace(layout):
 
 def test_memory_vs_seq_curves_follow_table1():
     seqs = np.array([2.0**10, 2.0**14, 2.0**18])
-    fig = viz.plot_memory_vs_seq(seqs, hidden=1024, heads=8, block=2048, device_bytes=80e9)
+    fig = viz.plot_memory_vs_seq(seqs, hidden=1024, heads=8, shard=2048, device_bytes=80e9)
     ax = fig.axes[0]
     lines = {ln.get_label().split("  ")[0]: ln for ln in ax.lines if not ln.get_label().startswith("_")}
     assert list(lines) == list(cost.TABLE1_FORMULAS)
@@ -141,7 +141,7 @@ def test_overlap_plot_crosses_at_f_over_b():
         below = x < marker.get_xdata()[0] / 1.01
         assert np.all(compute.get_ydata()[above] > transfer.get_ydata()[above])
         assert np.all(compute.get_ydata()[below] < transfer.get_ydata()[below])
-    assert "block size" in ax.get_xlabel() and "time per hop" in ax.get_ylabel()
+    assert "shard length" in ax.get_xlabel() and "time per hop" in ax.get_ylabel()
     assert fig.legends  # legend outside the axes
 
 
@@ -215,4 +215,4 @@ def test_demo_table_helper_marks_skipped_hops():
     trace = _trace(n_hosts=4, seq=16)
     lines = schedule_table(trace).splitlines()
     assert lines[1].split()[2:] == ["0", "3.", "2.", "1."]  # host 0 causal: only its own shard
-    assert lines[4].split()[2:] == ["3", "2", "1", "0"]  # host 3 causal: every block
+    assert lines[4].split()[2:] == ["3", "2", "1", "0"]  # host 3 causal: every shard

@@ -72,7 +72,7 @@ def check_scores_gib(answer):
     """00, exercise 1: GiB of vanilla attention's scores, batch 1, 32 heads, seq 131072, bf16."""
     if _pending(answer, "GiB of the score matrix at seq = 128K"):
         return False
-    attn, _ = cost.activation_bytes("vanilla", batch=1, seq=131072, hidden=4096, heads=32, block=1)
+    attn, _ = cost.activation_bytes("vanilla", batch=1, seq=131072, hidden=4096, heads=32, shard=1)
     _close(answer, attn / 2**30, 1e-6, "score matrix in GiB (Table 1: 2bns^2 bytes, 1 GiB = 2^30 B)")
     return _correct(f"{attn / 2**30:.0f} GiB for one layer's scores")
 
@@ -82,20 +82,20 @@ def check_longest_vanilla_seq(answer):
     if _pending(answer, "longest power-of-two sequence for vanilla attention in 80 GB"):
         return False
     fits = [2**p for p in range(8, 30) if max(cost.activation_bytes(
-        "vanilla", batch=1, seq=2**p, hidden=4096, heads=32, block=1)) <= 80e9]
+        "vanilla", batch=1, seq=2**p, hidden=4096, heads=32, shard=1)) <= 80e9]
     want = max(fits)
     if int(answer) != want:
         raise AssertionError(f"got {answer}; check max(attention, ffn) bytes <= 80e9 for each "
                              f"power of two (hint: the answer is between {want // 4} and {want * 4})")
-    return _correct(f"seq = {want}; twice that needs {max(cost.activation_bytes('vanilla', batch=1, seq=2 * want, hidden=4096, heads=32, block=1)) / 1e9:.0f} GB")
+    return _correct(f"seq = {want}; twice that needs {max(cost.activation_bytes('vanilla', batch=1, seq=2 * want, hidden=4096, heads=32, shard=1)) / 1e9:.0f} GB")
 
 
-def check_host_flops_ratio(answer, *, block=4096, seqs=(131072, 1048576)):
-    """00, exercise 3: a ring of hosts with ``block`` tokens each grows from 128K to 1M tokens (more
-    hosts, same block). How many times more attention FLOPs does *each host* do at 1M?"""
+def check_host_flops_ratio(answer, *, shard=4096, seqs=(131072, 1048576)):
+    """00, exercise 3: a ring of hosts with ``shard`` tokens each grows from 128K to 1M tokens (more
+    hosts, same shard length). How many times more attention FLOPs does *each host* do at 1M?"""
     if _pending(answer, "per-host FLOPs at 1M tokens / at 128K tokens"):
         return False
-    per_host = [seq // block * cost.step_flops(block, 128, heads=32) for seq in seqs]  # N steps of 4dc^2
+    per_host = [seq // shard * cost.step_flops(shard, 128, heads=32) for seq in seqs]  # N steps of 4dc^2
     want = per_host[1] / per_host[0]
     _close(answer, want, 1e-12, "each host runs N = s / c ring steps of 4 d c^2 FLOPs per head")
     return _correct(f"{want:g}x: memory per host is flat in s, compute per host grows linearly with s")
@@ -320,8 +320,9 @@ def check_backward_bytes_ratio(answer):
 
 
 def check_backward_min_block(answer, *, hardware="A100 NVLink"):
-    """05, exercise 3: the backward's minimal block on A100 + NVLink: FA-2's backward computes 2.5x
-    the forward's FLOPs per tile and sends 3x its bytes (float32 dK/dV)."""
+    """05, exercise 3: the backward's minimal shard length ``c`` (tokens per host; the paper's "block
+    size") on A100 + NVLink: FA-2's backward computes 2.5x the forward's FLOPs per tile and sends 3x
+    its bytes (float32 dK/dV)."""
     if _pending(answer, "minimal block size for the backward ring"):
         return False
     hw = cost.HARDWARE[hardware]
@@ -331,8 +332,8 @@ def check_backward_min_block(answer, *, hardware="A100 NVLink"):
 
 
 def check_window_dk_blocks(dk_blocks, *, shard=8, window=(4, 0)):
-    """05, exercise 4: ``dk_blocks(n_hosts)``: bool [host, block], which K/V blocks a host's queries contribute
-    to under ``window=(4, 0)``, measured by linearity with ``ringattn_ref.ring_attention_vjp``."""
+    """05, exercise 4: ``dk_blocks(n_hosts)``: bool [host, shard], which K/V shards a host's queries
+    contribute to under ``window=(4, 0)``, measured by linearity with ``ringattn_ref.ring_attention_vjp``."""
     if _pending(dk_blocks, "dk_blocks(n_hosts)"):
         return False
     from ringattn_ref.backward import ring_attention_vjp
@@ -348,10 +349,10 @@ def check_window_dk_blocks(dk_blocks, *, shard=8, window=(4, 0)):
             want[i] = [np.abs(dk[:, j * shard:(j + 1) * shard]).max() > 0 for j in range(n)]
         got = np.asarray(dk_blocks(n))
         if got.shape != want.shape or got.dtype != bool or not np.array_equal(got, want):
-            raise AssertionError(f"n_hosts={n}: host i's queries reach blocks\n{want.astype(int)}\nyou predict\n"
-                                 f"{np.asarray(got)} (a bool matrix [host, block]; hint: how far back does "
+            raise AssertionError(f"n_hosts={n}: host i's queries reach shards\n{want.astype(int)}\nyou predict\n"
+                                 f"{np.asarray(got)} (a bool matrix [host, shard]; hint: how far back does "
                                  f"a host's first query see?)")
-    return _correct("its own block and its left neighbour's: two busy hops of N")
+    return _correct("its own shard and its left neighbour's: two busy hops of N")
 
 
 # ---- 06 overlap of communication and compute -------------------------------------------------------
