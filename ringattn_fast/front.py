@@ -38,6 +38,7 @@ from .layouts import permute_axis
 from .mesh import (auto_mesh, call_auto, check_mesh_axes, current_device, mesh_device, resolve_mesh, spec_of,
                    varying_axes, vary_like)
 from .schedule import Dropout, HopConfig, KVShard, QShard, RingConfig, local_positions
+from .softmax import add_sinks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +179,7 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
 
 def check_shard_call(strategy, q, k, v, *, axis_name, segment_ids=None, bias=None, positions=None,
                      padding_segment=None, layout="contiguous", dropout_key=None, dropout_offsets=(0, 0),
-                     **settings):
+                     sinks=None, **settings):
     """Validate a per-host call (``*_attention_shard``): ``(Settings, Dropout | None)``.
 
     Shapes are this host's: q [b, s_local, h, d], k, v [b, s_local, kv_heads, d], segment_ids and
@@ -186,6 +187,7 @@ def check_shard_call(strategy, q, k, v, *, axis_name, segment_ids=None, bias=Non
     :func:`check_settings` that the caller passes through (causal, window, scale, blocks, impl, ...).
     """
     b, sq, h, hk, _ = val.check_qkv(q, k, v)
+    val.check_sinks(sinks, h)
     n = axis_size(axis_name, strategy)
     if strategy.check_heads is not None:
         strategy.check_heads(h, hk, n, axis_name)
@@ -206,6 +208,13 @@ def check_shard_call(strategy, q, k, v, *, axis_name, segment_ids=None, bias=Non
     if out.cfg.hop.dropout_rate > 0:
         drop = Dropout(dropout_seed(dropout_key), *(jnp.asarray(x).astype(jnp.uint32) for x in dropout_offsets))
     return out, drop
+
+
+def finish(o, lse, *, sinks, return_lse):
+    """A strategy's ``(o, lse)`` as its public function returns it: sinks added (``softmax.add_sinks``)."""
+    if sinks is not None:
+        o, lse = add_sinks(o, lse, sinks)
+    return (o, lse) if return_lse else o
 
 
 def int32_positions(positions, q, axis_name):
@@ -296,7 +305,7 @@ def _first_index(mesh_axes, local_size):
 def on_mesh(strategy, q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_ids=None, bias=None,
             window=None, scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
             padding_segment=None, return_lse=False, batch_axes=None, head_axis=None, dropout_rate=0.0,
-            dropout_key=None, comm_dtype=None, grad_comm_dtype=None):
+            dropout_key=None, comm_dtype=None, grad_comm_dtype=None, sinks=None):
     """``strategy`` on global q, k, v: validated here, sharded over ``mesh``, run per host, in true order.
 
     Arguments as ``ring_attention``'s. Returns [batch, seq, heads, dim] in q's dtype, in true order
@@ -304,6 +313,7 @@ def on_mesh(strategy, q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
     """
     b, s, h, hk, _ = val.check_qkv(q, k, v)
     return_lse = val.check_bool(return_lse, "return_lse")
+    val.check_sinks(sinks, h)
     window = val.check_window(window, s)
     padding_segment = padding.check_padding_segment(padding_segment, segment_ids)
     # traced ids are ranked (no value can wrap or hit a reserved id), known ones checked by value
@@ -330,7 +340,7 @@ def on_mesh(strategy, q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
     run = partial(_run, _Call(strategy, settings, auto_mesh(mesh), axes, return_lse))
     qb, qseq, qh, _ = spec_of(q, 4)
     out_specs = (jax.P(qb, qseq, qh, None), jax.P(qb, qh, qseq)) if return_lse else jax.P(qb, qseq, qh, None)
-    arrays = dict(q=q, k=k, v=v, segment_ids=segment_ids, bias=bias, seed=seed)
+    arrays = dict(q=q, k=k, v=v, segment_ids=segment_ids, bias=bias, seed=seed, sinks=sinks)
     return call_auto(mesh, run, arrays, out_specs=out_specs)
 
 
@@ -345,7 +355,7 @@ class _Call(NamedTuple):
 
 def _run(call, arrays):
     """The global computation of :func:`on_mesh` on validated arguments: pad, permute, shard, attend.
-    arrays: q, k, v, segment_ids, bias (or None) and the dropout seed (or None)."""
+    arrays: q, k, v, segment_ids, bias, the dropout seed and sinks (each but q, k, v may be None)."""
     strategy, settings, mesh, axes, return_lse = call
     q, k, v, segment_ids, bias, seed = (arrays[name] for name in ("q", "k", "v", "segment_ids", "bias", "seed"))
     n, layout = axes.n, settings.layout
@@ -388,9 +398,8 @@ def _run(call, arrays):
     key = (strategy, mesh, axes, names, tuple(specs.items()), hashable(_flat(static)))
     o, lse = cached(key, build)(*(args[k_] for k_ in names))
     o = padded.unpad(permute_axis(o, layout, n, inverse=True))
-    if not return_lse:
-        return o
-    return o, padded.unpad(permute_axis(lse, layout, n, axis=2, inverse=True), axis=2)
+    lse = padded.unpad(permute_axis(lse, layout, n, axis=2, inverse=True), axis=2)  # dead code unless used
+    return finish(o, lse, sinks=arrays["sinks"], return_lse=return_lse)
 
 
 def _flat(d, prefix=""):

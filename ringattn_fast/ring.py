@@ -29,7 +29,7 @@ from ringattn_ref import validation as val
 from . import comm, masks
 from .backward import ring_backward
 from .dispatch import kernels_for
-from .front import Strategy, check_shard_call, host_inputs, on_mesh
+from .front import Strategy, check_shard_call, finish, host_inputs, on_mesh
 from .mesh import varying_axes, vary_like
 from .schedule import Dropout, KVShard, QShard, hop_kv, kv_index, ring_loop, send_to_next
 from .softmax import acc_dtype, merge
@@ -123,7 +123,8 @@ RING = Strategy("ring_attention", attend, fused_ok=True, dropout=True, comm=True
 def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=None, bias=None, window=None,
                          scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
                          positions=None, padding_segment=None, return_lse=False, dropout_rate=0.0,
-                         dropout_key=None, dropout_offsets=(0, 0), comm_dtype=None, grad_comm_dtype=None):
+                         dropout_key=None, dropout_offsets=(0, 0), comm_dtype=None, grad_comm_dtype=None,
+                         sinks=None):
     """Ring attention for code already inside ``jax.shard_map``: this host's output shard.
 
     q: [batch, s_local, heads, dim] and k, v: [batch, s_local, kv_heads, dim], this host's shard of the
@@ -141,23 +142,24 @@ def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=N
     [batch, heads, s_local] (float32, float64 for float64; -inf on rows that see nothing). comm_dtype:
     K/V travel in this dtype (``"bfloat16"``, ``"float16"``, ``"float8_e4m3fn"``/``"float8_e5m2"``
     with a per-block scale; rounded once at home, accumulated in float32); grad_comm_dtype: dK/dV
-    travel in it (``comm.py``).
+    travel in it (``comm.py``). sinks: float [heads] of this host, a learnable logit per query head
+    that joins every row's softmax denominator and brings no value (gpt-oss; ``softmax.add_sinks``).
     """
     return_lse = val.check_bool(return_lse, "return_lse")
     settings, drop = check_shard_call(
-        RING, q, k, v, axis_name=axis_name, segment_ids=segment_ids, bias=bias, positions=positions,
+        RING, q, k, v, axis_name=axis_name, segment_ids=segment_ids, bias=bias, positions=positions, sinks=sinks,
         padding_segment=padding_segment, layout=layout, dropout_key=dropout_key, dropout_offsets=dropout_offsets,
         causal=causal, window=window, scale=scale, block_q=block_q, block_kv=block_kv, impl=impl,
         comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype, dropout_rate=dropout_rate)
     o, lse = attend(host_inputs(settings, q, k, v, segment_ids=segment_ids, bias=bias, positions=positions,
                                 drop=drop))
-    return (o, lse) if return_lse else o
+    return finish(o, lse, sinks=sinks, return_lse=return_lse)
 
 
 def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_ids=None, bias=None,
                    window=None, scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
                    padding_segment=None, return_lse=False, batch_axes=None, head_axis=None, dropout_rate=0.0,
-                   dropout_key=None, comm_dtype=None, grad_comm_dtype=None):
+                   dropout_key=None, comm_dtype=None, grad_comm_dtype=None, sinks=None):
     """Ring attention on global arrays: shards them over ``mesh``, runs the ring, returns the output.
 
     - q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim] (heads % kv_heads == 0);
@@ -173,7 +175,9 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
     - impl: ``"auto" | "xla" | "pallas_gpu" | "pallas_tpu" | "pallas_tpu_fused"`` (``dispatch``);
     - dropout_rate / dropout_key: attention dropout (``jax.random.key``, raw ``PRNGKey`` or int seed;
       no default key): the mask of ``ringattn_ref.dropout``, identical for every mesh, layout and
-      block size; runs in the XLA hop (``impl="auto"`` picks it, a Pallas impl is an error).
+      block size; runs in the XLA hop (``impl="auto"`` picks it, a Pallas impl is an error);
+    - sinks: float [heads], a learnable logit per query head that joins every row's softmax
+      denominator and brings no value (gpt-oss); lse includes it; every impl (``softmax.add_sinks``).
 
     The sequence is sharded on ``axis_name``, the batch on ``batch_axes`` (default ``"data"`` if the
     mesh has it; one name or a tuple), the heads on ``head_axis`` (default: not split); q, k, v are
@@ -187,4 +191,4 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
                    bias=bias, window=window, scale=scale, layout=layout, block_q=block_q, block_kv=block_kv,
                    impl=impl, padding_segment=padding_segment, return_lse=return_lse, batch_axes=batch_axes,
                    head_axis=head_axis, dropout_rate=dropout_rate, dropout_key=dropout_key, comm_dtype=comm_dtype,
-                   grad_comm_dtype=grad_comm_dtype)
+                   grad_comm_dtype=grad_comm_dtype, sinks=sinks)

@@ -26,3 +26,16 @@ def merge(o1, lse1, o2, lse2):
     c1 = jnp.einsum("bhs->bsh", w1 * inv)[..., None]  # (b, s, h, 1)
     c2 = jnp.einsum("bhs->bsh", w2 * inv)[..., None]
     return c1 * o1 + c2 * o2, lse
+
+
+def add_sinks(o, lse, sinks):
+    """Attention sinks (gpt-oss): a logit per query head that joins every row's softmax denominator and
+    brings no value, applied to a result normalised over the keys: ``lse' = logaddexp(lse, sink)``,
+    ``o' = exp(lse - lse') o`` (the merge above with a part whose o is 0). o [b, s, h, d] (its dtype
+    kept), lse [b, h, s] float, sinks [h]; a row that saw nothing keeps ``o = 0`` and gets
+    ``lse' = sink``. Differentiable in all three (the ring's backward takes lse's cotangent), so every
+    impl and strategy gets sinks, and their gradient, from this one function.
+    """
+    total = jnp.logaddexp(lse, sinks.astype(lse.dtype)[None, :, None])  # (b, h, s)
+    w = jnp.einsum("bhs->bsh", jnp.exp(lse - total))[..., None]  # (b, s, h, 1); 0 where lse = -inf
+    return (w * o.astype(w.dtype)).astype(o.dtype), total

@@ -31,7 +31,7 @@ from ringattn_ref import validation as val
 
 from .allgather import attend_whole
 from .comm import gather
-from .front import Strategy, check_shard_call, host_inputs, on_mesh
+from .front import Strategy, check_shard_call, finish, host_inputs, on_mesh
 from .schedule import KVShard, QShard
 
 
@@ -98,7 +98,7 @@ ULYSSES = Strategy("ulysses_attention", attend, q_whole=True, kv_whole=True, che
 
 def ulysses_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=None, bias=None, window=None,
                             scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
-                            positions=None, padding_segment=None, return_lse=False):
+                            positions=None, padding_segment=None, return_lse=False, sinks=None):
     """Ulysses attention inside ``jax.shard_map``: this host's output shard.
 
     Arguments, shapes and results as ``ring_attention_shard`` (q [b, s_local, h, d], k, v
@@ -108,15 +108,15 @@ def ulysses_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_id
     return_lse = val.check_bool(return_lse, "return_lse")
     settings, _ = check_shard_call(
         ULYSSES, q, k, v, axis_name=axis_name, segment_ids=segment_ids, bias=bias, positions=positions,
-        padding_segment=padding_segment, layout=layout, causal=causal, window=window, scale=scale,
+        sinks=sinks, padding_segment=padding_segment, layout=layout, causal=causal, window=window, scale=scale,
         block_q=block_q, block_kv=block_kv, impl=impl)
     o, lse = attend(host_inputs(settings, q, k, v, segment_ids=segment_ids, bias=bias, positions=positions))
-    return (o, lse) if return_lse else o
+    return finish(o, lse, sinks=sinks, return_lse=return_lse)
 
 
 def ulysses_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_ids=None, bias=None,
                       window=None, scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
-                      padding_segment=None, return_lse=False, batch_axes=None, head_axis=None):
+                      padding_segment=None, return_lse=False, batch_axes=None, head_axis=None, sinks=None):
     """Ulysses attention on global arrays: the inputs, keywords and result of ``ring_attention``.
 
     q: [batch, seq, heads, dim] with ``heads`` (per ``head_axis`` shard) divisible by the size ``N``
@@ -129,4 +129,4 @@ def ulysses_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
     return on_mesh(ULYSSES, q, k, v, mesh=mesh, axis_name=axis_name, causal=causal, segment_ids=segment_ids,
                    bias=bias, window=window, scale=scale, layout=layout, block_q=block_q, block_kv=block_kv,
                    impl=impl, padding_segment=padding_segment, return_lse=return_lse, batch_axes=batch_axes,
-                   head_axis=head_axis)
+                   head_axis=head_axis, sinks=sinks)

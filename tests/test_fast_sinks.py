@@ -1,0 +1,98 @@
+"""Attention sinks on the mesh (issue 22, ``sinks``): every strategy and impl, forward and every gradient,
+the sinks' own included, against the float64 oracle and a dense jnp float64 autodiff reference."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ringattn_fast as rf
+import ringattn_ref as ref
+
+from helpers import assert_close, examples
+
+STRATEGIES = {"ring": rf.ring_attention, "allgather": rf.allgather_attention, "ulysses": rf.ulysses_attention}
+
+
+def dense_with_sinks(q, k, v, sinks, causal):
+    """jnp, float64: the sink as one more key column whose value is 0 (gpt-oss's formulation)."""
+    b, s, h, d = q.shape
+    kk, vv = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, kk) * d ** -0.5
+    if causal:
+        logits = jnp.where(jnp.tril(jnp.ones((s, s), bool)), logits, -jnp.inf)
+    logits = jnp.concatenate([logits, jnp.broadcast_to(sinks[None, :, None, None], (b, h, s, 1))], axis=-1)
+    p = jax.nn.softmax(logits, axis=-1)[..., :s]
+    return jnp.einsum("bhqk,bkhd->bqhd", p, vv)
+
+
+@given(st.data())
+@settings(max_examples=examples(8), deadline=None)
+def test_every_strategy_with_sinks_equals_the_oracle_and_its_gradients(data):
+    name = data.draw(st.sampled_from(sorted(STRATEGIES)))
+    n = data.draw(st.sampled_from([1, 2, 4, 8]))
+    h, hk = data.draw(st.sampled_from([(8, 8), (8, 2), (8, 1)]))
+    causal = data.draw(st.booleans())
+    layout = data.draw(st.sampled_from(["contiguous", "striped", "zigzag"]))
+    rng = np.random.default_rng(data.draw(st.integers(0, 99)))
+    q = rng.standard_normal((2, 32, h, 8))
+    k, v = rng.standard_normal((2, 2, 32, hk, 8))
+    sinks = rng.standard_normal(h) * 2
+    fn = STRATEGIES[name]
+    with jax.enable_x64(True):
+        o, lse = fn(q, k, v, mesh=rf.make_mesh(n), causal=causal, layout=layout, sinks=jnp.asarray(sinks),
+                    return_lse=True)
+        want_o, want_lse = ref.attention(q, k, v, causal=causal, sinks=sinks, return_lse=True)
+        assert_close(o, want_o, "o", tol=1e-10)
+        assert_close(lse, want_lse, "lse", tol=1e-10)
+        w = rng.standard_normal(o.shape)
+        loss = lambda q, k, v, s: (fn(q, k, v, mesh=rf.make_mesh(n), causal=causal, layout=layout,  # noqa: E731
+                                      sinks=s) * w).sum()
+        dense = lambda q, k, v, s: (dense_with_sinks(q, k, v, s, causal) * w).sum()  # noqa: E731
+        got = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, jnp.asarray(sinks))
+        want = jax.grad(dense, argnums=(0, 1, 2, 3))(q, k, v, jnp.asarray(sinks))
+    for what, g, wg in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        assert_close(g, wg, what, tol=1e-9)
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu", "pallas_tpu_fused"])
+def test_every_kernel_takes_sinks(impl):
+    """The kernels compute o and lse; the sink joins after them (``softmax.add_sinks``): float32,
+    interpreted, fwd and grads."""
+    q, k, v = (np.random.default_rng(1).standard_normal((1, 64, 4, 16)).astype(np.float32) for _ in range(3))
+    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
+    run = lambda q, s: rf.ring_attention(q, k, v, mesh=rf.make_mesh(2), causal=True, impl=impl,  # noqa: E731
+                                         block_q=16, block_kv=16, sinks=s)
+    assert_close(run(q, sinks), ref.attention(q, k, v, causal=True, sinks=np.asarray(sinks)), "o", tol=2e-5)
+    got = jax.grad(lambda q, s: run(q, s).sum(), argnums=(0, 1))(q, sinks)
+    with jax.enable_x64(True):
+        want = jax.grad(lambda q, s: dense_with_sinks(q, k.astype(np.float64), v.astype(np.float64), s,
+                                                      True).sum(), argnums=(0, 1))(q.astype(np.float64),
+                                                                                    np.asarray(sinks, np.float64))
+    assert_close(got[0], want[0], "dq", tol=5e-5)
+    assert_close(got[1], want[1], "dsinks", tol=5e-5)
+
+
+def test_a_row_that_sees_nothing_has_the_sink_alone_and_finite_grads():
+    q, k, v = (np.random.default_rng(2).standard_normal((1, 16, 2, 8)) for _ in range(3))
+    seg = np.repeat(np.array([[0, 1]]), 8, axis=1)  # query i of segment 0 sees keys of segment 0
+    sinks = jnp.asarray([0.25, -2.0])
+    with jax.enable_x64(True):
+        o, lse = rf.ring_attention(q, k, v, mesh=rf.make_mesh(4), segment_ids=seg, padding_segment=1,
+                                   sinks=sinks, return_lse=True)
+        g = jax.grad(lambda s: rf.ring_attention(q, k, v, mesh=rf.make_mesh(4), segment_ids=seg,
+                                                 padding_segment=1, sinks=s).sum())(sinks)
+    assert (np.asarray(o)[:, 8:] == 0).all()  # the padding segment's queries see nothing
+    np.testing.assert_array_equal(np.asarray(lse)[:, :, 8:], np.broadcast_to(np.asarray(sinks)[None, :, None],
+                                                                             (1, 2, 8)))
+    assert np.isfinite(np.asarray(g)).all()
+
+
+@pytest.mark.parametrize("sinks, match", [(jnp.zeros(3), r"sinks must be a floating-point array of shape \[heads\]"),
+                                          (jnp.zeros(4, jnp.int32), "sinks must be a floating-point array")])
+def test_bad_sinks_are_value_errors(sinks, match):
+    q, k, v = (np.zeros((1, 8, 4, 8), np.float32) for _ in range(3))
+    for fn in STRATEGIES.values():
+        with pytest.raises(ValueError, match=match):
+            fn(q, k, v, mesh=rf.make_mesh(2), sinks=sinks)
