@@ -32,6 +32,7 @@ import numpy as np
 from jax import lax
 
 from .ring import ring_attention
+from .softmax import add_sinks
 
 _JAX_IMPLS = {None: "auto", "xla": "xla"}
 
@@ -110,7 +111,7 @@ def _impl(implementation):
 
 def masked_ring_attention(q, k, v, *, bias=None, mask=None, q_lengths=None, kv_lengths=None, causal=False,
                           window=None, scale=None, impl="auto", layout="contiguous", mesh=None, axis_name="sp",
-                          dropout_rate=0.0, dropout_key=None):
+                          dropout_rate=0.0, dropout_key=None, logit_softcap=None, sinks=None):
     """Ring attention with ``jax.nn``'s dense masks and its rule for rows that see no key: ``(o, lse)``.
 
     q: [B, S, N, H]; k, v: [B, S, K, H]; bias: float, mask: bool, both broadcastable to [B, N, S, S];
@@ -119,6 +120,8 @@ def masked_ring_attention(q, k, v, *, bias=None, mask=None, q_lengths=None, kv_l
     :func:`~ringattn_fast.ring_attention` (``jax.nn`` has no dropout; the Flax adapter passes it on).
     Returns o [B, S, N, H] in q's dtype and lse [B, N, S] float32 (float64 for float64 inputs).
     A row that sees no key gets JAX's values (mean of V, ``fill + log S``); padded queries get o = 0.
+    logit_softcap, sinks: as :func:`~ringattn_fast.ring_attention` (beyond ``jax.nn``); with sinks a row
+    that sees no key gets what a sink column would give it under JAX's fill: o = 0, lse = the sink.
     """
     b, s, h = q.shape[:3]
     for name, x in (("bias", bias), ("mask", mask)):
@@ -135,7 +138,11 @@ def masked_ring_attention(q, k, v, *, bias=None, mask=None, q_lengths=None, kv_l
     total = reduce(jnp.add, parts) if parts else None
     o, lse = ring_attention(q, k, v, mesh=mesh, axis_name=axis_name, causal=causal, bias=total, window=window,
                             scale=scale, layout=layout, impl=impl, return_lse=True, dropout_rate=dropout_rate,
-                            dropout_key=dropout_key)
+                            dropout_key=dropout_key, logit_softcap=logit_softcap)
+    if sinks is not None:  # JAX's fill logits are far below any sink: the sink takes a dead row's weight
+        if q_valid is not None:
+            lse = jnp.where(q_valid[:, None, :], lse, -jnp.inf)
+        return add_sinks(o, lse, sinks)
     dead = jnp.isneginf(lse)  # [B, N, S]: rows the masks left without a key
     mean_v = jnp.repeat(jnp.mean(v.astype(lse.dtype), axis=1), h // k.shape[2], axis=1)  # [B, N, H]
     o = jnp.where(jnp.swapaxes(dead, 1, 2)[..., None], mean_v[:, None].astype(o.dtype), o)
@@ -149,15 +156,16 @@ def masked_ring_attention(q, k, v, *, bias=None, mask=None, q_lengths=None, kv_l
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                           query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                           implementation=None, return_residual=False, mesh=None, axis_name="sp",
-                          layout="contiguous"):
+                          layout="contiguous", logit_softcap=None, sinks=None):
     """``jax.nn.dot_product_attention`` computed by the ring over ``mesh``'s axis ``axis_name``.
 
     query: [B, T, N, H] or [T, N, H]; key, value: [B, S, K, H] or [S, K, H] (``N % K == 0``, ``T == S``:
     self-attention; the ring shards queries and keys alike); bias (float) and mask (bool, True =
     attend) broadcastable to [B, N, T, S] (a mask costs O(T * S) memory: prefer ``is_causal``,
     ``local_window_size`` and the seq lengths, which cost O(S)); scale: a Python number (default
-    ``H ** -0.5``). ``mesh``, ``axis_name``, ``layout``: as :func:`~ringattn_fast.ring_attention`.
-    Returns the output like query, in its dtype; with ``return_residual`` also the log-sum-exp of each
+    ``H ** -0.5``). ``mesh``, ``axis_name``, ``layout``: as :func:`~ringattn_fast.ring_attention`; so
+    are ``logit_softcap`` and ``sinks`` [N], keywords beyond ``jax.nn``'s. Returns the output like
+    query, in its dtype; with ``return_residual`` also the log-sum-exp of each
     row's masked, scaled logits, [B, T, N] (or [T, N]) in key's dtype, without gradient — as ``jax.nn``.
     """
     out_shape = jnp.shape(query)
@@ -181,7 +189,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         q, k, v, bias=bias, mask=mask, causal=is_causal, window=_window(local_window_size), scale=scale,
         q_lengths=_lengths(query_seq_lengths, q.shape[0], q.shape[1], "query_seq_lengths"),
         kv_lengths=_lengths(key_value_seq_lengths, q.shape[0], k.shape[1], "key_value_seq_lengths"),
-        impl=_impl(implementation), layout=layout, mesh=mesh, axis_name=axis_name)
+        impl=_impl(implementation), layout=layout, mesh=mesh, axis_name=axis_name, logit_softcap=logit_softcap,
+        sinks=sinks)
     o = o.reshape(out_shape)
     if not return_residual:
         return o

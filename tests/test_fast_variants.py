@@ -1,5 +1,7 @@
-"""Attention sinks on the mesh (issue 22, ``sinks``): every strategy and impl, forward and every gradient,
-the sinks' own included, against the float64 oracle and a dense jnp float64 autodiff reference."""
+"""Programmable attention on the mesh (issue 22): attention sinks (``sinks``: every strategy and impl,
+forward and every gradient, the sinks' own included) and logit soft-capping (``logit_softcap``: the
+XLA hop, every strategy, mask and layout), against the float64 oracle (``ringattn_ref.attention``,
+``ring_attention_vjp``) and a dense jnp float64 autodiff reference."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -96,3 +98,86 @@ def test_bad_sinks_are_value_errors(sinks, match):
     for fn in STRATEGIES.values():
         with pytest.raises(ValueError, match=match):
             fn(q, k, v, mesh=rf.make_mesh(2), sinks=sinks)
+
+
+@given(st.data())
+@settings(max_examples=examples(8), deadline=None)
+def test_softcap_on_every_strategy_equals_the_oracle_and_the_ref_ring_backward(data):
+    name = data.draw(st.sampled_from(sorted(STRATEGIES)))
+    n = data.draw(st.sampled_from([1, 2, 4, 8]))
+    h, hk = data.draw(st.sampled_from([(8, 8), (8, 2), (8, 1)]))
+    mask = data.draw(st.sampled_from([dict(causal=True), dict(window=(5, 2)), dict(), dict(causal=True, seg=True)]))
+    layout = data.draw(st.sampled_from(["contiguous", "striped", "zigzag"]))
+    cap = data.draw(st.sampled_from([0.5, 2.0, 30.0]))
+    rng = np.random.default_rng(data.draw(st.integers(0, 99)))
+    q = 3 * rng.standard_normal((2, 32, h, 8))  # large logits: the cap matters
+    k, v = 3 * rng.standard_normal((2, 2, 32, hk, 8))
+    seg = np.repeat(np.array([[0, 1, 1, 2]]), 8, axis=1).repeat(2, axis=0) if mask.pop("seg", False) else None
+    do = rng.standard_normal(q.shape)
+    kw = dict(segment_ids=seg, logit_softcap=cap, **mask)
+    fn = STRATEGIES[name]
+    with jax.enable_x64(True):
+        run = lambda q, k, v: fn(q, k, v, mesh=rf.make_mesh(n), layout=layout, block_q=4, block_kv=4, **kw)  # noqa: E731
+        o = run(q, k, v)
+        got = jax.grad(lambda q, k, v: (run(q, k, v) * do).sum(), argnums=(0, 1, 2))(q, k, v)
+    assert_close(o, ref.attention(q, k, v, **kw), "o", tol=1e-10)
+    want = ref.ring_attention_vjp(q, k, v, do, n_hosts=2, **kw)
+    for what, g, wg in zip(("dq", "dk", "dv"), got, want):
+        assert_close(g, wg, what, tol=1e-9)
+
+
+def test_softcap_and_sinks_together_in_float32():
+    q, k, v = (3 * np.random.default_rng(3).standard_normal((1, 64, 4, 16)).astype(np.float32) for _ in range(3))
+    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
+    o = rf.ring_attention(q, k, v, mesh=rf.make_mesh(4), causal=True, logit_softcap=5.0, sinks=sinks)
+    assert_close(o, ref.attention(q, k, v, causal=True, logit_softcap=5.0, sinks=np.asarray(sinks)), "o", tol=2e-5)
+
+
+def test_the_ref_ring_and_its_backward_soft_cap_as_the_oracle():
+    """The float64 simulation (``ringattn_ref.ring_attention`` / ``ring_attention_vjp``) against the
+    oracle and a dense autodiff reference."""
+    rng = np.random.default_rng(4)
+    q, k, v, do = (3 * rng.standard_normal((2, 16, 4, 8)) for _ in range(4))
+    for layout in ("contiguous", "zigzag"):
+        o = ref.ring_attention(q, k, v, n_hosts=4, causal=True, layout=layout, logit_softcap=1.5, block_q=2)
+        assert_close(o, ref.attention(q, k, v, causal=True, logit_softcap=1.5), "o", tol=1e-12)
+
+    def dense(q, k, v):
+        s = 1.5 * jnp.tanh(jnp.einsum("bqhd,bkhd->bhqk", q, k) / 8 ** 0.5 / 1.5)
+        s = jnp.where(jnp.tril(jnp.ones((16, 16), bool)), s, -jnp.inf)
+        return (jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v) * do).sum()
+
+    with jax.enable_x64(True):
+        want = jax.grad(dense, argnums=(0, 1, 2))(q, k, v)
+    got = ref.ring_attention_vjp(q, k, v, do, n_hosts=4, causal=True, layout="zigzag", logit_softcap=1.5)
+    for what, g, wg in zip(("dq", "dk", "dv"), got, want):
+        assert_close(g, wg, what, tol=1e-12)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(logit_softcap=0.0), "logit_softcap must be a positive finite number"),
+    (dict(logit_softcap=True), "logit_softcap must be a positive finite real number"),
+    (dict(logit_softcap=2.0, impl="pallas_tpu"), "impl='pallas_tpu' does not support logit_softcap yet"),
+])
+def test_bad_softcap_is_a_value_error(kw, match):
+    q, k, v = (np.zeros((1, 8, 4, 8), np.float32) for _ in range(3))
+    for fn in STRATEGIES.values():
+        with pytest.raises(ValueError, match=match):
+            fn(q, k, v, mesh=rf.make_mesh(2), **kw)
+
+
+def test_the_jax_nn_twin_takes_softcap_and_sinks():
+    """Keywords beyond ``jax.nn``'s: the twin equals the oracle with them (and with a padded query and a
+    query whose mask leaves it no key, o = 0 with sinks)."""
+    rng = np.random.default_rng(5)
+    q, k, v = (3 * rng.standard_normal((2, 16, 4, 8)).astype(np.float32) for _ in range(3))
+    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
+    o = rf.dot_product_attention(q, k, v, is_causal=True, logit_softcap=4.0, sinks=sinks, mesh=rf.make_mesh(4))
+    assert_close(o, ref.attention(q, k, v, causal=True, logit_softcap=4.0, sinks=np.asarray(sinks)), "o", tol=2e-5)
+    lengths = jnp.asarray([16, 10])
+    o = rf.dot_product_attention(q, k, v, is_causal=True, sinks=sinks, query_seq_lengths=lengths,
+                                 key_value_seq_lengths=lengths, mesh=rf.make_mesh(4))
+    want = ref.attention(q, k, v, causal=True, sinks=np.asarray(sinks))
+    want[1] = ref.attention(q[1:, :10], k[1:, :10], v[1:, :10], causal=True, sinks=np.asarray(sinks))[0].tolist() + \
+        np.zeros((6, 4, 8)).tolist()
+    assert_close(o, want, "o with lengths", tol=2e-5)
