@@ -9,6 +9,9 @@ empty, recomputes the probabilities and accumulates the gradients (FA-2 Algorith
     dV += P^T dO                      dP = dO V^T
     dS = P * (dP - D)                 dQ += scale * dS K      dK += scale * dS^T Q
 
+(with ``logit_softcap`` c, S starts from ``c tanh(scale Q K^T / c)`` and dS gains the factor
+``1 - tanh(scale Q K^T / c)^2``).
+
 ``dQ`` stays on its host. ``dK``/``dV`` (a ``KVGrads``) travel with their K/V shard in the same
 ``ring.Message`` (the authors' code rotates ``k, v, dk, dv`` together); after the last step host ``i``
 holds shard ``i + 1``, so one final
@@ -26,12 +29,12 @@ from __future__ import annotations
 import numpy as np
 
 from .attention import repeat_kv
-from .blockwise import check_hop, kv_tile, q_tile, tile_logits
+from .blockwise import check_hop, kv_tile, q_tile, scaled_logits, tile_logits
 from .dropout import dropout_mask
 from .masks import tile_is_empty
 from .ring import hop_kv, ring_forward, send_to_next, setup_ring, swap_buffers
 from .shards import HopGrads, KVGrads
-from .validation import check_cotangent
+from .validation import check_cotangent, check_qkv
 
 
 def sum_over_group(x, kv_heads):
@@ -71,6 +74,9 @@ def hop_grads(qs, kv, cfg, *, do, lse, delta, dropout=None):
             dp = np.einsum("bqhd,bkhd->bhqk", do[:, rows], v_t) * keep  # (b, h, tq, tk)
             ds = np.where(p == 0, 0.0, p * (dp - delta[:, :, rows, None]))  # (b, h, tq, tk); a pair of
             # probability 0 has no gradient, even in a row made NaN by a bad key (its delta is NaN)
+            if cfg.logit_softcap is not None:  # d(c tanh(x / c)) / dx = 1 - tanh(x / c)^2
+                t = np.tanh(scaled_logits(qt, kt, cfg) / cfg.logit_softcap)
+                ds = np.where(p == 0, 0.0, ds * (1.0 - t * t))
             dq[:, rows] += cfg.scale * np.einsum("bhqk,bkhd->bqhd", ds, k_t)
             dk[:, cols] += sum_over_group(cfg.scale * np.einsum("bhqk,bqhd->bkhd", ds, qt.q), kv_heads)
             dv[:, cols] += sum_over_group(dv_t, kv_heads)
@@ -88,22 +94,24 @@ def hop_attention_vjp(qs, kv, cfg, *, do, lse, delta):
     """
     qs, kv, cfg = check_hop(qs, kv, cfg)
     f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
-    return hop_grads(qs, kv, cfg, do=f64(check_cotangent(do, qs.q.shape)), lse=f64(lse), delta=f64(delta))
+    o_shape = qs.q.shape[:3] + kv.v.shape[-1:]  # (b, sq, h, d_v)
+    return hop_grads(qs, kv, cfg, do=f64(check_cotangent(do, o_shape)), lse=f64(lse), delta=f64(delta))
 
 
 def ring_attention_vjp(q, k, v, do, *, n_hosts, causal=False, segment_ids=None, bias=None,
                        window=None, scale=None, layout="contiguous", block_q=None, block_kv=None,
-                       dropout_rate=0.0, dropout_key=None):
+                       dropout_rate=0.0, dropout_key=None, logit_softcap=None):
     """Gradients of :func:`ringattn_ref.ring_attention` for the output cotangent ``do``.
 
     q, do: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim]; keywords as in
     ``ring_attention``. Returns ``(dq, dk, dv)`` float64 in the caller's order, shaped like
     ``q``, ``k``, ``v``. No gradient is returned for ``bias``.
     """
-    check_cotangent(do, q.shape)
+    check_qkv(q, k, v, value_width=True)
+    check_cotangent(do, q.shape[:3] + v.shape[-1:])  # do is shaped like o: (b, s, h, d_v)
     kwargs = dict(n_hosts=n_hosts, causal=causal, segment_ids=segment_ids, bias=bias, window=window,
                   scale=scale, layout=layout, block_q=block_q, block_kv=block_kv, dropout_rate=dropout_rate,
-                  dropout_key=dropout_key)
+                  dropout_key=dropout_key, logit_softcap=logit_softcap)
     o, lse, _ = ring_forward(q, k, v, **kwargs)  # the forward saves only o and lse
     problem, hosts = setup_ring(q, k, v, **kwargs)
     n, c, perm, hop = problem.n_hosts, problem.shard, problem.perm, problem.hop

@@ -22,7 +22,7 @@ from .masks import allowed, as_rows, mark_bad_keys, tile_is_empty
 from .shards import DEFAULT_BLOCK, HopConfig, KVShard, QShard, default_block  # noqa: F401  (re-exported)
 from .softmax import finalize, init_state, online_update
 from .validation import (check_bias, check_block, check_bool, check_positions, check_qkv, check_scale,
-                         check_segment_ids, check_window)
+                         check_segment_ids, check_softcap, check_window)
 
 
 def bias_tile(bias, q_pos, k_pos):
@@ -60,14 +60,22 @@ def kv_tile(kv, cols, rows):
     return KVShard(kv.k[:, cols], kv.v[:, cols], _rows(kv.pos, cols), _rows(kv.seg, cols), bias)
 
 
+def scaled_logits(qs, kv, cfg):
+    """``scale * q k^T`` of one tile, nothing else: [b, h, tq, tk]."""
+    return cfg.scale * np.einsum("bqhd,bkhd->bhqk", qs.q, repeat_kv(kv.k, qs.q.shape[2]))
+
+
 def tile_logits(qs, kv, cfg):
     """Masked logits of one tile: ``scale * q k^T + bias`` with -inf where the mask forbids: [b, h, tq, tk].
 
     qs: the tile's queries (q [b, tq, h, d], positions [b|1, tq], segment ids or None); kv: its keys
     (k [b, tk, hk, d], positions [b|1, tk], segment ids, and the bias block of this tile
-    ``[b|1, h|1, tq|1, tk|1]`` or None); cfg: a resolved :class:`HopConfig` (scale, causal, window).
+    ``[b|1, h|1, tq|1, tk|1]`` or None); cfg: a resolved :class:`HopConfig` (scale, logit_softcap, causal,
+    window).
     """
-    s = cfg.scale * np.einsum("bqhd,bkhd->bhqk", qs.q, repeat_kv(kv.k, qs.q.shape[2]))  # (b, h, tq, tk)
+    s = scaled_logits(qs, kv, cfg)  # (b, h, tq, tk)
+    if cfg.logit_softcap is not None:  # Gemma 2: c * tanh(s / c), before the bias and the mask
+        s = cfg.logit_softcap * np.tanh(s / cfg.logit_softcap)
     if kv.bias is not None:
         s = np.where(kv.bias == -np.inf, -np.inf, s + kv.bias)  # -inf masks even a NaN logit
     seg = (None, None) if qs.seg is None else (qs.seg[:, :, None], kv.seg[:, None, :])
@@ -117,6 +125,7 @@ def check_hop(qs, kv, cfg):
     check_positions(q_pos, b, sq, "qs.pos"), check_positions(k_pos, b, sk, "kv.pos")
     cfg = cfg.resolve(d, sq, sk)
     cfg = dataclasses.replace(cfg, scale=check_scale(cfg.scale, d), causal=check_bool(cfg.causal, "causal"),
+                              logit_softcap=check_softcap(cfg.logit_softcap),
                               window=check_window(cfg.window), block_q=check_block(cfg.block_q, sq, "block_q"),
                               block_kv=check_block(cfg.block_kv, sk, "block_kv"))
     f64 = lambda x: None if x is None else np.asarray(x, np.float64)  # noqa: E731
@@ -137,22 +146,23 @@ def hop_attention(qs, kv, cfg=HopConfig()):
     Partials over disjoint shards combine with ``softmax.merge`` in any order.
     """
     qs, kv, cfg = check_hop(qs, kv, cfg)
-    b, sq, h, d = qs.q.shape
-    state = init_state(b, h, sq, d)
+    b, sq, h, _ = qs.q.shape
+    state = init_state(b, h, sq, kv.v.shape[-1])  # o as wide as v (MLA: d_v != d)
     attend_kv_shard(state, qs, kv, cfg)
     return finalize(*state)
 
 
 def blockwise_attention(q, k, v, *, block_q=None, block_kv=None, causal=False, segment_ids=None,
-                        bias=None, window=None, scale=None, return_lse=False):
+                        bias=None, window=None, scale=None, return_lse=False, logit_softcap=None):
     """Attention computed tile by tile with the online softmax (BPT on one device).
 
     Same arguments and result as :func:`ringattn_ref.attention` plus ``block_q`` / ``block_kv``,
     which must divide ``seq`` (default: :func:`default_block` of ``seq``). This is the
     ``n_hosts=1`` path of the ring.
     """
-    b, s, h, hk, d = check_qkv(q, k, v)
+    b, s, h, hk, d = check_qkv(q, k, v, value_width=True)
     cfg = HopConfig(scale=check_scale(scale, d), causal=check_bool(causal, "causal"), window=check_window(window, s),
+                    logit_softcap=check_softcap(logit_softcap),
                     block_q=check_block(default_block(s) if block_q is None else block_q, s, "block_q"),
                     block_kv=check_block(default_block(s) if block_kv is None else block_kv, s, "block_kv"))
     segment_ids = check_segment_ids(segment_ids, b, s)

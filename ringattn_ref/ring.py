@@ -28,7 +28,7 @@ from .masks import mark_bad_keys, tile_is_empty
 from .shards import HopConfig, KVGrads, KVShard, QShard, default_block
 from .softmax import finalize, init_state
 from .validation import (check_bias, check_block, check_bool, check_layout, check_n_hosts, check_qkv,
-                         check_scale, check_segment_ids, check_window)
+                         check_scale, check_segment_ids, check_softcap, check_window)
 
 
 class Message(NamedTuple):
@@ -135,13 +135,14 @@ class RingProblem:
 
 
 def setup_ring(q, k, v, *, n_hosts, causal, segment_ids, bias, window, scale, layout, block_q,
-               block_kv, dropout_rate=0.0, dropout_key=None):
+               block_kv, dropout_rate=0.0, dropout_key=None, logit_softcap=None):
     """Validate the arguments and build the hosts: host ``r`` gets layout shard ``r`` of q and k/v."""
-    b, s, h, hk, d = check_qkv(q, k, v)
+    b, s, h, hk, d = check_qkv(q, k, v, value_width=True)
     layout = check_layout(layout, s)
     n_hosts = check_n_hosts(n_hosts, s, layout)
     c = s // n_hosts
     hop = HopConfig(scale=check_scale(scale, d), causal=check_bool(causal, "causal"), window=check_window(window, s),
+                    logit_softcap=check_softcap(logit_softcap),
                     block_q=check_block(default_block(c) if block_q is None else block_q, c, "block_q"),
                     block_kv=check_block(default_block(c) if block_kv is None else block_kv, c, "block_kv"))
     rate, seed = check_dropout(dropout_rate, dropout_key)
@@ -186,7 +187,7 @@ def swap_buffers(hosts):
 
 def ring_forward(q, k, v, *, n_hosts, causal=False, segment_ids=None, bias=None, window=None,
                  scale=None, layout="contiguous", block_q=None, block_kv=None, dropout_rate=0.0,
-                 dropout_key=None):
+                 dropout_key=None, logit_softcap=None):
     """The ring forward pass; returns ``(o, lse, trace)`` with o, lse in the caller's order.
 
     o: [b, s, h, d]; lse: [b, h, s]. Arguments as in :func:`ring_attention`.
@@ -194,11 +195,12 @@ def ring_forward(q, k, v, *, n_hosts, causal=False, segment_ids=None, bias=None,
     problem, hosts = setup_ring(q, k, v, n_hosts=n_hosts, causal=causal, segment_ids=segment_ids,
                                 bias=bias, window=window, scale=scale, layout=layout,
                                 block_q=block_q, block_kv=block_kv, dropout_rate=dropout_rate,
-                                dropout_key=dropout_key)
+                                dropout_key=dropout_key, logit_softcap=logit_softcap)
     n, c, hop = problem.n_hosts, problem.shard, problem.hop
     b, _, h, d = hosts[0].qs.q.shape
+    d_v = hosts[0].held.kv.v.shape[-1]
     n_tiles = (c // hop.block_q) * (c // hop.block_kv)
-    tile_flops = 4 * b * h * hop.block_q * hop.block_kv * d
+    tile_flops = 2 * b * h * hop.block_q * hop.block_kv * (d + d_v)  # Q K^T and P V
     tile_elements = b * h * hop.block_q * hop.block_kv
     shape = (n, n)  # (n_hosts, n_steps)
     kv_idx, computed, skipped = (np.zeros(shape, np.int64) for _ in range(3))
@@ -207,7 +209,7 @@ def ring_forward(q, k, v, *, n_hosts, causal=False, segment_ids=None, bias=None,
     peak = np.zeros(n, np.int64)
 
     for host in hosts:
-        host.m, host.l, host.o = init_state(b, h, c, d)
+        host.m, host.l, host.o = init_state(b, h, c, host.held.kv.v.shape[-1])  # o as wide as v
     for step in range(n):
         if step < n - 1:  # post the sends first: on hardware they overlap this step's compute
             send_to_next(hosts)
@@ -241,7 +243,7 @@ def ring_forward(q, k, v, *, n_hosts, causal=False, segment_ids=None, bias=None,
 
 def ring_attention(q, k, v, *, n_hosts, causal=False, segment_ids=None, bias=None, window=None,
                    scale=None, layout="contiguous", block_q=None, block_kv=None, return_trace=False,
-                   dropout_rate=0.0, dropout_key=None):
+                   dropout_rate=0.0, dropout_key=None, logit_softcap=None):
     """Attention computed by ``n_hosts`` simulated hosts passing K/V around a ring.
 
     q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim]; all in the caller's (true)
@@ -250,11 +252,12 @@ def ring_attention(q, k, v, *, n_hosts, causal=False, segment_ids=None, bias=Non
     divisible by ``n_hosts`` (``2 * n_hosts`` for zigzag). ``block_q`` / ``block_kv`` must divide the
     shard ``seq / n_hosts``; default: the largest divisor of the shard ``<= 128``. ``dropout_rate`` /
     ``dropout_key``: attention dropout as in :func:`ringattn_ref.attention` (the same mask, for every
-    ring size, layout and block size: ``dropout.py``).
+    ring size, layout and block size: ``dropout.py``). ``logit_softcap``: ``c * tanh(s / c)`` on the
+    scaled logits (Gemma 2), as in :func:`ringattn_ref.attention`.
     Returns o [batch, seq, heads, dim] float64, and a :class:`RingTrace` if ``return_trace``.
     """
     o, _, trace = ring_forward(q, k, v, n_hosts=n_hosts, causal=causal, segment_ids=segment_ids,
                                bias=bias, window=window, scale=scale, layout=layout,
                                block_q=block_q, block_kv=block_kv, dropout_rate=dropout_rate,
-                               dropout_key=dropout_key)
+                               dropout_key=dropout_key, logit_softcap=logit_softcap)
     return (o, trace) if return_trace else o

@@ -29,16 +29,18 @@ def _check_4d_float(q, k, v):
             raise ValueError(f"{name} must be a floating-point array; got dtype {x.dtype}")
 
 
-def check_qkv(q, k, v):
+def check_qkv(q, k, v, *, value_width=False):
     """Check q/k/v shapes and dtypes; return ``(batch, seq, heads, kv_heads, dim)``.
 
     q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim] with heads % kv_heads == 0.
+    ``value_width=True``: v may have a width of its own, [batch, seq, kv_heads, dim_v] (MLA).
     """
     _check_4d_float(q, k, v)
     if q.shape[1] < 1:
         raise ValueError(f"q must hold at least one token; got shape {tuple(q.shape)} (seq = 0)")
-    if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if tuple(k.shape[:3]) != tuple(v.shape[:3]) or (not value_width and k.shape[3] != v.shape[3]):
+        need = "the same [batch, seq, kv_heads]" if value_width else "the same shape"
+        raise ValueError(f"k and v must have {need}; got k {tuple(k.shape)} and v {tuple(v.shape)}")
     b, s, h, d = q.shape
     kb, ks, kh, kd = k.shape
     if (kb, ks, kd) != (b, s, d):
@@ -264,10 +266,10 @@ def check_block(block, shard, name):
     return int(block)
 
 
-def check_cotangent(do, q_shape, name="do"):
-    """The output cotangent must be a float array shaped like q: [batch, seq, heads, dim]."""
-    if tuple(do.shape) != tuple(q_shape):
-        raise ValueError(f"{name} must have the shape of q {tuple(q_shape)}; got {tuple(do.shape)}")
+def check_cotangent(do, o_shape, name="do"):
+    """The output cotangent must be a float array shaped like the output o: [batch, seq, heads, dim_v]."""
+    if tuple(do.shape) != tuple(o_shape):
+        raise ValueError(f"{name} must have the shape of the output {tuple(o_shape)}; got {tuple(do.shape)}")
     if not is_float_dtype(do.dtype):
         raise ValueError(f"{name} must be a floating-point array; got dtype {do.dtype}")
     return do

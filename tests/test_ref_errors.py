@@ -28,7 +28,7 @@ SELF = [blockwise, ring, vjp]  # the oracle also takes t != s and a value width 
 
 CASES = [  # (functions, q, k, v, kwargs, message pattern)
     (SELF, Q, K[:, :8], V[:, :8], {}, r"k/v shape \(2, 8, 2, 3\) does not match q shape"),
-    (SELF, Q, K, V[..., :2], {}, r"k and v must have the same shape"),
+    (SELF, Q, K, V[:, :, :1], {}, r"k and v must have the same \[batch, seq, kv_heads\]"),
     ([attention], Q, K[:, :, :, :2], V, {}, r"need q \[batch=2, t, heads, dim=3\], k \[batch=2, s, kv_heads, dim=3\]"),
     (ALL, Q[0], K, V, {}, r"q must be 4-D \[batch, seq, heads, dim\]; got shape \(16, 4, 3\)"),
     (ALL, Q, rng.normal(size=(B, S, 3, D)), rng.normal(size=(B, S, 3, D)), {},
@@ -70,7 +70,7 @@ def test_bad_input_message(case):
 
 
 def test_vjp_checks_the_cotangent():
-    with pytest.raises(ValueError, match=r"do must have the shape of q \(2, 16, 4, 3\); got \(2, 16, 4\)"):
+    with pytest.raises(ValueError, match=r"do must have the shape of the output \(2, 16, 4, 3\); got \(2, 16, 4\)"):
         ring_attention_vjp(Q, K, V, np.ones((B, S, H)), n_hosts=4)
     with pytest.raises(ValueError, match=r"do must be a floating-point array; got dtype int64"):
         ring_attention_vjp(Q, K, V, np.ones(Q.shape, dtype=np.int64), n_hosts=4)

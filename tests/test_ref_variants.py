@@ -153,3 +153,28 @@ def test_cross_attention_segments_need_both_sides():
         attention(q, k, v, segment_ids=np.zeros((2, 4), np.int32))
     o = attention(q, k, v, segment_ids=np.zeros((2, 4), np.int32), kv_segment_ids=np.zeros((2, 6), np.int32))
     np.testing.assert_allclose(o, attention(q, k, v), atol=1e-14)
+
+
+def test_the_ref_ring_and_its_backward_take_a_value_width_of_their_own():
+    """MLA-like widths (d = 8, d_v = 4): the ring equals the oracle and its backward the dense gradient."""
+    import jax
+    import jax.numpy as jnp
+
+    from ringattn_ref import blockwise_attention, ring_attention, ring_attention_vjp
+
+    q, k, v = qkv(16, 16, h=4, hk=2, d=8, dv=4)
+    want = attention(q, k, v, causal=True)
+    assert want.shape == (2, 16, 4, 4)
+    np.testing.assert_allclose(ring_attention(q, k, v, n_hosts=4, causal=True, layout="zigzag"), want, atol=1e-12)
+    np.testing.assert_allclose(blockwise_attention(q, k, v, causal=True, block_q=4), want, atol=1e-12)
+    do = np.random.default_rng(9).standard_normal(want.shape)
+
+    def dense(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, 2, axis=2)) / 8 ** 0.5
+        s = jnp.where(jnp.tril(jnp.ones((16, 16), bool)), s, -jnp.inf)
+        return (jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), jnp.repeat(v, 2, axis=2)) * do).sum()
+
+    with jax.enable_x64(True):
+        grads = jax.grad(dense, argnums=(0, 1, 2))(q, k, v)
+    for got, wg in zip(ring_attention_vjp(q, k, v, do, n_hosts=4, causal=True, layout="striped"), grads):
+        np.testing.assert_allclose(got, wg, atol=1e-12)
