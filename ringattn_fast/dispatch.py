@@ -60,15 +60,17 @@ def check_kernel_dtypes(impl, q, k, v):
 
 
 def _chip_known(device_kind):
+    """Whether ``kernels.budgets`` has a row for ``device_kind`` (None, not given: assumed known)."""
     from .kernels import budgets  # no numpy tables on import: kernels' modules load when first used
 
-    return budgets.knows(device_kind)
+    return device_kind is None or budgets.knows(device_kind)
 
 
-def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, fused_ok=True, device_kind=None):
+def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, has_softcap=False, fused_ok=True,
+               device_kind=None):
     """The concrete impl for this call, or a ValueError naming what does not fit (bias, dropout, dtype,
-    platform). Attention dropout runs in the XLA hop only: ``"auto"`` picks it, as it does on a TPU or
-    GPU ``device_kind`` that ``kernels.budgets`` has no row for.
+    platform). Attention dropout and ``logit_softcap`` run in the XLA hop only: ``"auto"`` picks it, as it
+    does on a TPU or GPU ``device_kind`` that ``kernels.budgets`` has no row for.
 
     ``fused_ok=False``: the caller needs per-hop functions (``comm_dtype`` on the ring, the all-gather
     and Ulysses strategies), so "auto" picks "pallas_tpu" where it would pick the fused ring.
@@ -80,7 +82,8 @@ def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, fu
         raise ValueError("impl='pallas_tpu_fused' runs the whole ring in one kernel that moves K/V itself; "
                          "comm_dtype, the all-gather and Ulysses need per-hop kernels: use impl='pallas_tpu'")
     if impl == "auto":
-        impl = "xla" if has_bias or has_dropout else _AUTO.get(platform, "xla")
+        value_width = v.shape[-1] != q.shape[-1]
+        impl = "xla" if has_bias or has_dropout or has_softcap or value_width else _AUTO.get(platform, "xla")
         impl = "pallas_tpu" if impl == "pallas_tpu_fused" and not fused_ok else impl
         if impl != "xla" and platform != "cpu" and not _chip_known(device_kind):
             impl = "xla"  # a chip without a memory row: nothing to check a kernel's tiles against
@@ -97,6 +100,12 @@ def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, fu
     if has_bias:
         raise ValueError(f"impl={impl!r} does not support bias (the Pallas kernels take none); "
                          f"use impl='xla' or impl='auto' with a bias")
+    if has_softcap:
+        raise ValueError(f"impl={impl!r} does not support logit_softcap yet (the XLA hop applies it); "
+                         f"use impl='xla' or impl='auto' with logit_softcap")
+    if v.shape[-1] != q.shape[-1]:
+        raise ValueError(f"impl={impl!r} needs v as wide as q and k for now; got q {tuple(q.shape)}, v "
+                         f"{tuple(v.shape)} (a value width of its own runs in the XLA hop: impl='xla' or 'auto')")
     row = IMPLS[impl]
     if platform not in row.compiled + row.interpreted:
         raise ValueError(f"impl={impl!r} cannot run on {platform!r} devices (the mesh's platform); it runs on "

@@ -136,7 +136,7 @@ def dropout_seed(key):
 
 def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, window_seq, scale, layout,
                    block_q, block_kv, impl, device, bias_mode, padding_segment, has_positions=False,
-                   comm_dtype=None, grad_comm_dtype=None, dropout_rate=0.0, dropout_key=None):
+                   comm_dtype=None, grad_comm_dtype=None, dropout_rate=0.0, dropout_key=None, logit_softcap=None):
     """The checks both doors share, on a host's view (``s_local`` tokens of ``N * s_local``): a :class:`Settings`.
 
     ``window_seq``: the length that bounds a window (a bound of at least ``window_seq - 1`` is
@@ -146,6 +146,7 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
     """
     scale, causal = val.check_scale(scale, q.shape[-1]), val.check_bool(causal, "causal")
     window = val.check_window(window, window_seq)
+    logit_softcap = val.check_softcap(logit_softcap)
     if not strategy.comm and (comm_dtype is not None or grad_comm_dtype is not None):
         raise ValueError(f"{strategy.name} takes no comm_dtype / grad_comm_dtype (its collectives move whole "
                          f"q, k, v in their own dtype); got {comm_dtype!r}, {grad_comm_dtype!r}")
@@ -158,7 +159,8 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
     q_len, kv_len = (s_local * n if whole else s_local for whole in (strategy.q_whole, strategy.kv_whole))
     fused_ok = strategy.fused_ok and comm_dtype is None and grad_comm_dtype is None
     impl = check_impl(impl, device.platform, q, k, v, has_bias=bias_mode is not None,
-                      has_dropout=dropout_rate > 0, fused_ok=fused_ok, device_kind=getattr(device, "device_kind", None))
+                      has_dropout=dropout_rate > 0, has_softcap=logit_softcap is not None, fused_ok=fused_ok,
+                      device_kind=getattr(device, "device_kind", None))
     kernels = kernels_for(impl)
     tiles = None  # the kernels' own defaults for the chip they are compiled for (kernels/budgets.py)
     if (block_q is None or block_kv is None) and kernels.default_blocks is not None:
@@ -171,7 +173,7 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
     block_q = val.check_block(block_q, q_len, "block_q")
     block_kv = val.check_block(block_kv, kv_len, "block_kv")
     hop = HopConfig(scale=scale, causal=causal, window=window, block_q=block_q, block_kv=block_kv,
-                    dropout_rate=dropout_rate)
+                    dropout_rate=dropout_rate, logit_softcap=logit_softcap)
     cfg = RingConfig(axis_name, hop, impl, bias_mode, skip_empty_hops=kernels.skip_empty_hops,
                      comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype)
     return Settings(cfg, layout, padding_segment, has_positions)
@@ -186,7 +188,7 @@ def check_shard_call(strategy, q, k, v, *, axis_name, segment_ids=None, bias=Non
     positions [b, s_local], bias per host (:func:`bias_mode`). ``settings``: the keywords of
     :func:`check_settings` that the caller passes through (causal, window, scale, blocks, impl, ...).
     """
-    b, sq, h, hk, _ = val.check_qkv(q, k, v)
+    b, sq, h, hk, _ = val.check_qkv(q, k, v, value_width=True)
     val.check_sinks(sinks, h)
     n = axis_size(axis_name, strategy)
     if strategy.check_heads is not None:
@@ -305,13 +307,13 @@ def _first_index(mesh_axes, local_size):
 def on_mesh(strategy, q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_ids=None, bias=None,
             window=None, scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
             padding_segment=None, return_lse=False, batch_axes=None, head_axis=None, dropout_rate=0.0,
-            dropout_key=None, comm_dtype=None, grad_comm_dtype=None, sinks=None):
+            dropout_key=None, comm_dtype=None, grad_comm_dtype=None, sinks=None, logit_softcap=None):
     """``strategy`` on global q, k, v: validated here, sharded over ``mesh``, run per host, in true order.
 
     Arguments as ``ring_attention``'s. Returns [batch, seq, heads, dim] in q's dtype, in true order
     (and lse [batch, heads, seq] with ``return_lse``).
     """
-    b, s, h, hk, _ = val.check_qkv(q, k, v)
+    b, s, h, hk, _ = val.check_qkv(q, k, v, value_width=True)
     return_lse = val.check_bool(return_lse, "return_lse")
     val.check_sinks(sinks, h)
     window = val.check_window(window, s)
@@ -335,7 +337,8 @@ def on_mesh(strategy, q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
                               block_q=block_q, block_kv=block_kv, impl=impl, device=mesh_device(mesh),
                               bias_mode=bias_mode(ring_bias, b, h, s_ring, 1),
                               padding_segment=padding_segment, comm_dtype=comm_dtype,
-                              grad_comm_dtype=grad_comm_dtype, dropout_rate=dropout_rate, dropout_key=dropout_key)
+                              grad_comm_dtype=grad_comm_dtype, dropout_rate=dropout_rate, dropout_key=dropout_key,
+                              logit_softcap=logit_softcap)
     seed = dropout_seed(dropout_key) if settings.cfg.hop.dropout_rate > 0 else None
     run = partial(_run, _Call(strategy, settings, auto_mesh(mesh), axes, return_lse))
     qb, qseq, qh, _ = spec_of(q, 4)

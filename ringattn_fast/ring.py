@@ -36,7 +36,7 @@ from .softmax import acc_dtype, merge
 
 
 def ring_forward(cfg, qs, kv, bias, drop=None):
-    """The forward ring on this host: ``(o, lse)``, o ``[b, sq, h, d]``, lse ``[b, h, sq]`` in float32/64.
+    """The forward ring on this host: ``(o, lse)``, o ``[b, sq, h, d_v]``, lse ``[b, h, sq]`` in float32/64.
 
     qs: this host's queries; kv: this host's own K/V shard (it starts the ring); bias: the host's
     non-travelling bias (``cfg.bias_mode`` "columns" or "static") or None; drop: a
@@ -46,7 +46,7 @@ def ring_forward(cfg, qs, kv, bias, drop=None):
     hop_fwd = kernels_for(cfg.impl).hop_fwd
     hop_fwd = hop_fwd if drop is None else partial(hop_fwd, drop=drop)
     n, my_idx = lax.axis_size(cfg.axis_name), lax.axis_index(cfg.axis_name)
-    b, sq, h, d = qs.q.shape
+    b, sq, h, _ = qs.q.shape
     kv = masks.mark_bad_keys_of(kv)
     acc, kv_dtype = acc_dtype(qs.q.dtype), kv.k.dtype
     skip = cfg.skip_empty_hops and masks.can_be_empty(cfg.hop.causal, cfg.hop.window, qs.seg is not None)
@@ -69,7 +69,7 @@ def ring_forward(cfg, qs, kv, bias, drop=None):
         o, lse = hop(step, kv, o, lse)
         return kv_next, o, lse
 
-    o = jnp.zeros((b, sq, h, d), acc)
+    o = jnp.zeros((b, sq, h, kv.v.shape[-1]), acc)  # as wide as v (MLA: d_v != d)
     lse = jnp.full((b, h, sq), -jnp.inf, acc)
     axes = varying_axes(*qs, *kv, bias)
     kv, o, lse = ring_loop(step_fn, (comm.encode(kv, cfg.comm_dtype),) + vary_like((o, lse), axes), n)
@@ -124,7 +124,7 @@ def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=N
                          scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
                          positions=None, padding_segment=None, return_lse=False, dropout_rate=0.0,
                          dropout_key=None, dropout_offsets=(0, 0), comm_dtype=None, grad_comm_dtype=None,
-                         sinks=None):
+                         sinks=None, logit_softcap=None):
     """Ring attention for code already inside ``jax.shard_map``: this host's output shard.
 
     q: [batch, s_local, heads, dim] and k, v: [batch, s_local, kv_heads, dim], this host's shard of the
@@ -150,7 +150,7 @@ def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=N
         RING, q, k, v, axis_name=axis_name, segment_ids=segment_ids, bias=bias, positions=positions, sinks=sinks,
         padding_segment=padding_segment, layout=layout, dropout_key=dropout_key, dropout_offsets=dropout_offsets,
         causal=causal, window=window, scale=scale, block_q=block_q, block_kv=block_kv, impl=impl,
-        comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype, dropout_rate=dropout_rate)
+        comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype, dropout_rate=dropout_rate, logit_softcap=logit_softcap)
     o, lse = attend(host_inputs(settings, q, k, v, segment_ids=segment_ids, bias=bias, positions=positions,
                                 drop=drop))
     return finish(o, lse, sinks=sinks, return_lse=return_lse)
@@ -159,7 +159,7 @@ def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=N
 def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_ids=None, bias=None,
                    window=None, scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
                    padding_segment=None, return_lse=False, batch_axes=None, head_axis=None, dropout_rate=0.0,
-                   dropout_key=None, comm_dtype=None, grad_comm_dtype=None, sinks=None):
+                   dropout_key=None, comm_dtype=None, grad_comm_dtype=None, sinks=None, logit_softcap=None):
     """Ring attention on global arrays: shards them over ``mesh``, runs the ring, returns the output.
 
     - q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim] (heads % kv_heads == 0);
@@ -177,7 +177,9 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
       no default key): the mask of ``ringattn_ref.dropout``, identical for every mesh, layout and
       block size; runs in the XLA hop (``impl="auto"`` picks it, a Pallas impl is an error);
     - sinks: float [heads], a learnable logit per query head that joins every row's softmax
-      denominator and brings no value (gpt-oss); lse includes it; every impl (``softmax.add_sinks``).
+      denominator and brings no value (gpt-oss); lse includes it; every impl (``softmax.add_sinks``);
+    - logit_softcap: ``c``: the scaled logits become ``c * tanh(s / c)`` before bias and mask (Gemma 2);
+      the XLA hop (``impl="auto"`` picks it; a Pallas impl is an error, for now).
 
     The sequence is sharded on ``axis_name``, the batch on ``batch_axes`` (default ``"data"`` if the
     mesh has it; one name or a tuple), the heads on ``head_axis`` (default: not split); q, k, v are
@@ -191,4 +193,4 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
                    bias=bias, window=window, scale=scale, layout=layout, block_q=block_q, block_kv=block_kv,
                    impl=impl, padding_segment=padding_segment, return_lse=return_lse, batch_axes=batch_axes,
                    head_axis=head_axis, dropout_rate=dropout_rate, dropout_key=dropout_key, comm_dtype=comm_dtype,
-                   grad_comm_dtype=grad_comm_dtype, sinks=sinks)
+                   grad_comm_dtype=grad_comm_dtype, sinks=sinks, logit_softcap=logit_softcap)

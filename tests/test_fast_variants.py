@@ -181,3 +181,39 @@ def test_the_jax_nn_twin_takes_softcap_and_sinks():
     want[1] = ref.attention(q[1:, :10], k[1:, :10], v[1:, :10], causal=True, sinks=np.asarray(sinks))[0].tolist() + \
         np.zeros((6, 4, 8)).tolist()
     assert_close(o, want, "o with lengths", tol=2e-5)
+
+
+@given(st.data())
+@settings(max_examples=examples(6), deadline=None)
+def test_a_value_width_of_its_own_on_every_strategy(data):
+    """MLA-like widths (d_qk = 12, d_v = 8, and wider values): fwd and grads in float64 vs the oracle and
+    the ref ring's backward, every strategy, GQA, masks, layouts; ``comm_dtype`` on the ring."""
+    name = data.draw(st.sampled_from(sorted(STRATEGIES)))
+    n = data.draw(st.sampled_from([1, 2, 4, 8]))
+    h, hk = data.draw(st.sampled_from([(8, 8), (8, 2), (8, 1)]))
+    d, dv = data.draw(st.sampled_from([(12, 8), (4, 16)]))
+    mask = data.draw(st.sampled_from([dict(causal=True), dict(window=(5, 2)), dict()]))
+    layout = data.draw(st.sampled_from(["contiguous", "striped", "zigzag"]))
+    rng = np.random.default_rng(data.draw(st.integers(0, 99)))
+    q, k, v = rng.standard_normal((2, 32, h, d)), rng.standard_normal((2, 32, hk, d)), rng.standard_normal((2, 32, hk, dv))
+    do = rng.standard_normal((2, 32, h, dv))
+    fn = STRATEGIES[name]
+    with jax.enable_x64(True):
+        run = lambda q, k, v: fn(q, k, v, mesh=rf.make_mesh(n), layout=layout, block_q=4, block_kv=4, **mask)  # noqa: E731
+        o = run(q, k, v)
+        got = jax.grad(lambda q, k, v: (run(q, k, v) * do).sum(), argnums=(0, 1, 2))(q, k, v)
+    assert o.shape == (2, 32, h, dv)
+    assert_close(o, ref.attention(q, k, v, **mask), "o", tol=1e-10)
+    for what, g, wg in zip(("dq", "dk", "dv"), got, ref.ring_attention_vjp(q, k, v, do, n_hosts=2, **mask)):
+        assert_close(g, wg, what, tol=1e-9)
+
+
+def test_a_value_width_in_float32_with_comm_dtype_and_the_kernels_refusing_it():
+    rng = np.random.default_rng(6)
+    q, k = rng.standard_normal((2, 1, 32, 4, 16)).astype(np.float32)
+    v = rng.standard_normal((1, 32, 4, 8)).astype(np.float32)
+    o = rf.ring_attention(q, k, v, mesh=rf.make_mesh(4), causal=True, comm_dtype="bfloat16")
+    assert_close(o, ref.attention(q, k, v, causal=True), "o", tol=2e-2)
+    for impl in ("pallas_gpu", "pallas_tpu", "pallas_tpu_fused"):
+        with pytest.raises(ValueError, match=rf"impl='{impl}' needs v as wide as q and k for now"):
+            rf.ring_attention(q, k, v, mesh=rf.make_mesh(4), impl=impl)

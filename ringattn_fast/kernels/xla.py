@@ -21,6 +21,8 @@ nothing: the ``group`` query heads that share a kv head are folded into the tile
 repeated). The scale is folded into q (``O(s d)`` work instead of ``O(s^2)``). Accumulation is float32
 for 16/32-bit inputs and float64 for float64. ``kv.bias`` is ``[b|1, h|1, sq|1, sk|1]``, added to the
 scaled logits (mirrors ``ringattn_ref.blockwise``); a -inf bias masks its pair whatever the logit.
+``cfg.logit_softcap`` c: the scaled logits become ``c tanh(s / c)`` first (Gemma 2); the backward
+multiplies dS by ``1 - tanh(s / c)^2``.
 Non-finite keys (``docs/design.md``): the ring hands the hop finite V and an all-NaN K for each key
 that held a nan/inf (``masks.mark_bad_keys``), so a mask hides such a key and exactly the rows that
 see it turn NaN; the hop only keeps K's NaN out of ``dQ = dS K`` where a mask hid the key.
@@ -93,9 +95,19 @@ def _rows(x, start, size, axis):
     return lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
-def _logits(q_i, k_j, bias_ij, mask_ij, group, acc):
-    """Biased, masked logits of one tile: q_i (b, hk, group*bq, d) pre-scaled, k_j (b, hk, bkv, d)."""
+def _softcap(s, softcap):
+    """Gemma 2's soft-capping ``c * tanh(s / c)`` (None: s as it is) and its derivative ``1 - tanh^2``."""
+    if softcap is None:
+        return s, None
+    t = jnp.tanh(s / softcap)
+    return softcap * t, 1.0 - t * t
+
+
+def _logits(q_i, k_j, bias_ij, mask_ij, group, acc, *, softcap=None):
+    """Biased, masked logits of one tile: q_i (b, hk, group*bq, d) pre-scaled, k_j (b, hk, bkv, d);
+    soft-capped first with ``softcap``."""
     s = jnp.einsum("bkqd,bksd->bkqs", q_i, k_j, preferred_element_type=acc)  # (b, hk, group*bq, bkv)
+    s, _ = _softcap(s, softcap)
     if bias_ij is None and mask_ij is None:
         return s
     b, hk, gq, bkv = s.shape
@@ -109,12 +121,14 @@ def _logits(q_i, k_j, bias_ij, mask_ij, group, acc):
     return s.reshape(b, hk, gq, bkv)
 
 
-def _logits_t(k_j, qt_i, bias_ij, mask_ij, group, acc):
+def _logits_t(k_j, qt_i, bias_ij, mask_ij, group, acc, *, softcap=None):
     """The tile's logits transposed, ``S^T = K Q^T`` (b, hk, bkv, group*bq), for the backward: k_j (b, hk, bkv, d),
-    qt_i (b, hk, d, group*bq) pre-scaled; bias and mask as in :func:`_logits`."""
+    qt_i (b, hk, d, group*bq) pre-scaled; bias, mask and softcap as in :func:`_logits`. Returns ``(S^T, d
+    softcap / d s)`` (the second None without a softcap)."""
     st = jnp.einsum("bksd,bkdq->bksq", k_j, qt_i, preferred_element_type=acc)  # (b, hk, bkv, group*bq)
+    st, dcap = _softcap(st, softcap)
     if bias_ij is None and mask_ij is None:
-        return st
+        return st, dcap
     b, hk, bkv, gq = st.shape
     st = st.reshape(b, hk, bkv, group, gq // group)
     if bias_ij is not None:  # (bb, bh, bq, bk) -> (bb, hk|1, bk, group|1, bq)
@@ -124,7 +138,7 @@ def _logits_t(k_j, qt_i, bias_ij, mask_ij, group, acc):
         st = jnp.where(bias_t == -jnp.inf, -jnp.inf, st + bias_t)
     if mask_ij is not None:  # (b, bq, bkv) -> (b, 1, bkv, 1, bq)
         st = jnp.where(jnp.swapaxes(mask_ij, 1, 2)[:, None, :, None, :], st, -jnp.inf)
-    return st.reshape(b, hk, bkv, gq)
+    return st.reshape(b, hk, bkv, gq), dcap
 
 
 def _drop_rows(drop, q_pos, hk, group, block):
@@ -191,7 +205,8 @@ def _hop_fwd(qs, kv, cfg, drop, *, per_tile):
                 o, m, l = carry  # (b, hk, group*bq, d), (b, hk, group*bq), (b, hk, group*bq)
                 mask = masks.allowed(q_pos_i[:, :, None], k_pos_j[:, None, :], *_seg_pair(q_seg_i, k_seg_j),
                                      causal=cfg.causal, window=cfg.window) if masked else None
-                s = _logits(q_i, k_j, _rows(bias_i, j * block_kv, block_kv, 3), mask, group, acc)
+                s = _logits(q_i, k_j, _rows(bias_i, j * block_kv, block_kv, 3), mask, group, acc,
+                            softcap=cfg.logit_softcap)
                 m_new = jnp.maximum(m, s.max(axis=-1))
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with no key yet
                 p = jnp.exp(s - m_safe[..., None])  # masked -> exp(-inf) = 0
@@ -206,7 +221,8 @@ def _hop_fwd(qs, kv, cfg, drop, *, per_tile):
             where = (q_pos_i, k_pos_j, q_seg_i, k_seg_j)
             return _by_kind(tile, carry, lambda c: c, where, cfg, per_tile=per_tile), None
 
-        init = (jnp.zeros(q_i.shape, acc), jnp.full(q_i.shape[:-1], -jnp.inf, acc), jnp.zeros(q_i.shape[:-1], acc))
+        o0 = jnp.zeros(q_i.shape[:-1] + v.shape[-1:], acc)  # o is as wide as v (MLA: d_v != d)
+        init = (o0, jnp.full(q_i.shape[:-1], -jnp.inf, acc), jnp.zeros(q_i.shape[:-1], acc))
         (o, m, l), _ = lax.scan(kv_block, vary_like(init, axes), kv_xs)
         o = o / jnp.where(l == 0, 1.0, l)[..., None]
         return o, jnp.where(l == 0, -jnp.inf, m + jnp.log(jnp.where(l == 0, 1.0, l)))
@@ -280,7 +296,7 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, per_tile):
                 dk_j, dv_j, db_j, dqt = carry
                 mask = masks.allowed(q_pos_i[:, :, None], k_pos_j[:, None, :], *_seg_pair(q_seg_i, k_seg_j),
                                      causal=cfg.causal, window=cfg.window) if masked else None
-                st = _logits_t(k_j, qt_i, bias_ij, mask, group, acc)  # S^T: (b, hk, bkv, group*bq)
+                st, dcap = _logits_t(k_j, qt_i, bias_ij, mask, group, acc, softcap=cfg.logit_softcap)  # S^T
                 pt = jnp.exp(st - lse_i[:, :, None])  # P^T; masked -> 0
                 keep_t = None if rows_i is None else keep_scale(rows_i[:, :, None, :], k_pos_j[:, None, :, None],
                                                                 cfg.dropout_rate, acc)  # dropout: keep^T
@@ -289,6 +305,8 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, per_tile):
                 dpt = jnp.einsum("bksd,bkqd->bksq", v_j, do_i)  # dP^T = V dO^T
                 dpt = dpt if keep_t is None else dpt * keep_t
                 dst = masks.masked_grad(pt, dpt, delta_i[:, :, None])  # dS^T; 0 where P is 0, even in a NaN row
+                if dcap is not None:  # through c tanh(s / c); still 0 where P is 0 (dcap is NaN for a bad key)
+                    dst = jnp.where(pt == 0, 0.0, dst * dcap)
                 dqt_i = jnp.einsum("bkds,bksq->bkdq", kt_j, dst) * scale  # dQ^T = K^T dS^T: (b, hk, d, group*bq)
                 dk_j = dk_j + jnp.einsum("bksq,bkdq->bksd", dst, qt_i)  # dK += dS^T Q (q carries the scale)
                 db = None
@@ -304,7 +322,7 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, per_tile):
             return _by_kind(tile, carry, lambda c: (c, zeros), where, cfg, per_tile=per_tile)
 
         db0 = jnp.zeros(bias_j.shape, acc) if bias is not None and not bias_rows else None
-        init = vary_like((jnp.zeros(k_j.shape, acc), jnp.zeros(k_j.shape, acc), db0), axes) + (dqt,)
+        init = vary_like((jnp.zeros(k_j.shape, acc), jnp.zeros(v_j.shape, acc), db0), axes) + (dqt,)
         (dk_j, dv_j, db_j, dqt), db_blocks = lax.scan(q_block, init, q_xs)
         if bias_rows:  # (nq, bb, bh, bq, bkv|1) -> (bb, bh, sq, bkv|1)
             db_j = jnp.einsum("nbhqs->bhnqs", db_blocks).reshape(db_blocks.shape[1:3] + (sq, -1))
