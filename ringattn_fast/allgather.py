@@ -124,7 +124,7 @@ ALLGATHER = Strategy("allgather_attention", attend, kv_whole=True, comm=True)
 def allgather_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=None, bias=None, window=None,
                               scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
                               positions=None, padding_segment=None, return_lse=False, comm_dtype=None,
-                              grad_comm_dtype=None, sinks=None):
+                              grad_comm_dtype=None, sinks=None, logit_softcap=None, mask_fn=None, score_fn=None):
     """All-gather attention inside ``jax.shard_map``: this host's output shard.
 
     Arguments, shapes and results exactly as ``ring_attention_shard`` (q [b, s_local, h, d], k, v
@@ -136,7 +136,8 @@ def allgather_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_
     settings, _ = check_shard_call(
         ALLGATHER, q, k, v, axis_name=axis_name, segment_ids=segment_ids, bias=bias, positions=positions,
         sinks=sinks, padding_segment=padding_segment, layout=layout, causal=causal, window=window, scale=scale,
-        block_q=block_q, block_kv=block_kv, impl=impl, comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype)
+        block_q=block_q, block_kv=block_kv, impl=impl, comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype,
+        logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn)
     o, lse = attend(host_inputs(settings, q, k, v, segment_ids=segment_ids, bias=bias, positions=positions))
     return finish(o, lse, sinks=sinks, return_lse=return_lse)
 
@@ -144,7 +145,7 @@ def allgather_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_
 def allgather_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_ids=None, bias=None,
                         window=None, scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
                         padding_segment=None, return_lse=False, batch_axes=None, head_axis=None, comm_dtype=None,
-                        grad_comm_dtype=None, sinks=None):
+                        grad_comm_dtype=None, sinks=None, logit_softcap=None, mask_fn=None, score_fn=None):
     """All-gather attention on global arrays: the inputs, keywords and result of ``ring_attention``.
 
     q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim]; every mask (causal, window,
@@ -157,4 +158,5 @@ def allgather_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, seg
     return on_mesh(ALLGATHER, q, k, v, mesh=mesh, axis_name=axis_name, causal=causal, segment_ids=segment_ids,
                    bias=bias, window=window, scale=scale, layout=layout, block_q=block_q, block_kv=block_kv,
                    impl=impl, padding_segment=padding_segment, return_lse=return_lse, batch_axes=batch_axes,
-                   head_axis=head_axis, comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype, sinks=sinks)
+                   head_axis=head_axis, comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype, sinks=sinks,
+                   logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn)

@@ -69,8 +69,9 @@ def _chip_known(device_kind):
 def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, has_softcap=False, fused_ok=True,
                device_kind=None):
     """The concrete impl for this call, or a ValueError naming what does not fit (bias, dropout, dtype,
-    platform). Attention dropout and ``logit_softcap`` run in the XLA hop only: ``"auto"`` picks it, as it
-    does on a TPU or GPU ``device_kind`` that ``kernels.budgets`` has no row for.
+    platform). Attention dropout, ``logit_softcap``, ``mask_fn`` and ``score_fn`` (``has_softcap``) run in
+    the XLA hop only: ``"auto"`` picks it, as it does on a TPU or GPU ``device_kind`` that
+    ``kernels.budgets`` has no row for.
 
     ``fused_ok=False``: the caller needs per-hop functions (``comm_dtype`` on the ring, the all-gather
     and Ulysses strategies), so "auto" picks "pallas_tpu" where it would pick the fused ring.
@@ -101,8 +102,8 @@ def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, ha
         raise ValueError(f"impl={impl!r} does not support bias (the Pallas kernels take none); "
                          f"use impl='xla' or impl='auto' with a bias")
     if has_softcap:
-        raise ValueError(f"impl={impl!r} does not support logit_softcap yet (the XLA hop applies it); "
-                         f"use impl='xla' or impl='auto' with logit_softcap")
+        raise ValueError(f"impl={impl!r} does not support logit_softcap, mask_fn or score_fn yet (the XLA hop "
+                         f"applies them); use impl='xla' or impl='auto' with them")
     if v.shape[-1] != q.shape[-1]:
         raise ValueError(f"impl={impl!r} needs v as wide as q and k for now; got q {tuple(q.shape)}, v "
                          f"{tuple(v.shape)} (a value width of its own runs in the XLA hop: impl='xla' or 'auto')")

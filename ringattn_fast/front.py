@@ -136,7 +136,8 @@ def dropout_seed(key):
 
 def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, window_seq, scale, layout,
                    block_q, block_kv, impl, device, bias_mode, padding_segment, has_positions=False,
-                   comm_dtype=None, grad_comm_dtype=None, dropout_rate=0.0, dropout_key=None, logit_softcap=None):
+                   comm_dtype=None, grad_comm_dtype=None, dropout_rate=0.0, dropout_key=None, logit_softcap=None,
+                   mask_fn=None, score_fn=None):
     """The checks both doors share, on a host's view (``s_local`` tokens of ``N * s_local``): a :class:`Settings`.
 
     ``window_seq``: the length that bounds a window (a bound of at least ``window_seq - 1`` is
@@ -147,6 +148,10 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
     scale, causal = val.check_scale(scale, q.shape[-1]), val.check_bool(causal, "causal")
     window = val.check_window(window, window_seq)
     logit_softcap = val.check_softcap(logit_softcap)
+    check_user_fns(mask_fn, score_fn, q.shape[2])
+    if strategy.check_heads is not None and (mask_fn is not None or score_fn is not None):
+        raise ValueError(f"{strategy.name} splits the heads over the hosts, and mask_fn / score_fn would see "
+                         f"local head indices: not supported yet; use ring_attention or allgather_attention")
     if not strategy.comm and (comm_dtype is not None or grad_comm_dtype is not None):
         raise ValueError(f"{strategy.name} takes no comm_dtype / grad_comm_dtype (its collectives move whole "
                          f"q, k, v in their own dtype); got {comm_dtype!r}, {grad_comm_dtype!r}")
@@ -159,7 +164,8 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
     q_len, kv_len = (s_local * n if whole else s_local for whole in (strategy.q_whole, strategy.kv_whole))
     fused_ok = strategy.fused_ok and comm_dtype is None and grad_comm_dtype is None
     impl = check_impl(impl, device.platform, q, k, v, has_bias=bias_mode is not None,
-                      has_dropout=dropout_rate > 0, has_softcap=logit_softcap is not None, fused_ok=fused_ok,
+                      has_dropout=dropout_rate > 0, fused_ok=fused_ok,
+                      has_softcap=logit_softcap is not None or mask_fn is not None or score_fn is not None,
                       device_kind=getattr(device, "device_kind", None))
     kernels = kernels_for(impl)
     tiles = None  # the kernels' own defaults for the chip they are compiled for (kernels/budgets.py)
@@ -173,7 +179,7 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
     block_q = val.check_block(block_q, q_len, "block_q")
     block_kv = val.check_block(block_kv, kv_len, "block_kv")
     hop = HopConfig(scale=scale, causal=causal, window=window, block_q=block_q, block_kv=block_kv,
-                    dropout_rate=dropout_rate, logit_softcap=logit_softcap)
+                    dropout_rate=dropout_rate, logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn)
     cfg = RingConfig(axis_name, hop, impl, bias_mode, skip_empty_hops=kernels.skip_empty_hops,
                      comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype)
     return Settings(cfg, layout, padding_segment, has_positions)
@@ -210,6 +216,38 @@ def check_shard_call(strategy, q, k, v, *, axis_name, segment_ids=None, bias=Non
     if out.cfg.hop.dropout_rate > 0:
         drop = Dropout(dropout_seed(dropout_key), *(jnp.asarray(x).astype(jnp.uint32) for x in dropout_offsets))
     return out, drop
+
+
+def check_user_fns(mask_fn, score_fn, heads):
+    """``mask_fn`` / ``score_fn`` (``ringattn_ref.variants``), traced once on a small grid: jit-traceable,
+    a bool mask that broadcasts to [b, heads, q, k], a score of the logits' shape; else a ValueError
+    naming the function and the shapes it was called with."""
+    i32 = jnp.int32
+    grid = (jax.ShapeDtypeStruct((1, 1, 2, 1), i32), jax.ShapeDtypeStruct((1, 1, 1, 3), i32))
+    segs, head = grid, jax.ShapeDtypeStruct((1, heads, 1, 1), i32)
+    need = (1, heads, 2, 3)
+    shapes = lambda *xs: ", ".join(str(x.shape) for x in xs)  # noqa: E731
+    for name, fn, args in (("mask_fn", mask_fn, grid + segs + (head,)),
+                           ("score_fn", score_fn, (jax.ShapeDtypeStruct(need, jnp.float32),) + grid + (head,))):
+        if fn is None:
+            continue
+        if not callable(fn):
+            raise ValueError(f"{name} must be a function; got {fn!r}")
+        try:
+            out = jax.eval_shape(fn, *args)
+        except Exception as e:  # noqa: BLE001 - the user's function: say how it was called
+            raise ValueError(f"{name} is not traceable by jax (it must use array operations only): "
+                             f"{type(e).__name__}: {e}; called with arrays of shapes {shapes(*args)}") from e
+        ok = getattr(out, "dtype", None) == jnp.bool_ if name == "mask_fn" else getattr(out, "shape", None) == need
+        if ok and name == "mask_fn":
+            try:
+                ok = np.broadcast_shapes(out.shape, need) == need
+            except ValueError:
+                ok = False
+        if not ok:
+            what = f"a bool array that broadcasts to {need}" if name == "mask_fn" else f"the shape of s, {need}"
+            raise ValueError(f"{name} must return {what}; got {getattr(out, 'dtype', type(out))} "
+                             f"{getattr(out, 'shape', '')} from arrays of shapes {shapes(*args)}")
 
 
 def finish(o, lse, *, sinks, return_lse):
@@ -307,7 +345,8 @@ def _first_index(mesh_axes, local_size):
 def on_mesh(strategy, q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_ids=None, bias=None,
             window=None, scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
             padding_segment=None, return_lse=False, batch_axes=None, head_axis=None, dropout_rate=0.0,
-            dropout_key=None, comm_dtype=None, grad_comm_dtype=None, sinks=None, logit_softcap=None):
+            dropout_key=None, comm_dtype=None, grad_comm_dtype=None, sinks=None, logit_softcap=None, mask_fn=None,
+            score_fn=None):
     """``strategy`` on global q, k, v: validated here, sharded over ``mesh``, run per host, in true order.
 
     Arguments as ``ring_attention``'s. Returns [batch, seq, heads, dim] in q's dtype, in true order
@@ -327,6 +366,9 @@ def on_mesh(strategy, q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
     axes = check_mesh_axes(mesh, axis_name, batch=b, heads=h, kv_heads=hk, batch_axes=batch_axes,
                            head_axis=head_axis)
     tp = 1 if head_axis is None else mesh.shape[head_axis]
+    if tp > 1 and (mask_fn is not None or score_fn is not None):
+        raise ValueError(f"head_axis={head_axis!r} splits the heads, and mask_fn / score_fn would see local head "
+                         f"indices: not supported yet; leave the heads unsplit (head_axis=None)")
     if strategy.check_heads is not None:
         strategy.check_heads(h // tp, hk // tp, axes.n, axis_name)
     n, s_ring = axes.n, padding.ring_length(s, axes.n, layout)
@@ -338,7 +380,7 @@ def on_mesh(strategy, q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
                               bias_mode=bias_mode(ring_bias, b, h, s_ring, 1),
                               padding_segment=padding_segment, comm_dtype=comm_dtype,
                               grad_comm_dtype=grad_comm_dtype, dropout_rate=dropout_rate, dropout_key=dropout_key,
-                              logit_softcap=logit_softcap)
+                              logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn)
     seed = dropout_seed(dropout_key) if settings.cfg.hop.dropout_rate > 0 else None
     run = partial(_run, _Call(strategy, settings, auto_mesh(mesh), axes, return_lse))
     qb, qseq, qh, _ = spec_of(q, 4)

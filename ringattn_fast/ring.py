@@ -124,7 +124,7 @@ def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=N
                          scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
                          positions=None, padding_segment=None, return_lse=False, dropout_rate=0.0,
                          dropout_key=None, dropout_offsets=(0, 0), comm_dtype=None, grad_comm_dtype=None,
-                         sinks=None, logit_softcap=None):
+                         sinks=None, logit_softcap=None, mask_fn=None, score_fn=None):
     """Ring attention for code already inside ``jax.shard_map``: this host's output shard.
 
     q: [batch, s_local, heads, dim] and k, v: [batch, s_local, kv_heads, dim], this host's shard of the
@@ -150,7 +150,8 @@ def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=N
         RING, q, k, v, axis_name=axis_name, segment_ids=segment_ids, bias=bias, positions=positions, sinks=sinks,
         padding_segment=padding_segment, layout=layout, dropout_key=dropout_key, dropout_offsets=dropout_offsets,
         causal=causal, window=window, scale=scale, block_q=block_q, block_kv=block_kv, impl=impl,
-        comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype, dropout_rate=dropout_rate, logit_softcap=logit_softcap)
+        comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype, dropout_rate=dropout_rate, logit_softcap=logit_softcap,
+        mask_fn=mask_fn, score_fn=score_fn)
     o, lse = attend(host_inputs(settings, q, k, v, segment_ids=segment_ids, bias=bias, positions=positions,
                                 drop=drop))
     return finish(o, lse, sinks=sinks, return_lse=return_lse)
@@ -159,7 +160,8 @@ def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=N
 def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_ids=None, bias=None,
                    window=None, scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
                    padding_segment=None, return_lse=False, batch_axes=None, head_axis=None, dropout_rate=0.0,
-                   dropout_key=None, comm_dtype=None, grad_comm_dtype=None, sinks=None, logit_softcap=None):
+                   dropout_key=None, comm_dtype=None, grad_comm_dtype=None, sinks=None, logit_softcap=None,
+                   mask_fn=None, score_fn=None):
     """Ring attention on global arrays: shards them over ``mesh``, runs the ring, returns the output.
 
     - q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim] (heads % kv_heads == 0);
@@ -179,7 +181,11 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
     - sinks: float [heads], a learnable logit per query head that joins every row's softmax
       denominator and brings no value (gpt-oss); lse includes it; every impl (``softmax.add_sinks``);
     - logit_softcap: ``c``: the scaled logits become ``c * tanh(s / c)`` before bias and mask (Gemma 2);
-      the XLA hop (``impl="auto"`` picks it; a Pallas impl is an error, for now).
+      the XLA hop (``impl="auto"`` picks it; a Pallas impl is an error, for now);
+    - mask_fn(q_pos, k_pos, q_seg, k_seg, head) -> bool / score_fn(s, q_pos, k_pos, head) -> s: user
+      functions of true positions (``ringattn_ref.variants``), evaluated per tile in the XLA hop (a
+      pair attends iff the built-in mask and ``mask_fn`` allow it; ``score_fn`` after the softcap,
+      before the bias; its gradient by autodiff per tile).
 
     The sequence is sharded on ``axis_name``, the batch on ``batch_axes`` (default ``"data"`` if the
     mesh has it; one name or a tuple), the heads on ``head_axis`` (default: not split); q, k, v are
@@ -193,4 +199,5 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
                    bias=bias, window=window, scale=scale, layout=layout, block_q=block_q, block_kv=block_kv,
                    impl=impl, padding_segment=padding_segment, return_lse=return_lse, batch_axes=batch_axes,
                    head_axis=head_axis, dropout_rate=dropout_rate, dropout_key=dropout_key, comm_dtype=comm_dtype,
-                   grad_comm_dtype=grad_comm_dtype, sinks=sinks, logit_softcap=logit_softcap)
+                   grad_comm_dtype=grad_comm_dtype, sinks=sinks, logit_softcap=logit_softcap, mask_fn=mask_fn,
+                   score_fn=score_fn)

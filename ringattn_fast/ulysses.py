@@ -98,7 +98,8 @@ ULYSSES = Strategy("ulysses_attention", attend, q_whole=True, kv_whole=True, che
 
 def ulysses_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=None, bias=None, window=None,
                             scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
-                            positions=None, padding_segment=None, return_lse=False, sinks=None):
+                            positions=None, padding_segment=None, return_lse=False, sinks=None, logit_softcap=None,
+                            mask_fn=None, score_fn=None):
     """Ulysses attention inside ``jax.shard_map``: this host's output shard.
 
     Arguments, shapes and results as ``ring_attention_shard`` (q [b, s_local, h, d], k, v
@@ -109,14 +110,16 @@ def ulysses_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_id
     settings, _ = check_shard_call(
         ULYSSES, q, k, v, axis_name=axis_name, segment_ids=segment_ids, bias=bias, positions=positions,
         sinks=sinks, padding_segment=padding_segment, layout=layout, causal=causal, window=window, scale=scale,
-        block_q=block_q, block_kv=block_kv, impl=impl)
+        block_q=block_q, block_kv=block_kv, impl=impl, logit_softcap=logit_softcap, mask_fn=mask_fn,
+        score_fn=score_fn)
     o, lse = attend(host_inputs(settings, q, k, v, segment_ids=segment_ids, bias=bias, positions=positions))
     return finish(o, lse, sinks=sinks, return_lse=return_lse)
 
 
 def ulysses_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_ids=None, bias=None,
                       window=None, scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
-                      padding_segment=None, return_lse=False, batch_axes=None, head_axis=None, sinks=None):
+                      padding_segment=None, return_lse=False, batch_axes=None, head_axis=None, sinks=None,
+                      logit_softcap=None, mask_fn=None, score_fn=None):
     """Ulysses attention on global arrays: the inputs, keywords and result of ``ring_attention``.
 
     q: [batch, seq, heads, dim] with ``heads`` (per ``head_axis`` shard) divisible by the size ``N``
@@ -129,4 +132,5 @@ def ulysses_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
     return on_mesh(ULYSSES, q, k, v, mesh=mesh, axis_name=axis_name, causal=causal, segment_ids=segment_ids,
                    bias=bias, window=window, scale=scale, layout=layout, block_q=block_q, block_kv=block_kv,
                    impl=impl, padding_segment=padding_segment, return_lse=return_lse, batch_axes=batch_axes,
-                   head_axis=head_axis, sinks=sinks)
+                   head_axis=head_axis, sinks=sinks, logit_softcap=logit_softcap, mask_fn=mask_fn,
+                   score_fn=score_fn)

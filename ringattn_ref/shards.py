@@ -77,7 +77,11 @@ class HopConfig:
       -1 = unbounded, int32-safe);
     - block_q / block_kv: the tile sides Br / Bc, dividing the shard (None: ``blockwise.default_block``
       of the shard);
-    - dropout_rate: attention dropout (its key travels beside the shards; ``dropout.py``).
+    - dropout_rate: attention dropout (its key travels beside the shards; ``dropout.py``);
+    - logit_softcap: ``c`` or None: the scaled logits become ``c * tanh(s / c)`` before the bias and
+      the mask (Gemma 2's soft-capping; ``validation.check_softcap``);
+    - mask_fn / score_fn: user functions of true positions (``variants.py``), called per tile; a
+      config is hashable with them (functions hash by identity).
     """
     scale: float | None = None
     causal: bool = False
@@ -85,6 +89,9 @@ class HopConfig:
     block_q: int | None = None
     block_kv: int | None = None
     dropout_rate: float = 0.0
+    logit_softcap: float | None = None
+    mask_fn: Any = None
+    score_fn: Any = None
 
     def resolve(self, dim, sq, sk):
         """This config for a hop of ``sq`` queries against ``sk`` keys of width ``dim``: scale None ->

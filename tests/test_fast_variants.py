@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import ringattn_fast as rf
 import ringattn_ref as ref
+from ringattn_ref import variants
 
 from helpers import assert_close, examples
 
@@ -157,7 +158,7 @@ def test_the_ref_ring_and_its_backward_soft_cap_as_the_oracle():
 @pytest.mark.parametrize("kw, match", [
     (dict(logit_softcap=0.0), "logit_softcap must be a positive finite number"),
     (dict(logit_softcap=True), "logit_softcap must be a positive finite real number"),
-    (dict(logit_softcap=2.0, impl="pallas_tpu"), "impl='pallas_tpu' does not support logit_softcap yet"),
+    (dict(logit_softcap=2.0, impl="pallas_tpu"), "impl='pallas_tpu' does not support logit_softcap, mask_fn or score_fn yet"),
 ])
 def test_bad_softcap_is_a_value_error(kw, match):
     q, k, v = (np.zeros((1, 8, 4, 8), np.float32) for _ in range(3))
@@ -217,3 +218,89 @@ def test_a_value_width_in_float32_with_comm_dtype_and_the_kernels_refusing_it():
     for impl in ("pallas_gpu", "pallas_tpu", "pallas_tpu_fused"):
         with pytest.raises(ValueError, match=rf"impl='{impl}' needs v as wide as q and k for now"):
             rf.ring_attention(q, k, v, mesh=rf.make_mesh(4), impl=impl)
+
+
+def dense_programmed(q, k, v, do, mask_fn, score_fn, seg=None):
+    """jnp float64 autodiff reference for mask_fn / score_fn (the oracle's conventions)."""
+    b, s, h, d = q.shape
+    kk, vv = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, kk) * d ** -0.5
+    pos = jnp.arange(s)
+    qp, kp, head = pos[None, None, :, None], pos[None, None, None, :], jnp.arange(h)[None, :, None, None]
+    qs = jnp.zeros_like(qp) if seg is None else jnp.asarray(seg)[:, None, :, None]
+    ks = jnp.zeros_like(kp) if seg is None else jnp.asarray(seg)[:, None, None, :]
+    if score_fn is not None:
+        logits = score_fn(logits, qp, kp, head)
+    if mask_fn is not None:
+        logits = jnp.where(jnp.broadcast_to(mask_fn(qp, kp, qs, ks, head), logits.shape), logits, -jnp.inf)
+    p = jax.nn.softmax(logits, axis=-1)
+    p = jnp.where(jnp.isnan(p), 0.0, p)  # a row that sees nothing: 0
+    return (jnp.einsum("bhqk,bkhd->bqhd", p, vv) * do).sum()
+
+
+USER_FNS = {
+    "chunked_local": (variants.chunked_local(8), None),
+    "prefix_lm": (variants.prefix_lm(5), None),
+    "streaming": (variants.streaming(2, 4), None),
+    "document": (variants.document, None),
+    "alibi": (None, variants.alibi(variants.alibi_slopes(8))),
+    "streaming+softcap": (variants.streaming(2, 4), variants.softcap(3.0)),
+    "per-head mask+alibi": (lambda qp, kp, qs, ks, head: (kp <= qp) | (head % 2 == 1),
+                            variants.alibi(variants.alibi_slopes(8))),
+}
+
+
+@given(st.data())
+@settings(max_examples=examples(8), deadline=None)
+def test_mask_and_score_functions_on_the_ring_and_all_gather(data):
+    """mask_fn / score_fn evaluated per tile in the XLA hop: fwd vs the float64 oracle, grads vs dense
+    autodiff, every layout (true positions), GQA, with the built-in masks alongside."""
+    name = data.draw(st.sampled_from(["ring", "allgather"]))
+    fns = data.draw(st.sampled_from(sorted(USER_FNS)))
+    n = data.draw(st.sampled_from([1, 2, 4, 8]))
+    hk = data.draw(st.sampled_from([8, 2, 1]))
+    layout = data.draw(st.sampled_from(["contiguous", "striped", "zigzag"]))
+    mask_fn, score_fn = USER_FNS[fns]
+    rng = np.random.default_rng(data.draw(st.integers(0, 99)))
+    q = rng.standard_normal((2, 32, 8, 8))
+    k, v = rng.standard_normal((2, 2, 32, hk, 8))
+    seg = np.repeat(np.array([[0, 1, 1, 2]]), 8, axis=1).repeat(2, axis=0) if fns == "document" else None
+    do = rng.standard_normal(q.shape)
+    fn = STRATEGIES[name]
+    with jax.enable_x64(True):
+        run = lambda q, k, v: fn(q, k, v, mesh=rf.make_mesh(n), layout=layout, block_q=4, block_kv=4,  # noqa: E731
+                                 segment_ids=seg, mask_fn=mask_fn, score_fn=score_fn)
+        o = run(q, k, v)
+        got = jax.grad(lambda q, k, v: (run(q, k, v) * do).sum(), argnums=(0, 1, 2))(q, k, v)
+        want = jax.grad(dense_programmed, argnums=(0, 1, 2))(q, k, v, do, mask_fn, score_fn, seg)
+    assert_close(o, ref.attention(q, k, v, segment_ids=seg, mask_fn=mask_fn, score_fn=score_fn), "o", tol=1e-10)
+    for what, g, wg in zip(("dq", "dk", "dv"), got, want):
+        assert_close(g, wg, what, tol=1e-9)
+
+
+def test_mask_functions_equal_the_built_ins_on_the_ring():
+    q, k, v = (np.random.default_rng(7).standard_normal((1, 32, 4, 8)).astype(np.float32) for _ in range(3))
+    mesh = rf.make_mesh(4)
+    for kw, mask_fn in ((dict(causal=True), variants.causal), (dict(window=(5, 2)), variants.window(5, 2))):
+        np.testing.assert_allclose(rf.ring_attention(q, k, v, mesh=mesh, layout="zigzag", mask_fn=mask_fn),
+                                   rf.ring_attention(q, k, v, mesh=mesh, layout="zigzag", **kw), atol=2e-6)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(mask_fn=lambda qp, kp, qs, ks, h: kp - qp), r"mask_fn must return a bool array .* got int32"),
+    (dict(mask_fn=lambda qp, kp, qs, ks, h: np.asarray(kp) <= 3), r"mask_fn is not traceable by jax"),
+    (dict(mask_fn=lambda qp, kp, qs, ks, h: jnp.ones((5, 5), bool)), r"mask_fn must return a bool array"),
+    (dict(score_fn=lambda s, qp, kp, h: s.sum(-1)), r"score_fn must return the shape of s, \(1, 4, 2, 3\)"),
+    (dict(score_fn=3), r"score_fn must be a function"),
+    (dict(mask_fn=variants.causal, impl="pallas_gpu"), "does not support logit_softcap, mask_fn or score_fn"),
+])
+def test_bad_user_functions_are_value_errors(kw, match):
+    q, k, v = (np.zeros((1, 8, 4, 8), np.float32) for _ in range(3))
+    with pytest.raises(ValueError, match=match):
+        rf.ring_attention(q, k, v, mesh=rf.make_mesh(2), **kw)
+
+
+def test_user_functions_where_heads_are_split_are_refused():
+    q, k, v = (np.zeros((1, 8, 4, 8), np.float32) for _ in range(3))
+    with pytest.raises(ValueError, match="ulysses_attention splits the heads"):
+        rf.ulysses_attention(q, k, v, mesh=rf.make_mesh(2), mask_fn=variants.causal)

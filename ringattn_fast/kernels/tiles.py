@@ -132,9 +132,9 @@ def check_kernel_call(impl, qs, kv, cfg):
     if kv.v.shape[-1] != qs.q.shape[-1]:
         raise ValueError(f"impl={impl!r}: the Pallas kernels need v as wide as q for now; got q "
                          f"{tuple(qs.q.shape)}, v {tuple(kv.v.shape)}: use impl='xla'")
-    if cfg.logit_softcap is not None:
-        raise ValueError(f"impl={impl!r}: the Pallas kernels do not apply logit_softcap yet; use impl='xla' "
-                         f"(got logit_softcap={cfg.logit_softcap})")
+    if cfg.logit_softcap is not None or cfg.mask_fn is not None or cfg.score_fn is not None:
+        raise ValueError(f"impl={impl!r}: the Pallas kernels do not apply logit_softcap, mask_fn or score_fn yet; "
+                         f"use impl='xla'")
     check_kernel_dtypes(impl, qs.q, kv.k, kv.v)
     sq, sk = qs.q.shape[1], kv.k.shape[1]
     cfg = cfg.resolve(qs.q.shape[-1], sq, sk)

@@ -30,7 +30,9 @@ see it turn NaN; the hop only keeps K's NaN out of ``dQ = dS K`` where a mask hi
 from __future__ import annotations
 
 from functools import partial
+from typing import Callable, NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -103,11 +105,56 @@ def _softcap(s, softcap):
     return softcap * t, 1.0 - t * t
 
 
-def _logits(q_i, k_j, bias_ij, mask_ij, group, acc, *, softcap=None):
+class _UserFns(NamedTuple):
+    """A tile's user functions (``HopConfig.mask_fn`` / ``score_fn``, ``ringattn_ref.variants``) and the
+    grid they are called on: q_pos, q_seg [b, 1, bq, 1], k_pos, k_seg [b, 1, 1, bkv], head [1, h, 1, 1]."""
+    mask_fn: Callable | None
+    score_fn: Callable | None
+    grid: tuple
+
+
+def _user_fns(cfg, q_pos, k_pos, q_seg, k_seg, heads):
+    """The tile's :class:`_UserFns`, or None when the config has neither function."""
+    if cfg.mask_fn is None and cfg.score_fn is None:
+        return None
+    qp, kp = q_pos[:, None, :, None], k_pos[:, None, None, :]
+    qs = jnp.zeros_like(qp) if q_seg is None else q_seg[:, None, :, None]
+    ks = jnp.zeros_like(kp) if k_seg is None else k_seg[:, None, None, :]
+    head = jnp.arange(heads, dtype=jnp.int32)[None, :, None, None]
+    return _UserFns(cfg.mask_fn, cfg.score_fn, (qp, kp, qs, ks, head))
+
+
+def _heads_first(x, heads):
+    """(b, hk, group*bq, bkv) -> (b, h, bq, bkv): query head ``h = kv_head * group + member``."""
+    b, _, gq, bkv = x.shape
+    return x.reshape(b, heads, gq * x.shape[1] // heads, bkv)
+
+
+def _rows_first(x, hk):
+    """Inverse of :func:`_heads_first`: (b, h, bq, bkv) -> (b, hk, group*bq, bkv)."""
+    b, h, bq, bkv = x.shape
+    return x.reshape(b, hk, (h // hk) * bq, bkv)
+
+
+def _user_mask(fns, shape, hk):
+    """``mask_fn`` on the tile, laid out like the logits (b, hk, group*bq, bkv)."""
+    qp, kp, qs, ks, head = fns.grid
+    b, _, gq, bkv = shape
+    h = head.shape[1]
+    return _rows_first(jnp.broadcast_to(fns.mask_fn(qp, kp, qs, ks, head), (b, h, gq * hk // h, bkv)), hk)
+
+
+def _logits(q_i, k_j, bias_ij, mask_ij, group, acc, *, softcap=None, fns=None):
     """Biased, masked logits of one tile: q_i (b, hk, group*bq, d) pre-scaled, k_j (b, hk, bkv, d);
-    soft-capped first with ``softcap``."""
+    soft-capped first with ``softcap``, then ``fns.score_fn``; ``fns.mask_fn`` masks with the built-ins."""
     s = jnp.einsum("bkqd,bksd->bkqs", q_i, k_j, preferred_element_type=acc)  # (b, hk, group*bq, bkv)
     s, _ = _softcap(s, softcap)
+    hk = s.shape[1]
+    if fns is not None and fns.score_fn is not None:
+        qp, kp, _, _, head = fns.grid
+        s = _rows_first(fns.score_fn(_heads_first(s, head.shape[1]), qp, kp, head).astype(acc), hk)
+    if fns is not None and fns.mask_fn is not None:
+        s = jnp.where(_user_mask(fns, s.shape, hk), s, -jnp.inf)
     if bias_ij is None and mask_ij is None:
         return s
     b, hk, gq, bkv = s.shape
@@ -121,14 +168,25 @@ def _logits(q_i, k_j, bias_ij, mask_ij, group, acc, *, softcap=None):
     return s.reshape(b, hk, gq, bkv)
 
 
-def _logits_t(k_j, qt_i, bias_ij, mask_ij, group, acc, *, softcap=None):
+def _logits_t(k_j, qt_i, bias_ij, mask_ij, group, acc, *, softcap=None, fns=None):
     """The tile's logits transposed, ``S^T = K Q^T`` (b, hk, bkv, group*bq), for the backward: k_j (b, hk, bkv, d),
-    qt_i (b, hk, d, group*bq) pre-scaled; bias, mask and softcap as in :func:`_logits`. Returns ``(S^T, d
-    softcap / d s)`` (the second None without a softcap)."""
+    qt_i (b, hk, d, group*bq) pre-scaled; bias, mask, softcap and user functions as in :func:`_logits`.
+    Returns ``(S^T, d softcap / d s, score_vjp)``: the softcap's derivative (None without one) and the
+    pullback of ``score_fn`` on dS^T (None without one: autodiff of the user's function, per tile)."""
     st = jnp.einsum("bksd,bkdq->bksq", k_j, qt_i, preferred_element_type=acc)  # (b, hk, bkv, group*bq)
     st, dcap = _softcap(st, softcap)
+    hk, score_vjp = st.shape[1], None
+    if fns is not None and fns.score_fn is not None:
+        qp, kp, _, _, head = fns.grid
+        flip = lambda x: jnp.swapaxes(x, -1, -2)  # noqa: E731
+        scored, pull = jax.vjp(lambda s: fns.score_fn(s, qp, kp, head).astype(acc),
+                               _heads_first(flip(st), head.shape[1]))
+        st = flip(_rows_first(scored, hk))
+        score_vjp = lambda dst: flip(_rows_first(pull(_heads_first(flip(dst), head.shape[1]))[0], hk))  # noqa: E731
+    if fns is not None and fns.mask_fn is not None:
+        st = jnp.where(jnp.swapaxes(_user_mask(fns, jnp.swapaxes(st, -1, -2).shape, hk), -1, -2), st, -jnp.inf)
     if bias_ij is None and mask_ij is None:
-        return st, dcap
+        return st, dcap, score_vjp
     b, hk, bkv, gq = st.shape
     st = st.reshape(b, hk, bkv, group, gq // group)
     if bias_ij is not None:  # (bb, bh, bq, bk) -> (bb, hk|1, bk, group|1, bq)
@@ -138,7 +196,7 @@ def _logits_t(k_j, qt_i, bias_ij, mask_ij, group, acc, *, softcap=None):
         st = jnp.where(bias_t == -jnp.inf, -jnp.inf, st + bias_t)
     if mask_ij is not None:  # (b, bq, bkv) -> (b, 1, bkv, 1, bq)
         st = jnp.where(jnp.swapaxes(mask_ij, 1, 2)[:, None, :, None, :], st, -jnp.inf)
-    return st.reshape(b, hk, bkv, gq), dcap
+    return st.reshape(b, hk, bkv, gq), dcap, score_vjp
 
 
 def _drop_rows(drop, q_pos, hk, group, block):
@@ -205,8 +263,9 @@ def _hop_fwd(qs, kv, cfg, drop, *, per_tile):
                 o, m, l = carry  # (b, hk, group*bq, d), (b, hk, group*bq), (b, hk, group*bq)
                 mask = masks.allowed(q_pos_i[:, :, None], k_pos_j[:, None, :], *_seg_pair(q_seg_i, k_seg_j),
                                      causal=cfg.causal, window=cfg.window) if masked else None
+                fns = _user_fns(cfg, q_pos_i, k_pos_j, q_seg_i, k_seg_j, h)
                 s = _logits(q_i, k_j, _rows(bias_i, j * block_kv, block_kv, 3), mask, group, acc,
-                            softcap=cfg.logit_softcap)
+                            softcap=cfg.logit_softcap, fns=fns)
                 m_new = jnp.maximum(m, s.max(axis=-1))
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a row with no key yet
                 p = jnp.exp(s - m_safe[..., None])  # masked -> exp(-inf) = 0
@@ -296,7 +355,9 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, per_tile):
                 dk_j, dv_j, db_j, dqt = carry
                 mask = masks.allowed(q_pos_i[:, :, None], k_pos_j[:, None, :], *_seg_pair(q_seg_i, k_seg_j),
                                      causal=cfg.causal, window=cfg.window) if masked else None
-                st, dcap = _logits_t(k_j, qt_i, bias_ij, mask, group, acc, softcap=cfg.logit_softcap)  # S^T
+                fns = _user_fns(cfg, q_pos_i, k_pos_j, q_seg_i, k_seg_j, h)
+                st, dcap, score_vjp = _logits_t(k_j, qt_i, bias_ij, mask, group, acc, softcap=cfg.logit_softcap,
+                                                fns=fns)  # S^T: (b, hk, bkv, group*bq)
                 pt = jnp.exp(st - lse_i[:, :, None])  # P^T; masked -> 0
                 keep_t = None if rows_i is None else keep_scale(rows_i[:, :, None, :], k_pos_j[:, None, :, None],
                                                                 cfg.dropout_rate, acc)  # dropout: keep^T
@@ -305,6 +366,8 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, per_tile):
                 dpt = jnp.einsum("bksd,bkqd->bksq", v_j, do_i)  # dP^T = V dO^T
                 dpt = dpt if keep_t is None else dpt * keep_t
                 dst = masks.masked_grad(pt, dpt, delta_i[:, :, None])  # dS^T; 0 where P is 0, even in a NaN row
+                if score_vjp is not None:  # back through score_fn (before the bias, after the softcap)
+                    dst = jnp.where(pt == 0, 0.0, score_vjp(dst))
                 if dcap is not None:  # through c tanh(s / c); still 0 where P is 0 (dcap is NaN for a bad key)
                     dst = jnp.where(pt == 0, 0.0, dst * dcap)
                 dqt_i = jnp.einsum("bkds,bksq->bkdq", kt_j, dst) * scale  # dQ^T = K^T dS^T: (b, hk, d, group*bq)
