@@ -76,6 +76,7 @@ def with_grads(fn, arrays, static):
     return run({name: arrays[name] for name in wrt}, rest, do)
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(12))
 @given(calls())
 def test_equals_jax_nn_dot_product_attention(call):

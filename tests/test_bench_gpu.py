@@ -30,6 +30,7 @@ def _run(capsys, argv):
     return status, rows, summary[0], err.splitlines()
 
 
+@pytest.mark.slow
 def test_dry_run_float32_checks_of_the_hop_and_the_ring(capsys):
     """The float32 checks (benchmarks/gpu_checks.py) run first: the hop (causal and not) and the ring over
     2 devices (causal + segment ids + GQA), pallas_gpu vs XLA, forward and backward, all within tolerance."""

@@ -87,6 +87,7 @@ def reference_with_grads(problem):
     return want, [dq, dk, dv, dbias]
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(10))
 @given(attention_problems(max_hosts=8, max_shard=8, max_dim=8, max_group=2))
 def test_float64_matches_reference(problem):

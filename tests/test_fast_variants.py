@@ -15,6 +15,8 @@ from ringattn_ref import variants
 
 from helpers import assert_close, examples
 
+pytestmark = pytest.mark.slow  # hypothesis over strategies x devices x masks, fwd + grads in float64: ~2 min
+
 STRATEGIES = {"ring": rf.ring_attention, "allgather": rf.allgather_attention, "ulysses": rf.ulysses_attention}
 
 

@@ -27,6 +27,8 @@ from ringattn_fast.kernels import budgets
 from ringattn_fast.kernels import pallas_tpu_fused as fused
 from ringattn_fast.schedule import HopConfig
 
+pytestmark = pytest.mark.slow  # 126 cross-lowerings, ~1 min: CI runs them, the quick loop does not
+
 TPU = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite", "v5p": "TPU v5", "v4": "TPU v4"}
 GPU = {"A100": "NVIDIA A100-SXM4-80GB", "H100": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200"}
 DTYPES = ("bfloat16", "float16", "float32")
