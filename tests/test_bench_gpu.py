@@ -48,6 +48,7 @@ def test_dry_run_float32_checks_of_the_hop_and_the_ring(capsys):
     assert json.loads(out.splitlines()[-1])["f32_checks_ok"] is True
 
 
+@pytest.mark.slow
 def test_dry_run_rows_and_errors(capsys):
     status, rows, summary, table = _run(capsys, ["--dry-run"])
     assert status == 0

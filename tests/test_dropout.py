@@ -75,6 +75,7 @@ def fast_dropout():
             for cfg in [(1, "contiguous", None), (4, "zigzag", 2), (8, "striped", 4)]}
 
 
+@pytest.mark.slow
 def test_fast_matches_ref_for_every_ring_size_layout_and_block(fast_dropout):
     q, k, v, _ = arrays()
     want = ref.attention(q, k, v, causal=True, window=(9, -1), dropout_rate=RATE, dropout_key=WORDS)
@@ -105,6 +106,7 @@ def dense_dropout64(q, k, v, seed, *, causal=True):
     return jnp.einsum("bhqk,bkhd->bqhd", p, jnp.repeat(v, g, 2))
 
 
+@pytest.mark.slow
 def test_fast_gradients_equal_dense_attention_with_the_same_mask():
     """jax.vjp of the ring (float64, 2 hosts, zigzag, 2 x 1 tiles) against jax.vjp of dense attention."""
     q, k, v, do = arrays(s=8)

@@ -51,6 +51,7 @@ def test_every_strategy_on_an_explicit_mesh_passed_and_set(name):
     assert max_abs_error(dq, dq_auto) < 1e-5
 
 
+@pytest.mark.slow
 def test_adapters_model_and_inference_on_an_explicit_mesh():
     """jax.nn's twin, the Flax attention_fn, the model's sharded forward and prefill/decode on a
     ``jax.make_mesh`` mesh (Explicit), eager and under ``jax.set_mesh``."""

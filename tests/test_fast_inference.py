@@ -40,6 +40,7 @@ def run_both(problem, mesh, dtype):
     return err, np.abs(np.asarray(fc.k, np.float64) - stored).max()
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(4), deadline=None)
 @given(inference_problems(max_hosts=8, max_batch=2, max_steps=2))
 def test_float64_matches_the_reference(problem):

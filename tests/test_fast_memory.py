@@ -30,6 +30,7 @@ def ring(n_devices):
                                                          block_kv=TILE))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["fwd", "fwd+bwd"])
 def test_flat_in_devices_and_linear_in_local_sequence(which):
     local = 256

@@ -58,6 +58,7 @@ def assert_matches_oracle(fn, problem, tol=1e-10):
             assert max_err(got, ref) <= tol, name
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(3))
 @given(attention_problems(min_hosts=2, max_hosts=8, max_shard=8, max_dim=8, max_group=2))
 def test_allgather_float64_matches_reference(problem):
@@ -71,6 +72,7 @@ def ulysses_problems(draw):
     return dataclasses.replace(p, n_hosts=gcd(p.q.shape[2], p.n_hosts))
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(3))
 @given(ulysses_problems())
 def test_ulysses_float64_matches_reference(problem):

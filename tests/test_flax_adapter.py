@@ -74,6 +74,7 @@ def test_nnx_multi_head_attention_equals_stock(case):
         close(g, w, f"param grad {i}")
 
 
+@pytest.mark.slow
 def test_linen_multi_head_dot_product_attention_equals_stock():
     x = jax.random.normal(jax.random.key(2), (2, 16, 16))
     mask = nn.make_causal_mask(jnp.ones((2, 16)))  # a dense mask: honoured (as a bias)
@@ -91,6 +92,7 @@ def test_linen_multi_head_dot_product_attention_equals_stock():
         close(g, w, "param grad")
 
 
+@pytest.mark.slow
 def test_nnx_dropout_is_the_rings_attention_dropout():
     """dropout_rate > 0, deterministic=False: the module is its own projections around the ring with
     ``dropout_rate`` and Flax's ``dropout_rng`` as ``dropout_key``, forward and parameter gradients;
@@ -176,6 +178,7 @@ print(json.dumps([[e, step] for e, step in events if "jaxpr_trace" in e or "back
 """
 
 
+@pytest.mark.slow
 def test_docs_flax_recipe_runs_and_its_second_step_compiles_nothing():
     """The recipe places the model's and optimizer's state on the mesh before step 1; without that, step
     2 traces and compiles again (the state comes back placed on the mesh), which this test would see."""

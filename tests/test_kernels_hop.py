@@ -141,6 +141,7 @@ def tile_any(mask, block_q, block_kv):
     return np.asarray(mask).reshape(b, sq // block_q, block_q, sk // block_kv, block_kv).any(axis=(2, 4))
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(30))
 @given(problems(blocks=(4, 8)))
 def test_empty_tiles_are_only_empty_tiles(pb):

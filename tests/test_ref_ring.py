@@ -145,6 +145,7 @@ def test_critical_path_matches_tile_count_formulas(tiles):
     assert cp["zigzag"] == n * tiles ** 2 / 2 + tiles / 2
 
 
+@pytest.mark.slow
 def test_striped_and_zigzag_halve_the_critical_path():
     """<= 0.55 x contiguous at 8 hosts, causal. Zigzag gets there with 4 tiles per shard side
     (0.541); striped skips only whole tiles, so it needs 32 (ratio 4(T+1)/(7.5T+0.5) = 0.549)."""
