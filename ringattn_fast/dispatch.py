@@ -66,10 +66,10 @@ def _chip_known(device_kind):
     return device_kind is None or budgets.knows(device_kind)
 
 
-def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, has_softcap=False, fused_ok=True,
+def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, xla_only=False, fused_ok=True,
                device_kind=None):
     """The concrete impl for this call, or a ValueError naming what does not fit (bias, dropout, dtype,
-    platform). Attention dropout, ``logit_softcap``, ``mask_fn`` and ``score_fn`` (``has_softcap``) run in
+    platform). Attention dropout, ``logit_softcap``, ``mask_fn`` and ``score_fn`` (``xla_only``) run in
     the XLA hop only: ``"auto"`` picks it, as it does on a TPU or GPU ``device_kind`` that
     ``kernels.budgets`` has no row for.
 
@@ -84,7 +84,7 @@ def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, ha
                          "comm_dtype, the all-gather and Ulysses need per-hop kernels: use impl='pallas_tpu'")
     if impl == "auto":
         value_width = v.shape[-1] != q.shape[-1]
-        impl = "xla" if has_bias or has_dropout or has_softcap or value_width else _AUTO.get(platform, "xla")
+        impl = "xla" if has_bias or has_dropout or xla_only or value_width else _AUTO.get(platform, "xla")
         impl = "pallas_tpu" if impl == "pallas_tpu_fused" and not fused_ok else impl
         if impl != "xla" and platform != "cpu" and not _chip_known(device_kind):
             impl = "xla"  # a chip without a memory row: nothing to check a kernel's tiles against
@@ -101,7 +101,7 @@ def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, ha
     if has_bias:
         raise ValueError(f"impl={impl!r} does not support bias (the Pallas kernels take none); "
                          f"use impl='xla' or impl='auto' with a bias")
-    if has_softcap:
+    if xla_only:
         raise ValueError(f"impl={impl!r} does not support logit_softcap, mask_fn or score_fn yet (the XLA hop "
                          f"applies them); use impl='xla' or impl='auto' with them")
     if v.shape[-1] != q.shape[-1]:

@@ -137,7 +137,7 @@ def dropout_seed(key):
 def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, window_seq, scale, layout,
                    block_q, block_kv, impl, device, bias_mode, padding_segment, has_positions=False,
                    comm_dtype=None, grad_comm_dtype=None, dropout_rate=0.0, dropout_key=None, logit_softcap=None,
-                   mask_fn=None, score_fn=None):
+                   mask_fn=None, score_fn=None, sinks=None):
     """The checks both doors share, on a host's view (``s_local`` tokens of ``N * s_local``): a :class:`Settings`.
 
     ``window_seq``: the length that bounds a window (a bound of at least ``window_seq - 1`` is
@@ -148,6 +148,7 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
     scale, causal = val.check_scale(scale, q.shape[-1]), val.check_bool(causal, "causal")
     window = val.check_window(window, window_seq)
     logit_softcap = val.check_softcap(logit_softcap)
+    val.check_sinks(sinks, q.shape[2])  # not a setting: sinks join after the strategy (``finish``)
     check_user_fns(mask_fn, score_fn, q.shape[2])
     if strategy.check_heads is not None and (mask_fn is not None or score_fn is not None):
         raise ValueError(f"{strategy.name} splits the heads over the hosts, and mask_fn / score_fn would see "
@@ -165,7 +166,7 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
     fused_ok = strategy.fused_ok and comm_dtype is None and grad_comm_dtype is None
     impl = check_impl(impl, device.platform, q, k, v, has_bias=bias_mode is not None,
                       has_dropout=dropout_rate > 0, fused_ok=fused_ok,
-                      has_softcap=logit_softcap is not None or mask_fn is not None or score_fn is not None,
+                      xla_only=logit_softcap is not None or mask_fn is not None or score_fn is not None,
                       device_kind=getattr(device, "device_kind", None))
     kernels = kernels_for(impl)
     tiles = None  # the kernels' own defaults for the chip they are compiled for (kernels/budgets.py)
@@ -195,7 +196,6 @@ def check_shard_call(strategy, q, k, v, *, axis_name, segment_ids=None, bias=Non
     :func:`check_settings` that the caller passes through (causal, window, scale, blocks, impl, ...).
     """
     b, sq, h, hk, _ = val.check_qkv(q, k, v, value_width=True)
-    val.check_sinks(sinks, h)
     n = axis_size(axis_name, strategy)
     if strategy.check_heads is not None:
         strategy.check_heads(h, hk, n, axis_name)
@@ -211,7 +211,7 @@ def check_shard_call(strategy, q, k, v, *, axis_name, segment_ids=None, bias=Non
                          window_seq=sq * n if positions is None else None,
                          device=current_device(), bias_mode=mode,
                          padding_segment=padding_segment, has_positions=positions is not None,
-                         dropout_key=dropout_key, **settings)
+                         dropout_key=dropout_key, sinks=sinks, **settings)
     drop = None
     if out.cfg.hop.dropout_rate > 0:
         drop = Dropout(dropout_seed(dropout_key), *(jnp.asarray(x).astype(jnp.uint32) for x in dropout_offsets))
@@ -224,10 +224,9 @@ def check_user_fns(mask_fn, score_fn, heads):
     naming the function and the shapes it was called with."""
     i32 = jnp.int32
     grid = (jax.ShapeDtypeStruct((1, 1, 2, 1), i32), jax.ShapeDtypeStruct((1, 1, 1, 3), i32))
-    segs, head = grid, jax.ShapeDtypeStruct((1, heads, 1, 1), i32)
-    need = (1, heads, 2, 3)
+    head, need = jax.ShapeDtypeStruct((1, heads, 1, 1), i32), (1, heads, 2, 3)
     shapes = lambda *xs: ", ".join(str(x.shape) for x in xs)  # noqa: E731
-    for name, fn, args in (("mask_fn", mask_fn, grid + segs + (head,)),
+    for name, fn, args in (("mask_fn", mask_fn, grid + grid + (head,)),
                            ("score_fn", score_fn, (jax.ShapeDtypeStruct(need, jnp.float32),) + grid + (head,))):
         if fn is None:
             continue
@@ -238,16 +237,13 @@ def check_user_fns(mask_fn, score_fn, heads):
         except Exception as e:  # noqa: BLE001 - the user's function: say how it was called
             raise ValueError(f"{name} is not traceable by jax (it must use array operations only): "
                              f"{type(e).__name__}: {e}; called with arrays of shapes {shapes(*args)}") from e
-        ok = getattr(out, "dtype", None) == jnp.bool_ if name == "mask_fn" else getattr(out, "shape", None) == need
-        if ok and name == "mask_fn":
-            try:
-                ok = np.broadcast_shapes(out.shape, need) == need
-            except ValueError:
-                ok = False
-        if not ok:
-            what = f"a bool array that broadcasts to {need}" if name == "mask_fn" else f"the shape of s, {need}"
-            raise ValueError(f"{name} must return {what}; got {getattr(out, 'dtype', type(out))} "
-                             f"{getattr(out, 'shape', '')} from arrays of shapes {shapes(*args)}")
+        dtype, shape = getattr(out, "dtype", type(out)), tuple(getattr(out, "shape", ()))
+        if name == "mask_fn" and (dtype != jnp.bool_ or not val.broadcasts_to(shape, need)):
+            raise ValueError(f"mask_fn must return a bool array that broadcasts to {need}; got {dtype} {shape} "
+                             f"from arrays of shapes {shapes(*args)}")
+        if name == "score_fn" and shape != need:
+            raise ValueError(f"score_fn must return the shape of s, {need}; got {dtype} {shape} from arrays of "
+                             f"shapes {shapes(*args)}")
 
 
 def finish(o, lse, *, sinks, return_lse):
@@ -354,7 +350,6 @@ def on_mesh(strategy, q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
     """
     b, s, h, hk, _ = val.check_qkv(q, k, v, value_width=True)
     return_lse = val.check_bool(return_lse, "return_lse")
-    val.check_sinks(sinks, h)
     window = val.check_window(window, s)
     padding_segment = padding.check_padding_segment(padding_segment, segment_ids)
     # traced ids are ranked (no value can wrap or hit a reserved id), known ones checked by value
@@ -380,7 +375,7 @@ def on_mesh(strategy, q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
                               bias_mode=bias_mode(ring_bias, b, h, s_ring, 1),
                               padding_segment=padding_segment, comm_dtype=comm_dtype,
                               grad_comm_dtype=grad_comm_dtype, dropout_rate=dropout_rate, dropout_key=dropout_key,
-                              logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn)
+                              logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn, sinks=sinks)
     seed = dropout_seed(dropout_key) if settings.cfg.hop.dropout_rate > 0 else None
     run = partial(_run, _Call(strategy, settings, auto_mesh(mesh), axes, return_lse))
     qb, qseq, qh, _ = spec_of(q, 4)
@@ -443,7 +438,9 @@ def _run(call, arrays):
     key = (strategy, mesh, axes, names, tuple(specs.items()), hashable(_flat(static)))
     o, lse = cached(key, build)(*(args[k_] for k_ in names))
     o = padded.unpad(permute_axis(o, layout, n, inverse=True))
-    lse = padded.unpad(permute_axis(lse, layout, n, axis=2, inverse=True), axis=2)  # dead code unless used
+    if not return_lse and arrays["sinks"] is None:
+        return o  # eager calls run this outside jit: no lse permutation nobody reads
+    lse = padded.unpad(permute_axis(lse, layout, n, axis=2, inverse=True), axis=2)
     return finish(o, lse, sinks=arrays["sinks"], return_lse=return_lse)
 
 

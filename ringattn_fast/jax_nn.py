@@ -69,8 +69,6 @@ def _lengths(lengths, batch, seq, name):
     if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(f"{name} must be an integer array of shape (batch,) = ({batch},); "
                          f"got {lengths.dtype} {lengths.shape}")
-    if jnp.issubdtype(lengths.dtype, jnp.unsignedinteger):
-        return jnp.minimum(lengths, seq).astype(jnp.int32)
     return jnp.clip(lengths, 0, seq).astype(jnp.int32)
 
 

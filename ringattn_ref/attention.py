@@ -16,7 +16,7 @@ import numpy as np
 
 from .dropout import check_dropout, dropout_mask
 from .masks import allowed, mark_bad_keys
-from .validation import (check_attention_shapes, check_bias, check_bool, check_positions, check_scale,
+from .validation import (broadcasts_to, check_attention_shapes, check_bias, check_bool, check_positions, check_scale,
                          check_segment_ids, check_sinks, check_softcap, check_window)
 
 
@@ -130,13 +130,6 @@ def _grid(q_pos, k_pos, q_seg, k_seg, heads):
     return q_pos[:, None, :, None], k_pos[:, None, None, :], q_seg[:, None, :, None], k_seg[:, None, None, :], head
 
 
-def _broadcasts(shape, need):
-    try:
-        return np.broadcast_shapes(shape, need) == need
-    except ValueError:
-        return False
-
-
 def _shapes(*arrays):
     return ", ".join(str(tuple(np.shape(a))) for a in arrays)
 
@@ -150,7 +143,7 @@ def call_mask_fn(mask_fn, q_pos, k_pos, q_seg, k_seg, batch, heads):
     except Exception as e:  # noqa: BLE001 - the user's function: say how it was called
         raise ValueError(f"mask_fn raised {type(e).__name__}: {e}; it was called with q_pos, k_pos, q_seg, "
                          f"k_seg, head of shapes {_shapes(qp, kp, qs, ks, head)}") from e
-    if out.dtype != np.bool_ or not _broadcasts(out.shape, need):
+    if out.dtype != np.bool_ or not broadcasts_to(out.shape, need):
         raise ValueError(f"mask_fn must return a bool array that broadcasts to [batch, heads, t, s] = {need}; got "
                          f"{out.dtype} {out.shape} from q_pos, k_pos, q_seg, k_seg, head of shapes "
                          f"{_shapes(qp, kp, qs, ks, head)}")

@@ -73,6 +73,14 @@ def check_attention_shapes(q, k, v):
     return b, t, s, h, kh, d, dv
 
 
+def broadcasts_to(shape, need):
+    """Whether an array of ``shape`` broadcasts to exactly ``need`` (a user function's mask)."""
+    try:
+        return np.broadcast_shapes(tuple(shape), tuple(need)) == tuple(need)
+    except ValueError:
+        return False
+
+
 def check_softcap(logit_softcap):
     """``logit_softcap``: None, or a positive finite real number (not a bool): ``s = c * tanh(s / c)``."""
     if logit_softcap is None:
