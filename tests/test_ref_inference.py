@@ -97,3 +97,78 @@ def test_batch_mismatch_and_full_row():
         inf.decode_step(*(rng.standard_normal((2, 1, 1, 2)) for _ in range(3)), cache)
     with pytest.raises(ValueError, match="max_seq"):
         inf.init_cache(1, 10, 1, 2, n_hosts=4)
+
+
+# --- programmable attention: soft-cap, sinks, a value width of its own, mask and score functions ---
+
+from ringattn_ref import variants  # noqa: E402
+from ringattn_ref.attention import attention  # noqa: E402
+
+H, HK, D = 4, 2, 3
+VARIANTS = {  # name -> (keywords of prefill / decode_step and of the oracle, value width)
+    "softcap": (dict(logit_softcap=1.5), D),
+    "sinks": (dict(sinks=np.array([0.5, -1.0, 2.0, 0.0])), D),
+    "d_v": ({}, 5),
+    "streaming": (dict(mask_fn=variants.streaming(2, 4)), D),
+    "chunked_local": (dict(mask_fn=variants.chunked_local(4), window=(6, -1)), D),
+    "alibi": (dict(score_fn=variants.alibi(variants.alibi_slopes(H))), D),
+    "all": (dict(logit_softcap=2.0, sinks=np.array([0.0, 1.0, -0.5, 3.0]), mask_fn=variants.streaming(1, 5),
+                 score_fn=variants.alibi(variants.alibi_slopes(H))), 2),
+}
+
+
+def variant_calls(seed, dv, *, b=2, m=6, steps=4):
+    """Two prompt chunks with per-row lengths (chunked prefill), then decode steps: ``(q, k, v, lengths)``."""
+    rng = np.random.default_rng(seed)
+    draw = lambda t: (rng.standard_normal((b, t, H, D)), rng.standard_normal((b, t, HK, D)),  # noqa: E731
+                      rng.standard_normal((b, t, HK, dv)))
+    return [(*draw(m), np.array([6, 3])), (*draw(m), np.array([4, 6]))] + [(*draw(1), None) for _ in range(steps)]
+
+
+def expected(prefix, q, k, v, lengths, kw):
+    """The oracle over each row's prefix so far (``prefix[row] = [k, v]``, updated): its new queries sit at
+    the last positions, o 0 past ``lengths[row]``."""
+    out = np.zeros(q.shape[:3] + (v.shape[3],))
+    for row in range(q.shape[0]):
+        n = q.shape[1] if lengths is None else int(lengths[row])
+        prefix[row] = [np.concatenate([old, new[row:row + 1, :n]], axis=1) for old, new in zip(prefix[row], (k, v))]
+        if n:
+            out[row, :n] = attention(q[row:row + 1, :n], *prefix[row], causal=True, **kw)[0]
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["tree", "ring"])
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_variants_in_prefill_and_decode_match_the_oracle(name, schedule):
+    kw, dv = VARIANTS[name]
+    b, n_hosts = 2, 4
+    cache = inf.init_cache(b, 32, HK, D, n_hosts=n_hosts, value_dim=dv)
+    prefix = [[np.zeros((1, 0, HK, D)), np.zeros((1, 0, HK, dv))] for _ in range(b)]
+    for q, k, v, lengths in variant_calls(sorted(VARIANTS).index(name), dv):
+        if lengths is None:
+            o, cache = inf.decode_step(q, k, v, cache, schedule=schedule, **kw)
+        else:
+            o, cache = inf.prefill(q, k, v, cache, lengths=lengths, **kw)
+        assert o.shape == q.shape[:3] + (dv,)
+        np.testing.assert_allclose(o, expected(prefix, q, k, v, lengths, kw), rtol=0, atol=1e-12)
+    assert cache.value_dim == dv and cache.lengths.tolist() == [14, 13]
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(logit_softcap=0.0), "logit_softcap"), (dict(logit_softcap=True), "logit_softcap"),
+    (dict(sinks=np.zeros(3)), "sinks"), (dict(sinks=np.zeros(4, np.int32)), "sinks"),
+    (dict(mask_fn=3), "mask_fn"), (dict(mask_fn=lambda qp, kp, qs, ks, h: kp - qp), "mask_fn"),
+    (dict(score_fn=lambda s, qp, kp, h: s[..., :1]), "score_fn"),
+])
+def test_bad_variants_name_the_argument_and_keep_the_cache(kwargs, name):
+    cache = _cache_with_room(4)
+    before = [x.copy() for x in (cache.k, cache.v, cache.lengths)]
+    rng = np.random.default_rng(4)
+    q, k, v = rng.standard_normal((2, 1, 4, 2)), *rng.standard_normal((2, 2, 1, 1, 2))
+    for fn in (inf.prefill, inf.decode_step):
+        with pytest.raises(ValueError, match=name):
+            fn(q, k, v, cache, **kwargs)
+    with pytest.raises(ValueError, match="value_dim"):
+        inf.prefill(q, k, rng.standard_normal((2, 1, 1, 3)), cache)
+    for x, y in zip(before, (cache.k, cache.v, cache.lengths)):
+        np.testing.assert_array_equal(x, y)
