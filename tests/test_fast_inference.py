@@ -210,3 +210,49 @@ def test_traced_overflow_writes_nothing_and_sets_the_flag():
     np.testing.assert_array_equal(np.asarray(new.k)[0], copy[0][0])
     with pytest.raises(ValueError, match="cache: the decode step"):  # the same call outside jit: concrete
         fi.decode_step(q[:, :1], k[:, :1], v[:, :1], full, mesh=mesh)
+
+
+# --- programmable attention: soft-cap, sinks, a value width of its own, mask and score functions ---
+
+from test_ref_inference import HK, D, VARIANTS, expected, variant_calls  # noqa: E402  (one table for both)
+
+VARIANT_STATIC = STATIC + ("logit_softcap", "mask_fn", "score_fn")
+PREFILL_V = jax.jit(fi.prefill, static_argnames=VARIANT_STATIC, donate_argnums=3)
+DECODE_V = jax.jit(fi.decode_step, static_argnames=VARIANT_STATIC, donate_argnums=3)
+
+
+@pytest.mark.parametrize("name, data", [(name, 2 if name == "all" else 1) for name in sorted(VARIANTS)])
+def test_variants_in_prefill_and_decode_match_the_oracle(name, data):
+    """float32 on 4 hosts (all at once: 4 x 2 with a data axis) vs the float64 oracle over each row's prefix."""
+    kw, dv = VARIANTS[name]
+    b, mesh = 2, rf.make_mesh(4 * data, data=data)
+    cache = fi.init_cache(b, 32, HK, D, mesh=mesh, value_dim=dv)
+    prefix = [[np.zeros((1, 0, HK, D)), np.zeros((1, 0, HK, dv))] for _ in range(b)]
+    for q, k, v, lengths in variant_calls(sorted(VARIANTS).index(name), dv):
+        q, k, v = (np.asarray(x, np.float32) for x in (q, k, v))
+        if lengths is None:
+            o, cache = DECODE_V(q, k, v, cache, mesh=mesh, **kw)
+        else:
+            o, cache = PREFILL_V(q, k, v, cache, lengths=jnp.asarray(lengths, jnp.int32), mesh=mesh, **kw)
+        assert o.shape == q.shape[:3] + (dv,) and o.dtype == jnp.float32
+        want = expected(prefix, *(np.asarray(x, np.float64) for x in (q, k, v)), lengths, kw)
+        np.testing.assert_allclose(np.asarray(o, np.float64), want, rtol=0, atol=2e-5)
+    assert np.asarray(cache.lengths).tolist() == [14, 13] and not np.asarray(cache.overflow).any()
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(logit_softcap=-1.0), "logit_softcap"), (dict(sinks=jnp.zeros(3)), "sinks"),
+    (dict(sinks=jnp.zeros(2, jnp.int32)), "sinks"), (dict(mask_fn="causal"), "mask_fn"),
+    (dict(mask_fn=lambda qp, kp, qs, ks, h: kp - qp), "mask_fn"),
+    (dict(score_fn=lambda s, qp, kp, h: s.sum(-1)), "score_fn"),
+])
+def test_bad_variants_name_the_argument_and_leave_the_cache_untouched(kwargs, name):
+    mesh = rf.make_mesh(4)
+    cache, copy = _filled(mesh, [12, 3])
+    q, k, v = jnp.zeros((2, 1, 2, 2)), jnp.zeros((2, 1, 1, 2)), jnp.zeros((2, 1, 1, 2))
+    for fn in (fi.prefill, fi.decode_step):
+        with pytest.raises(ValueError, match=name):
+            fn(q, k, v, cache, mesh=mesh, **kwargs)
+    with pytest.raises(ValueError, match="value_dim"):
+        fi.decode_step(q, k, jnp.zeros((2, 1, 1, 3)), cache, mesh=mesh)
+    _same(cache, copy)
