@@ -25,6 +25,13 @@ What Flax may pass and what becomes of it:
   so batch rows and heads get independent masks, while Flax's default ``broadcast_dropout=True``
   shares one mask across batch and heads (``broadcast_dropout`` is ignored: same keep probability,
   not the same correlation). A row that sees no key is the mean of V, undropped.
+- Flax passes no soft-cap, sinks, mask or score function; :func:`flax_attention_fn` takes them
+  (``logit_softcap``, ``sinks``, ``mask_fn``, ``score_fn``, as :func:`~ringattn_fast.ring_attention`)
+  and binds them into every call. ``sinks`` bound so are constants: a learnable sink is a parameter,
+  and Flax's modules neither hold one nor pass one to ``attention_fn`` (train it in a module of your
+  own that calls ``ring_attention(..., sinks=self.sinks)``; ``docs/flax.md``). With ``mask_fn`` or
+  ``score_fn`` the call goes to ``ring_attention`` itself (Flax's mask still an additive bias), and a
+  row that sees no key is still the mean of V (o = 0 with sinks), as below.
 - Refused with a ValueError, because the ring never forms the attention weights: weight sowing
   (``module``), custom einsums (``qk_attn_weights_einsum``, ``attn_weights_value_einsum``), a
   ``precision`` (the ring's matmuls use the default precision, accumulating in float32), and any
@@ -35,6 +42,7 @@ What Flax may pass and what becomes of it:
 from __future__ import annotations
 
 import math
+from functools import reduce
 
 import jax.numpy as jnp
 from jax import lax
@@ -42,6 +50,7 @@ from jax import lax
 from ringattn_ref import validation as val
 
 from .jax_nn import masked_ring_attention
+from .ring import ring_attention
 
 
 def _flatten_batch(x, batch):
@@ -82,11 +91,27 @@ def _refuse(module, precision, einsums, unsupported):
                          f"the projections yourself)")
 
 
-def flax_attention_fn(*, mesh=None, axis_name="sp", causal=False, window=None, layout="contiguous", impl="auto"):
+def _programmed(q, k, v, *, bias, mask, sinks, **ring):
+    """``masked_ring_attention``'s contract (dense mask as a bias; a row that sees no key is the mean of
+    V, or 0 with sinks) for a call with ``mask_fn`` / ``score_fn``, which go to ``ring_attention``."""
+    parts = [x for x in (bias, None if mask is None else jnp.where(mask, 0.0, -jnp.inf)) if x is not None]
+    total = reduce(jnp.add, parts) if parts else None
+    o, lse = ring_attention(q, k, v, bias=total, sinks=sinks, return_lse=True, **ring)
+    if sinks is not None:  # a dead row: o = 0, lse = the sink (masked_ring_attention's rule with sinks)
+        return o
+    dead = jnp.swapaxes(jnp.isneginf(lse), 1, 2)[..., None]  # (b, T, h, 1)
+    mean_v = jnp.repeat(jnp.mean(v.astype(lse.dtype), axis=1), q.shape[2] // k.shape[2], axis=1)  # (b, h, d_v)
+    return jnp.where(dead, mean_v[:, None].astype(o.dtype), o)
+
+
+def flax_attention_fn(*, mesh=None, axis_name="sp", causal=False, window=None, layout="contiguous", impl="auto",
+                      logit_softcap=None, sinks=None, mask_fn=None, score_fn=None):
     """An ``attention_fn`` for ``flax.nnx.MultiHeadAttention`` / ``flax.linen.MultiHeadDotProductAttention``.
 
-    causal, window ``(left, right)`` (-1 = unbounded), layout, impl, mesh, axis_name: as
-    :func:`~ringattn_fast.ring_attention`, fixed for every call. The returned function takes Flax's
+    causal, window ``(left, right)`` (-1 = unbounded), layout, impl, mesh, axis_name, and the
+    programmable attention Flax does not pass, logit_softcap, sinks (float [heads], a constant),
+    mask_fn and score_fn (``ringattn_ref.variants``): as :func:`~ringattn_fast.ring_attention`, fixed for
+    every call. The returned function takes Flax's
     ``query, key, value`` ``[batch..., T, heads, dim]`` (T == S; K/V may have fewer heads) and its
     keywords (see the module docstring: a mask, a bias, dropout with Flax's ``dropout_rng`` as the
     key) and returns ``[batch..., T, heads, dim]``. For decoding (Flax's ``decode=True``, T != S) use
@@ -94,6 +119,10 @@ def flax_attention_fn(*, mesh=None, axis_name="sp", causal=False, window=None, l
     """
     causal = val.check_bool(causal, "causal")
     window = val.check_window(window)
+    logit_softcap = val.check_softcap(logit_softcap)
+    for name, fn in (("mask_fn", mask_fn), ("score_fn", score_fn)):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"{name} must be a function; got {fn!r}")
 
     def attention_fn(query, key, value, bias=None, mask=None, *, broadcast_dropout=True, dropout_rng=None,
                      dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
@@ -117,9 +146,14 @@ def flax_attention_fn(*, mesh=None, axis_name="sp", causal=False, window=None, l
         mask = None if mask is None else jnp.asarray(mask).astype(jnp.bool_)
         bias, mask = (_flatten_batch(x, batch) for x in (bias, mask))
         is_causal = val.check_bool(is_causal, "is_causal")  # nnx passes it per call
-        o, _ = masked_ring_attention(q, k, v, bias=bias, mask=mask, causal=causal or is_causal, window=window,
-                                     impl=impl, layout=layout, mesh=mesh, axis_name=axis_name,
-                                     dropout_rate=dropout_rate, dropout_key=dropout_key)
-        return o.reshape(out_shape)
+        val.check_sinks(sinks, q.shape[2])
+        ring = dict(causal=causal or is_causal, window=window, impl=impl, layout=layout, mesh=mesh,
+                    axis_name=axis_name, dropout_rate=dropout_rate, dropout_key=dropout_key,
+                    logit_softcap=logit_softcap)
+        if mask_fn is None and score_fn is None:
+            o, _ = masked_ring_attention(q, k, v, bias=bias, mask=mask, sinks=sinks, **ring)
+        else:
+            o = _programmed(q, k, v, bias=bias, mask=mask, sinks=sinks, mask_fn=mask_fn, score_fn=score_fn, **ring)
+        return o.reshape(out_shape[:-1] + o.shape[-1:])
 
     return attention_fn

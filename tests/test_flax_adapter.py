@@ -161,6 +161,28 @@ def test_what_the_ring_cannot_honour_raises(build, call, match):
         model(jnp.zeros((1, 8, 16)), **call)
 
 
+def test_programmable_attention_bound_into_the_attention_fn_equals_the_oracle():
+    """logit_softcap, sinks and a mask_fn (StreamingLLM) bound by flax_attention_fn: the nnx module is its
+    projections around the float64 oracle with the same keywords; a mask_fn keeps Flax's mask and jax.nn's
+    rows that see no key; bad keywords are a ValueError naming them."""
+    x = jax.random.normal(jax.random.key(5), (2, 32, 16))
+    kw = dict(logit_softcap=3.0, sinks=np.array([0.5, -1.0, 2.0, 0.0]), mask_fn=ref.variants.streaming(2, 8))
+    mha = nnx_mha(rf.flax_attention_fn(mesh=MESH, **kw))
+    f64 = lambda layer: np.asarray(layer(x), np.float64)  # noqa: E731
+    o = ref.attention(f64(mha.query), f64(mha.key), f64(mha.value), **kw)
+    close(mha(x), mha.out(jnp.asarray(o, jnp.float32)), "module output vs the oracle")
+    rng = np.random.default_rng(6)  # with a mask_fn, Flax's mask and jax.nn's dead rows (the mean of V) still hold
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 16, h, 8)), jnp.float32) for h in (4, 2, 2))
+    keep = jnp.arange(16) < jnp.array([16, 9])[:, None]  # row 1: queries 9.. see no key
+    mask = nnx.make_attention_mask(keep, keep)
+    everything = rf.flax_attention_fn(mesh=MESH, mask_fn=lambda qp, kp, qs, ks, h: kp >= 0)
+    close(everything(q, k, v, mask=mask), rf.flax_attention_fn(mesh=MESH)(q, k, v, mask=mask), "mask_fn: every pair")
+    q = jnp.zeros((1, 8, 4, 8))
+    for bad, name in ((dict(logit_softcap=0.0), "logit_softcap"), (dict(mask_fn="causal"), "mask_fn"),
+                      (dict(sinks=np.zeros(3)), "sinks"), (dict(score_fn=lambda s, qp, kp, h: s[..., :1]), "score_fn")):
+        with pytest.raises(ValueError, match=name):
+            rf.flax_attention_fn(mesh=MESH, **bad)(q, q, q)
+
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
