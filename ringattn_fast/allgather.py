@@ -28,7 +28,7 @@ from jax import lax
 
 from ringattn_ref import validation as val
 
-from . import comm, masks
+from . import block_mask, comm, masks
 from .comm import gather
 from .dispatch import kernels_for
 from .front import Strategy, check_shard_call, finish, host_inputs, on_mesh
@@ -76,8 +76,14 @@ def whole_kv(cfg, gather, kv, bias):
     return kv if cfg.bias_mode in (None, "travel") else kv._replace(bias=bias)
 
 
+def _tiles(cfg):
+    """``{"tiles": ...}``: this host's tile kinds in a ``mask_fn``'s static block mask (``block_mask.py``), or {}."""
+    tiles = block_mask.hop_tiles(cfg.block_mask, lax.axis_index(cfg.axis_name))
+    return {} if tiles is None else {"tiles": tiles}
+
+
 def _forward(cfg, gather, qs, kv, bias):
-    o, lse = kernels_for(cfg.impl).hop_fwd(qs, whole_kv(cfg, gather, kv, bias), cfg.hop)
+    o, lse = kernels_for(cfg.impl).hop_fwd(qs, whole_kv(cfg, gather, kv, bias), cfg.hop, **_tiles(cfg))
     return o.astype(qs.q.dtype), lse.astype(acc_dtype(qs.q.dtype))
 
 
@@ -100,7 +106,8 @@ def _attend_bwd(cfg, gather, res, cotangents):
     acc = acc_dtype(qs.q.dtype)
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(acc), o.astype(acc))  # FA-2's D, as backward.py
     delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(acc), 0.0)  # d lse / d S = P
-    g = kernels_for(cfg.impl).hop_bwd(qs, whole_kv(cfg, gather, kv, bias), cfg.hop, do=do, lse=lse, delta=delta)
+    g = kernels_for(cfg.impl).hop_bwd(qs, whole_kv(cfg, gather, kv, bias), cfg.hop, do=do, lse=lse, delta=delta,
+                                      **_tiles(cfg))
     dk, dv = (_scatter(x, cfg, 1) if gather else x for x in (g.dk, g.dv))
     dbias_kv = g.dbias if cfg.bias_mode == "travel" else None
     dbias_kv = _scatter(dbias_kv, cfg, 3) if gather else dbias_kv
@@ -124,7 +131,8 @@ ALLGATHER = Strategy("allgather_attention", attend, kv_whole=True, comm=True)
 def allgather_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=None, bias=None, window=None,
                               scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
                               positions=None, padding_segment=None, return_lse=False, comm_dtype=None,
-                              grad_comm_dtype=None, sinks=None, logit_softcap=None, mask_fn=None, score_fn=None):
+                              grad_comm_dtype=None, sinks=None, logit_softcap=None, mask_fn=None, score_fn=None, kv_segment_ids=None,
+                              kv_positions=None):
     """All-gather attention inside ``jax.shard_map``: this host's output shard.
 
     Arguments, shapes and results exactly as ``ring_attention_shard`` (q [b, s_local, h, d], k, v
@@ -135,17 +143,19 @@ def allgather_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_
     return_lse = val.check_bool(return_lse, "return_lse")
     settings, _ = check_shard_call(
         ALLGATHER, q, k, v, axis_name=axis_name, segment_ids=segment_ids, bias=bias, positions=positions,
+        kv_segment_ids=kv_segment_ids, kv_positions=kv_positions,
         sinks=sinks, padding_segment=padding_segment, layout=layout, causal=causal, window=window, scale=scale,
         block_q=block_q, block_kv=block_kv, impl=impl, comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype,
         logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn)
-    o, lse = attend(host_inputs(settings, q, k, v, segment_ids=segment_ids, bias=bias, positions=positions))
+    o, lse = attend(host_inputs(settings, q, k, v, segment_ids=segment_ids, bias=bias, positions=positions,
+                                kv_segment_ids=kv_segment_ids, kv_positions=kv_positions))
     return finish(o, lse, sinks=sinks, return_lse=return_lse)
 
 
 def allgather_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_ids=None, bias=None,
                         window=None, scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
                         padding_segment=None, return_lse=False, batch_axes=None, head_axis=None, comm_dtype=None,
-                        grad_comm_dtype=None, sinks=None, logit_softcap=None, mask_fn=None, score_fn=None):
+                        grad_comm_dtype=None, sinks=None, logit_softcap=None, mask_fn=None, score_fn=None, kv_segment_ids=None):
     """All-gather attention on global arrays: the inputs, keywords and result of ``ring_attention``.
 
     q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim]; every mask (causal, window,
@@ -159,4 +169,4 @@ def allgather_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, seg
                    bias=bias, window=window, scale=scale, layout=layout, block_q=block_q, block_kv=block_kv,
                    impl=impl, padding_segment=padding_segment, return_lse=return_lse, batch_axes=batch_axes,
                    head_axis=head_axis, comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype, sinks=sinks,
-                   logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn)
+                   logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn, kv_segment_ids=kv_segment_ids)

@@ -20,7 +20,7 @@ from functools import partial
 import jax.numpy as jnp
 from jax import lax
 
-from . import comm, masks
+from . import block_mask, comm, masks
 from .dispatch import kernels_for
 from .mesh import varying_axes, vary_like
 from .schedule import KVGrads, hop_kv, kv_index, ring_loop, send_to_next
@@ -60,7 +60,8 @@ def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None):
     kv = masks.mark_bad_keys_of(kv)  # as the forward did
     acc, kv_dtype = acc_dtype(qs.q.dtype), kv.k.dtype
     send_grads = partial(comm.sent_as, partial(send_to_next, axis_name=cfg.axis_name), dtype=cfg.grad_comm_dtype)
-    skip = cfg.skip_empty_hops and masks.can_be_empty(cfg.hop.causal, cfg.hop.window, qs.seg is not None)
+    skip = cfg.skip_empty_hops and (masks.can_be_empty(cfg.hop.causal, cfg.hop.window, qs.seg is not None)
+                                    or cfg.block_mask is not None)
     axes = varying_axes(*qs, *kv, bias, o, lse, do)
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(acc), o.astype(acc))  # FA-2's D, (b, h, sq)
     if dlse is not None:
@@ -73,12 +74,13 @@ def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None):
         kv_idx, kv = kv_index(my_idx, step, n), comm.decode(kv, kv_dtype)  # K/V travel as the forward's did
 
         def backward(grads, dq, dbias):
-            hop_grads = hop_bwd(qs, hop_kv(cfg, kv, bias, kv_idx), cfg.hop, do=do, lse=lse, delta=delta)
+            tiles = block_mask.hop_tiles(cfg.block_mask, my_idx, kv_idx)
+            hop_grads = hop_bwd(qs, hop_kv(cfg, kv, bias, kv_idx), cfg.hop, do=do, lse=lse, delta=delta,
+                                **({} if tiles is None else {"tiles": tiles}))
             return _add_hop(cfg, hop_grads, grads=grads, dq=dq, dbias=dbias, kv_idx=kv_idx)
 
         if skip:
-            empty = masks.tile_is_empty(qs.pos, kv.pos, qs.seg, kv.seg, causal=cfg.hop.causal, window=cfg.hop.window)
-            return lax.cond(empty, lambda *a: a, backward, grads, dq, dbias)
+            return lax.cond(block_mask.hop_is_empty(cfg, qs, kv, my_idx, step), lambda *a: a, backward, grads, dq, dbias)
         return backward(grads, dq, dbias)
 
     def step_fn(carry, step):

@@ -32,7 +32,7 @@ from ringattn_ref import dropout as drop_ref
 from ringattn_ref import validation as val
 from ringattn_ref.blockwise import default_block
 
-from . import comm, padding
+from . import block_mask, comm, padding
 from .dispatch import check_impl, kernels_for
 from .layouts import permute_axis
 from .mesh import (auto_mesh, call_auto, check_mesh_axes, current_device, mesh_device, resolve_mesh, spec_of,
@@ -69,12 +69,15 @@ class Settings:
 
     cfg: the ``RingConfig`` (axis, HopConfig, impl, bias mode, wire dtypes); layout: a name or a
     permutation of the whole (padded) sequence; padding_segment: the id whose queries see nothing;
-    has_positions: the caller gives true positions (else the layout's).
+    has_positions: the caller gives true positions (else the layout's); q_offset: what the layout's query
+    positions are shifted by, ``S - T`` for cross-attention (queries at the last T of S positions, so
+    causal means ``k_pos <= q_pos``), else 0.
     """
     cfg: RingConfig
     layout: object
     padding_segment: int | None = None
     has_positions: bool = False
+    q_offset: int = 0
 
 
 class HostInputs(NamedTuple):
@@ -88,25 +91,27 @@ class HostInputs(NamedTuple):
     drop: Dropout | None = None
 
 
-def bias_mode(bias, batch, heads, sq, n):
+def bias_mode(bias, batch, heads, sq, n, sk=None):
     """Classify a bias (see :class:`~ringattn_fast.schedule.RingConfig`); raise if it fits no mode.
 
     One rule for the global array (``sq = seq, n = 1``: how ``ring_attention`` shards it) and for a
     host's shard (``sq = s_local, n = axis_size``: how the ring uses it): ``[.., sq|1, 1]`` "static",
-    key-only ``[.., 1, sq]`` "travel", ``[.., sq|1, n * sq]`` "columns".
+    key-only ``[.., 1, sk]`` "travel", ``[.., sq|1, n * sk]`` "columns" (``sk``: the keys' length,
+    default ``sq``; cross-attention has its own).
     """
     if bias is None:
         return None
+    sq, sk = sq, sq if sk is None else sk
     shape = tuple(bias.shape)
     ok = len(shape) == 4 and shape[0] in (1, batch) and shape[1] in (1, heads) and shape[2] in (1, sq)
     if ok and shape[3] == 1:
         return "static"
-    if ok and shape[2] == 1 and shape[3] == sq:
+    if ok and shape[2] == 1 and shape[3] == sk:
         return "travel"
-    if ok and shape[3] == n * sq:
+    if ok and shape[3] == n * sk:
         return "columns"
-    raise ValueError(f"bias (per host) must be [batch|1, heads|1, {sq}|1, {n * sq}] (local query rows, all "
-                     f"key columns in layout order) or key-only [batch|1, heads|1, 1, {sq}] (this host's "
+    raise ValueError(f"bias (per host) must be [batch|1, heads|1, {sq}|1, {n * sk}] (local query rows, all "
+                     f"key columns in layout order) or key-only [batch|1, heads|1, 1, {sk}] (this host's "
                      f"keys; it travels with K/V); got shape {shape}")
 
 
@@ -137,8 +142,12 @@ def dropout_seed(key):
 def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, window_seq, scale, layout,
                    block_q, block_kv, impl, device, bias_mode, padding_segment, has_positions=False,
                    comm_dtype=None, grad_comm_dtype=None, dropout_rate=0.0, dropout_key=None, logit_softcap=None,
-                   mask_fn=None, score_fn=None, sinks=None):
+                   mask_fn=None, score_fn=None, sinks=None, kv_local=None, q_offset=0, has_segments=False):
     """The checks both doors share, on a host's view (``s_local`` tokens of ``N * s_local``): a :class:`Settings`.
+
+    ``kv_local``: the keys' tokens per host when they differ from the queries' (cross-attention);
+    ``q_offset``: :attr:`Settings.q_offset`; ``has_segments``: the caller gives segment ids (a ``mask_fn``
+    may read them, so no static block mask: ``block_mask.py``).
 
     ``window_seq``: the length that bounds a window (a bound of at least ``window_seq - 1`` is
     unbounded); None when the caller gives positions. ``bias_mode`` is already classified. ``device``:
@@ -162,11 +171,14 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
     if dropout_rate > 0 and not strategy.dropout:
         raise ValueError(f"{strategy.name} takes no dropout_rate (attention dropout runs in the ring); got "
                          f"{dropout_rate!r}")
-    q_len, kv_len = (s_local * n if whole else s_local for whole in (strategy.q_whole, strategy.kv_whole))
-    fused_ok = strategy.fused_ok and comm_dtype is None and grad_comm_dtype is None
+    kv_local = s_local if kv_local is None else kv_local
+    q_len, kv_len = (size * n if whole else size for whole, size in ((strategy.q_whole, s_local),
+                                                                     (strategy.kv_whole, kv_local)))
+    # the fused ring's kernel holds one shard length for queries and keys
+    fused_ok = strategy.fused_ok and comm_dtype is None and grad_comm_dtype is None and kv_local == s_local
     impl = check_impl(impl, device.platform, q, k, v, has_bias=bias_mode is not None,
                       has_dropout=dropout_rate > 0, fused_ok=fused_ok,
-                      xla_only=logit_softcap is not None or mask_fn is not None or score_fn is not None,
+                      logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn,
                       device_kind=getattr(device, "device_kind", None))
     kernels = kernels_for(impl)
     tiles = None  # the kernels' own defaults for the chip they are compiled for (kernels/budgets.py)
@@ -181,41 +193,72 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
     block_kv = val.check_block(block_kv, kv_len, "block_kv")
     hop = HopConfig(scale=scale, causal=causal, window=window, block_q=block_q, block_kv=block_kv,
                     dropout_rate=dropout_rate, logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn)
+    static = impl == "xla" and not has_positions and not has_segments and not strategy.q_whole
+    spec = block_mask.spec_for(mask_fn=mask_fn if static else None, layout=layout, n=n, t=s_local * n,
+                               s=kv_local * n, q_offset=q_offset, block_q=block_q, block_kv=block_kv,
+                               heads=q.shape[2], causal=causal, window=window, whole_kv=strategy.kv_whole)
     cfg = RingConfig(axis_name, hop, impl, bias_mode, skip_empty_hops=kernels.skip_empty_hops,
-                     comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype)
-    return Settings(cfg, layout, padding_segment, has_positions)
+                     comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype, block_mask=spec)
+    return Settings(cfg, layout, padding_segment, has_positions, q_offset)
 
 
 def check_shard_call(strategy, q, k, v, *, axis_name, segment_ids=None, bias=None, positions=None,
                      padding_segment=None, layout="contiguous", dropout_key=None, dropout_offsets=(0, 0),
-                     sinks=None, **settings):
+                     sinks=None, kv_segment_ids=None, kv_positions=None, **settings):
     """Validate a per-host call (``*_attention_shard``): ``(Settings, Dropout | None)``.
 
-    Shapes are this host's: q [b, s_local, h, d], k, v [b, s_local, kv_heads, d], segment_ids and
-    positions [b, s_local], bias per host (:func:`bias_mode`). ``settings``: the keywords of
-    :func:`check_settings` that the caller passes through (causal, window, scale, blocks, impl, ...).
+    Shapes are this host's: q [b, sq, h, d], k [b, sk, kv_heads, d], v [b, sk, kv_heads, d_v] (``sk != sq``:
+    cross-attention, each side sharded on its own), segment_ids and positions [b, sq], kv_segment_ids and
+    kv_positions [b, sk] (default: the queries' when ``sk == sq``), bias per host (:func:`bias_mode`).
+    ``settings``: the keywords of :func:`check_settings` that the caller passes through (causal, window,
+    scale, blocks, impl, ...).
     """
-    b, sq, h, hk, _ = val.check_qkv(q, k, v, value_width=True)
+    b, sq, sk, h, hk, _, _ = val.check_attention_shapes(q, k, v)
     n = axis_size(axis_name, strategy)
     if strategy.check_heads is not None:
         strategy.check_heads(h, hk, n, axis_name)
     seg = val.check_segment_ids(segment_ids, b, sq)
+    kv_seg = check_kv_segment_ids(kv_segment_ids, seg, b, sq, sk)
     padding_segment = padding.check_padding_segment(padding_segment, seg)
-    layout = val.check_layout(layout, sq * n)
-    val.check_n_hosts(n, sq * n, layout, name=f"the size of mesh axis {axis_name!r}")
-    mode = bias_mode(bias, b, h, sq, n)
+    layout = check_cross_layout(layout, sq * n, sk * n)
+    for length in {sq, sk}:
+        val.check_n_hosts(n, length * n, layout, name=f"the size of mesh axis {axis_name!r}")
+    mode = bias_mode(bias, b, h, sq, n, sk)
     if bias is not None and not val.is_float_dtype(bias.dtype):
         raise ValueError(f"bias must be a floating-point array; got dtype {bias.dtype}")
     val.check_positions(positions, b, sq)
-    out = check_settings(strategy, q, k, v, n=n, s_local=sq, axis_name=axis_name, layout=layout,
-                         window_seq=sq * n if positions is None else None,
-                         device=current_device(), bias_mode=mode,
-                         padding_segment=padding_segment, has_positions=positions is not None,
+    val.check_positions(kv_positions, b, sk, "kv_positions")
+    laid_out = positions is None and kv_positions is None
+    out = check_settings(strategy, q, k, v, n=n, s_local=sq, kv_local=sk, axis_name=axis_name, layout=layout,
+                         window_seq=sk * n if laid_out and sq <= sk else None,
+                         device=current_device(), bias_mode=mode, q_offset=(sk - sq) * n, has_segments=seg is not None,
+                         padding_segment=padding_segment, has_positions=not laid_out,
                          dropout_key=dropout_key, sinks=sinks, **settings)
     drop = None
     if out.cfg.hop.dropout_rate > 0:
         drop = Dropout(dropout_seed(dropout_key), *(jnp.asarray(x).astype(jnp.uint32) for x in dropout_offsets))
     return out, drop
+
+
+def check_kv_segment_ids(kv_segment_ids, segment_ids, batch, t, s):
+    """The keys' segment ids of a cross-attention (``t != s``): needed with ``segment_ids``, and only then."""
+    if kv_segment_ids is None:
+        if segment_ids is not None and t != s:
+            raise ValueError(f"segment_ids has the queries' length t = {t}; with keys of another length s = {s} "
+                             f"pass kv_segment_ids [batch, s] too")
+        return None
+    if segment_ids is None:
+        raise ValueError("kv_segment_ids needs segment_ids for the queries too")
+    return val.check_segment_ids(kv_segment_ids, batch, s, "kv_segment_ids")
+
+
+def check_cross_layout(layout, t, s):
+    """``layout`` for queries of length t and keys of length s: a name lays out each on its own; a
+    permutation needs ``t == s`` (one sequence)."""
+    if t != s and not isinstance(layout, str):
+        raise ValueError(f"layout: a permutation orders one sequence, but the queries (t = {t}) and keys "
+                         f"(s = {s}) differ in length; use a layout name, which lays out each on its own")
+    return val.check_layout(layout, t)
 
 
 def check_user_fns(mask_fn, score_fn, heads):
@@ -265,26 +308,36 @@ def int32_positions(positions, q, axis_name):
     return positions.astype(jnp.int32), jnp.where(bad, jnp.nan, q).astype(q.dtype)
 
 
-def host_inputs(settings, q, k, v, *, segment_ids=None, bias=None, positions=None, drop=None):
+def host_inputs(settings, q, k, v, *, segment_ids=None, bias=None, positions=None, drop=None, kv_segment_ids=None,
+                kv_positions=None):
     """One host's :class:`HostInputs` from validated ``settings`` and its shards (no checks here).
 
-    Positions are the caller's or the layout's (``schedule.local_positions``); every array is cast to
-    vary over the same mesh axes (``shard_map(check_vma=True)``); the padding segment's queries get the
-    id no key has (``padding.padding_queries``).
+    Positions are the caller's or the layout's (``schedule.local_positions``; the queries' shifted by
+    ``settings.q_offset``), the keys' their own for cross-attention and the queries' otherwise; every
+    array is cast to vary over the same mesh axes (``shard_map(check_vma=True)``); the padding segment's
+    queries get the id no key has (``padding.padding_queries``).
     """
     cfg = settings.cfg
     b, sq = q.shape[:2]
+    sk = k.shape[1]
     if positions is None:
-        pos = local_positions(settings.layout, sq, cfg.axis_name, b)
+        pos = local_positions(settings.layout, sq, cfg.axis_name, b) + jnp.int32(settings.q_offset)
     else:
         pos, q = int32_positions(positions, q, cfg.axis_name)
+    if kv_positions is not None:
+        kv_pos, k = int32_positions(kv_positions, k, cfg.axis_name)  # a wrapped key position: NaN, as for q
+    elif sq == sk:
+        kv_pos = pos  # one sequence (q_offset is 0)
+    else:
+        kv_pos = local_positions(settings.layout, sk, cfg.axis_name, b)
     seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
-    axes = tuple(sorted(set(varying_axes(q, k, v, seg, bias, pos) + (cfg.axis_name,))))
-    q, k, v, pos, seg, bias = vary_like((q, k, v, pos, seg, bias), axes)
+    kv_seg = seg if kv_segment_ids is None else kv_segment_ids.astype(jnp.int32)
+    axes = tuple(sorted(set(varying_axes(q, k, v, seg, kv_seg, bias, pos, kv_pos) + (cfg.axis_name,))))
+    q, k, v, pos, kv_pos, seg, kv_seg, bias = vary_like((q, k, v, pos, kv_pos, seg, kv_seg, bias), axes)
     travels = cfg.bias_mode == "travel"
-    k = padding.reserved_keys_bad(k, seg, settings.padding_segment)  # a traced NO_KEY id: NaN, not seen silently
+    k = padding.reserved_keys_bad(k, kv_seg, settings.padding_segment)  # a traced NO_KEY id: NaN, not seen silently
     qs = QShard(q, pos, None if seg is None else padding.padding_queries(seg, settings.padding_segment))
-    kv = KVShard(k, v, pos, seg, bias if travels else None)
+    kv = KVShard(k, v, kv_pos, kv_seg, bias if travels else None)
     return HostInputs(qs, kv, None if travels else bias, cfg, drop)
 
 
@@ -342,21 +395,26 @@ def on_mesh(strategy, q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
             window=None, scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
             padding_segment=None, return_lse=False, batch_axes=None, head_axis=None, dropout_rate=0.0,
             dropout_key=None, comm_dtype=None, grad_comm_dtype=None, sinks=None, logit_softcap=None, mask_fn=None,
-            score_fn=None):
+            score_fn=None, kv_segment_ids=None):
     """``strategy`` on global q, k, v: validated here, sharded over ``mesh``, run per host, in true order.
 
-    Arguments as ``ring_attention``'s. Returns [batch, seq, heads, dim] in q's dtype, in true order
-    (and lse [batch, heads, seq] with ``return_lse``).
+    Arguments as ``ring_attention``'s. Returns [batch, t, heads, dim_v] in q's dtype, in true order
+    (and lse [batch, heads, t] with ``return_lse``).
     """
-    b, s, h, hk, _ = val.check_qkv(q, k, v, value_width=True)
+    b, t, s, h, hk, _, _ = val.check_attention_shapes(q, k, v)
     return_lse = val.check_bool(return_lse, "return_lse")
-    window = val.check_window(window, s)
+    window = val.check_window(window, s if t <= s else None)  # the oracle's rule: keys 0..s-1, queries the last t
     padding_segment = padding.check_padding_segment(padding_segment, segment_ids)
     # traced ids are ranked (no value can wrap or hit a reserved id), known ones checked by value
-    segment_ids, padding_segment = padding.rank_segment_ids(segment_ids, padding_segment)
-    segment_ids = val.check_segment_ids(segment_ids, b, s)
-    val.check_bias(bias, b, h, s)
-    layout = val.check_layout(layout, s)
+    if kv_segment_ids is None:
+        segment_ids, padding_segment = padding.rank_segment_ids(segment_ids, padding_segment)
+    else:
+        segment_ids, padding_segment, kv_segment_ids = padding.rank_segment_ids(segment_ids, padding_segment,
+                                                                                kv_segment_ids)
+    segment_ids = val.check_segment_ids(segment_ids, b, t)
+    kv_segment_ids = check_kv_segment_ids(kv_segment_ids, segment_ids, b, t, s)
+    val.check_bias(bias, b, h, t, s)
+    layout = check_cross_layout(layout, t, s)
     mesh = resolve_mesh(mesh)
     axes = check_mesh_axes(mesh, axis_name, batch=b, heads=h, kv_heads=hk, batch_axes=batch_axes,
                            head_axis=head_axis)
@@ -366,21 +424,24 @@ def on_mesh(strategy, q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
                          f"indices: not supported yet; leave the heads unsplit (head_axis=None)")
     if strategy.check_heads is not None:
         strategy.check_heads(h // tp, hk // tp, axes.n, axis_name)
-    n, s_ring = axes.n, padding.ring_length(s, axes.n, layout)
-    ring_bias = None if bias is None else jax.ShapeDtypeStruct(padding.padded_bias_shape(bias.shape, s, s_ring),
-                                                                bias.dtype)
-    settings = check_settings(strategy, q, k, v, n=n, s_local=s_ring // n, axis_name=axis_name, causal=causal,
-                              window=window, window_seq=s, scale=scale, layout=padding.pad_layout(layout, s, s_ring),
+    n, t_ring, s_ring = axes.n, padding.ring_length(t, axes.n, layout), padding.ring_length(s, axes.n, layout)
+    ring_bias = None if bias is None else jax.ShapeDtypeStruct(
+        padding.padded_bias_shape(bias.shape, t, t_ring, s, s_ring), bias.dtype)
+    settings = check_settings(strategy, q, k, v, n=n, s_local=t_ring // n, kv_local=s_ring // n, q_offset=s - t,
+                              axis_name=axis_name, causal=causal, window=window, window_seq=s if t <= s else None,
+                              scale=scale, layout=padding.pad_layout(layout, t, t_ring),
                               block_q=block_q, block_kv=block_kv, impl=impl, device=mesh_device(mesh),
-                              bias_mode=bias_mode(ring_bias, b, h, s_ring, 1),
+                              bias_mode=bias_mode(ring_bias, b, h, t_ring, 1, s_ring),
                               padding_segment=padding_segment, comm_dtype=comm_dtype,
                               grad_comm_dtype=grad_comm_dtype, dropout_rate=dropout_rate, dropout_key=dropout_key,
-                              logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn, sinks=sinks)
+                              logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn, sinks=sinks,
+                              has_segments=segment_ids is not None)
     seed = dropout_seed(dropout_key) if settings.cfg.hop.dropout_rate > 0 else None
     run = partial(_run, _Call(strategy, settings, auto_mesh(mesh), axes, return_lse))
     qb, qseq, qh, _ = spec_of(q, 4)
     out_specs = (jax.P(qb, qseq, qh, None), jax.P(qb, qh, qseq)) if return_lse else jax.P(qb, qseq, qh, None)
-    arrays = dict(q=q, k=k, v=v, segment_ids=segment_ids, bias=bias, seed=seed, sinks=sinks)
+    arrays = dict(q=q, k=k, v=v, segment_ids=segment_ids, bias=bias, seed=seed, sinks=sinks,
+                  kv_segment_ids=kv_segment_ids)
     return call_auto(mesh, run, arrays, out_specs=out_specs)
 
 
@@ -400,7 +461,7 @@ def _run(call, arrays):
     q, k, v, segment_ids, bias, seed = (arrays[name] for name in ("q", "k", "v", "segment_ids", "bias", "seed"))
     n, layout = axes.n, settings.layout
     padded = padding.pad_for_ring(q, k, v, n_hosts=n, layout=layout, segment_ids=segment_ids, bias=bias,
-                                  padding_segment=settings.padding_segment)
+                                  padding_segment=settings.padding_segment, kv_segment_ids=arrays["kv_segment_ids"])
     settings = dataclasses.replace(settings, padding_segment=padded.padding_segment)
     perm = partial(permute_axis, layout=layout, n_hosts=n)
     args = {"q": perm(padded.q), "k": perm(padded.k), "v": perm(padded.v)}
@@ -408,6 +469,9 @@ def _run(call, arrays):
     if padded.segment_ids is not None:
         args["segment_ids"] = perm(jnp.asarray(padded.segment_ids).astype(jnp.int32))
         specs["segment_ids"] = axes.spec("batch", "seq")
+    if padded.kv_segment_ids is not None:  # cross-attention: the keys' own ids
+        args["kv_segment_ids"] = perm(jnp.asarray(padded.kv_segment_ids).astype(jnp.int32))
+        specs["kv_segment_ids"] = axes.spec("batch", "seq")
     if padded.bias is not None:  # sharded as the ring shards it: rows by host, a key-only bias by keys
         pb = padded.bias
         rows = "seq" if pb.shape[2] > 1 else None

@@ -6,7 +6,10 @@ return_residual)`` switches to the ring by changing the import (and, optionally,
 What maps onto what (``jax.nn`` -> ``ring_attention``):
 
 - ``[T, N, H]`` and ``[B, T, N, H]`` -> ``[batch, seq, heads, dim]`` (3-D is batch 1); K/V may have
-  fewer heads (GQA, ``N % K == 0``); ``T == S`` (the ring shards queries and keys alike);
+  fewer heads (GQA, ``N % K == 0``); ``T != S`` is cross-attention (queries and keys each sharded
+  over the ring); ``jax.nn`` aligns the causal and window masks top-left then (query ``i`` sees key
+  ``j <= i``) where the ring aligns them bottom-right (``j <= i + S - T``, the last T of S positions),
+  so the twin passes them as a ``mask_fn`` shifted by ``S - T`` (the XLA hop);
 - ``is_causal`` -> ``causal``; ``local_window_size=w`` -> ``window=(w, w)``, ``(left, right)`` as is
   (both ``>= 0``); ``scale`` -> ``scale``; ``implementation``: None -> ``impl="auto"``, ``"xla"``;
 - ``key_value_seq_lengths`` -> a key-only bias, ``-inf`` at positions ``>= lengths[b]``:
@@ -24,6 +27,7 @@ and its residual is that number ``+ log(S)``. The ring gives such a row ``o = 0,
 """
 from __future__ import annotations
 
+import functools
 import math
 from functools import reduce
 
@@ -95,6 +99,21 @@ def _window(local_window_size):
     return int(left), int(right)
 
 
+@functools.lru_cache(maxsize=64)  # one function per configuration: the ring's compiled programs are cached by it
+def _top_left(causal, window, shift):
+    """``jax.nn``'s causal / window masks for ``T != S`` (query ``i`` against key ``j``, no offset) as a
+    ``mask_fn`` of the ring's true positions, where query ``i`` sits at ``i + shift`` (``shift = S - T``)."""
+    def mask_fn(q_pos, k_pos, q_seg, k_seg, head):
+        i = q_pos - shift
+        ok = (k_pos - i) == (k_pos - i)  # all True, broadcast to the tile
+        if causal:
+            ok = ok & (k_pos <= i)
+        if window is not None:
+            ok = ok & (i - k_pos <= window[0]) & (k_pos - i <= window[1])
+        return ok
+    return mask_fn
+
+
 def _impl(implementation):
     """``implementation`` as the ring's ``impl``; ``"cudnn"`` (a single-device kernel) is refused."""
     if implementation == "cudnn":
@@ -112,7 +131,7 @@ def masked_ring_attention(q, k, v, *, bias=None, mask=None, q_lengths=None, kv_l
                           dropout_rate=0.0, dropout_key=None, logit_softcap=None, sinks=None):
     """Ring attention with ``jax.nn``'s dense masks and its rule for rows that see no key: ``(o, lse)``.
 
-    q: [B, S, N, H]; k, v: [B, S, K, H]; bias: float, mask: bool, both broadcastable to [B, N, S, S];
+    q: [B, T, N, H]; k, v: [B, S, K, H]; bias: float, mask: bool, both broadcastable to [B, N, T, S];
     q_lengths, kv_lengths: int32 [B] (queries / keys at positions ``>= lengths[b]`` are padding);
     causal, window, scale, impl, layout, mesh, axis_name, dropout_rate, dropout_key: as
     :func:`~ringattn_fast.ring_attention` (``jax.nn`` has no dropout; the Flax adapter passes it on).
@@ -121,22 +140,26 @@ def masked_ring_attention(q, k, v, *, bias=None, mask=None, q_lengths=None, kv_l
     logit_softcap, sinks: as :func:`~ringattn_fast.ring_attention` (beyond ``jax.nn``); with sinks a row
     that sees no key gets what a sink column would give it under JAX's fill: o = 0, lse = the sink.
     """
-    b, s, h = q.shape[:3]
+    b, t, h = q.shape[:3]
+    s = k.shape[1]
     for name, x in (("bias", bias), ("mask", mask)):
-        _check_broadcastable(x, name, (b, h, s, s))
+        _check_broadcastable(x, name, (b, h, t, s))
+    mask_fn = None
+    if t != s and (causal or window is not None):  # jax.nn's top-left alignment
+        mask_fn, causal, window = _top_left(causal, window, s - t), False, None
     pos = jnp.arange(s, dtype=jnp.int32)
     parts = [] if bias is None else [bias]  # the additive bias, in pieces of the smallest shapes
     if mask is not None:
         parts.append(jnp.where(mask, 0.0, -jnp.inf).astype(jnp.float32))
     if kv_lengths is not None:  # key-only [B, 1, 1, S]: it travels with K/V
         parts.append(jnp.where(pos < kv_lengths[:, None], 0.0, -jnp.inf).astype(jnp.float32)[:, None, None])
-    q_valid = None if q_lengths is None else pos < q_lengths[:, None]  # [B, S]
+    q_valid = None if q_lengths is None else jnp.arange(t, dtype=jnp.int32) < q_lengths[:, None]  # [B, T]
     if q_valid is not None:  # a padded query's values (NaN, say) must not reach any gradient
         q = jnp.where(q_valid[:, :, None, None], q, jnp.zeros((), q.dtype))
     total = reduce(jnp.add, parts) if parts else None
     o, lse = ring_attention(q, k, v, mesh=mesh, axis_name=axis_name, causal=causal, bias=total, window=window,
                             scale=scale, layout=layout, impl=impl, return_lse=True, dropout_rate=dropout_rate,
-                            dropout_key=dropout_key, logit_softcap=logit_softcap)
+                            dropout_key=dropout_key, logit_softcap=logit_softcap, mask_fn=mask_fn)
     if sinks is not None:  # JAX's fill logits are far below any sink: the sink takes a dead row's weight
         if q_valid is not None:
             lse = jnp.where(q_valid[:, None, :], lse, -jnp.inf)
@@ -157,8 +180,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           layout="contiguous", logit_softcap=None, sinks=None):
     """``jax.nn.dot_product_attention`` computed by the ring over ``mesh``'s axis ``axis_name``.
 
-    query: [B, T, N, H] or [T, N, H]; key, value: [B, S, K, H] or [S, K, H] (``N % K == 0``, ``T == S``:
-    self-attention; the ring shards queries and keys alike); bias (float) and mask (bool, True =
+    query: [B, T, N, H] or [T, N, H]; key, value: [B, S, K, H] or [S, K, H] (``N % K == 0``; ``T != S``:
+    cross-attention, masks aligned top-left as in ``jax.nn``); bias (float) and mask (bool, True =
     attend) broadcastable to [B, N, T, S] (a mask costs O(T * S) memory: prefer ``is_causal``,
     ``local_window_size`` and the seq lengths, which cost O(S)); scale: a Python number (default
     ``H ** -0.5``). ``mesh``, ``axis_name``, ``layout``: as :func:`~ringattn_fast.ring_attention`; so
@@ -174,10 +197,6 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"query, key and value must share one dtype (as in jax.nn); got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}")
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(f"query length T = {q.shape[1]} must equal key length S = {k.shape[1]}: the ring shards "
-                         f"queries and keys along one sequence axis (self-attention); use "
-                         f"jax.nn.dot_product_attention for cross-attention")
     bias = None if bias is None else _as_4d(bias, "bias")
     mask = None if mask is None else _as_4d(mask, "mask")
     if mask is not None and mask.dtype != jnp.bool_:

@@ -49,10 +49,12 @@ def pad_layout(layout, seq, total):
     return np.concatenate([np.asarray(layout), np.arange(seq, total)])
 
 
-def padded_bias_shape(shape, seq, total):
-    """The shape :func:`pad_for_ring` gives a bias of ``shape``: its query/key dims of length ``seq`` grow
-    to ``total`` (broadcast dims stay 1)."""
-    return tuple(total if axis in (2, 3) and n == seq else n for axis, n in enumerate(shape))
+def padded_bias_shape(shape, seq, total, kv_seq=None, kv_total=None):
+    """The shape :func:`pad_for_ring` gives a bias of ``shape``: its query dim of length ``seq`` grows to
+    ``total`` and its key dim of length ``kv_seq`` (default ``seq``) to ``kv_total`` (broadcast dims stay 1)."""
+    kv_seq, kv_total = (seq, total) if kv_seq is None else (kv_seq, kv_total)
+    grow = {2: (seq, total), 3: (kv_seq, kv_total)}
+    return tuple(grow[axis][1] if axis in grow and n == grow[axis][0] else n for axis, n in enumerate(shape))
 
 
 def padding_queries(segment_ids, padding_segment):
@@ -77,8 +79,10 @@ def check_padding_segment(padding_segment, segment_ids):
     return int(padding_segment)
 
 
-def rank_segment_ids(segment_ids, padding_segment):
-    """Traced integer ids (any width) as int32 ranks in ``[0, batch * seq)``: ``(ids, padding_segment)``.
+def rank_segment_ids(segment_ids, padding_segment, kv_segment_ids=None):
+    """Traced integer ids (any width) as int32 ranks in ``[0, batch * seq)``: ``(ids, padding_segment)``,
+    or ``(ids, padding_segment, kv_ids)`` when ``kv_segment_ids`` (the keys' ids of a cross-attention) is
+    given: both ranked together, so equal ids stay equal across the two.
 
     Under ``jax.jit`` the ids' values cannot be checked, so an id equal to a reserved one (``NO_KEY``,
     ``PADDING``) or beyond int32 would silently merge with the padding; ranked, equal ids stay equal
@@ -86,6 +90,13 @@ def rank_segment_ids(segment_ids, padding_segment):
     are not traced (checked by value) or not integers (rejected by the checks) are returned as given.
     Costs one sort of the ``batch * seq`` ids.
     """
+    if kv_segment_ids is not None:
+        if segment_ids is None or not any(isinstance(x, jax.core.Tracer) for x in (segment_ids, kv_segment_ids)):
+            return segment_ids, padding_segment, kv_segment_ids
+        t, wide = segment_ids.shape[1], jnp.result_type(segment_ids.dtype, kv_segment_ids.dtype)
+        both = jnp.concatenate([segment_ids.astype(wide), kv_segment_ids.astype(wide)], axis=1)  # (b, t + s)
+        ids, padding_segment = rank_segment_ids(both, padding_segment)
+        return ids[:, :t], padding_segment, ids[:, t:]
     if (segment_ids is None or not isinstance(segment_ids, jax.core.Tracer)
             or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
         return segment_ids, padding_segment
@@ -114,12 +125,14 @@ def reserved_keys_bad(k, k_seg, padding_segment):
 class RingPadding(NamedTuple):
     """Arrays padded by :func:`pad_for_ring` (seq -> ``ring_length``), and how to undo it.
 
-    - q, k, v: [b, seq', ...]; segment_ids: int32 [b, seq'] (the padding tokens in
-      ``padding_segment``);
-    - bias: padded on its sequence dims of length seq (or None);
+    - q: [b, t', ...]; k, v: [b, s', ...]; segment_ids: int32 [b, t'] (the padding tokens in
+      ``padding_segment``), kv_segment_ids: int32 [b, s'] or None (then the keys' ids are
+      ``segment_ids``: self-attention);
+    - bias: padded on its query dim of length t and key dim of length s (or None);
     - layout: extended to seq' when it was a permutation.
 
-    Pass them on with ``padding_segment=padding_segment``; :meth:`unpad` cuts outputs back.
+    Pass them on with ``padding_segment=padding_segment``; :meth:`unpad` cuts outputs back to ``seq``
+    (the queries' length t).
     """
     q: object
     k: object
@@ -129,32 +142,48 @@ class RingPadding(NamedTuple):
     padding_segment: int | None
     layout: object
     seq: int
+    kv_segment_ids: object = None
 
     def unpad(self, x, axis=1):
         """``x`` cut back to the first ``seq`` entries of ``axis`` (1 for o ``[b, s, h, d]``, 2 for lse)."""
         return x if x.shape[axis] == self.seq else jnp.take(x, jnp.arange(self.seq), axis=axis)
 
 
-def pad_for_ring(q, k, v, *, n_hosts, layout="contiguous", segment_ids=None, bias=None, padding_segment=None):
+def pad_for_ring(q, k, v, *, n_hosts, layout="contiguous", segment_ids=None, bias=None, padding_segment=None,
+                 kv_segment_ids=None):
     """Pad global ``[b, seq, heads, dim]`` q, k, v (and segment ids, bias) for a ring of ``n_hosts``.
 
     For callers of ``ring_attention_shard`` (``ring_attention`` does this itself): the padding tokens
     get ``padding_segment`` (default ``PADDING``), real tokens keep their ids (0 when none were given).
-    Returns a :class:`RingPadding`; no copy when ``seq`` already splits evenly.
+    Cross-attention (q of length t, k and v of length s): each side is padded on its own, and the keys
+    get ids of their own (``kv_segment_ids``, zeros when none were given). Returns a
+    :class:`RingPadding`; no copy when both lengths already split evenly.
     """
     if not isinstance(n_hosts, (int, np.integer)) or isinstance(n_hosts, bool) or n_hosts < 1:
         raise ValueError(f"n_hosts must be a positive int; got {n_hosts!r}")
-    b, seq = q.shape[:2]
-    total = ring_length(seq, n_hosts, layout)
-    if total == seq:
-        return RingPadding(q, k, v, segment_ids, bias, padding_segment, layout, seq)
-    pad = total - seq
-    pad_seq = lambda x, axis=1: jnp.pad(x, [(0, pad) if a == axis else (0, 0) for a in range(x.ndim)])  # noqa: E731
+    b, t = q.shape[:2]
+    s = k.shape[1]
+    if t != s and segment_ids is not None and kv_segment_ids is None:
+        raise ValueError(f"segment_ids has the queries' length t = {t}; with keys of another length s = {s} pass "
+                         f"kv_segment_ids [batch, s] too")
+    t_ring, s_ring = ring_length(t, n_hosts, layout), ring_length(s, n_hosts, layout)
+    if (t_ring, s_ring) == (t, s):
+        return RingPadding(q, k, v, segment_ids, bias, padding_segment, layout, t, kv_segment_ids)
     padding_segment = PADDING if padding_segment is None else padding_segment
-    ids = jnp.zeros((b, seq), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids).astype(jnp.int32)
-    ids = jnp.concatenate([ids, jnp.full((b, pad), padding_segment, jnp.int32)], axis=1)
+
+    def pad_to(x, total, axis=1):
+        pad = total - x.shape[axis]
+        return jnp.pad(x, [(0, pad) if a == axis else (0, 0) for a in range(x.ndim)])
+
+    def ids(x, n, total):
+        x = jnp.zeros((b, n), jnp.int32) if x is None else jnp.asarray(x).astype(jnp.int32)
+        return jnp.concatenate([x, jnp.full((b, total - n), padding_segment, jnp.int32)], axis=1)
+
+    q_ids = ids(segment_ids, t, t_ring)
+    kv_ids = None if t == s and kv_segment_ids is None else ids(kv_segment_ids, s, s_ring)
     if bias is not None:
-        for axis in (2, 3):
-            bias = pad_seq(bias, axis) if bias.shape[axis] == seq else bias
-    layout = pad_layout(layout, seq, total)
-    return RingPadding(pad_seq(q), pad_seq(k), pad_seq(v), ids, bias, padding_segment, layout, seq)
+        bias = pad_to(bias, t_ring, 2) if bias.shape[2] == t else bias
+        bias = pad_to(bias, s_ring, 3) if bias.shape[3] == s else bias
+    layout = pad_layout(layout, t, t_ring)
+    return RingPadding(pad_to(q, t_ring), pad_to(k, s_ring), pad_to(v, s_ring), q_ids, bias, padding_segment,
+                       layout, t, kv_ids)

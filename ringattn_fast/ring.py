@@ -26,7 +26,7 @@ from jax import lax
 
 from ringattn_ref import validation as val
 
-from . import comm, masks
+from . import block_mask, comm, masks
 from .backward import ring_backward
 from .dispatch import kernels_for
 from .front import Strategy, check_shard_call, finish, host_inputs, on_mesh
@@ -49,18 +49,21 @@ def ring_forward(cfg, qs, kv, bias, drop=None):
     b, sq, h, _ = qs.q.shape
     kv = masks.mark_bad_keys_of(kv)
     acc, kv_dtype = acc_dtype(qs.q.dtype), kv.k.dtype
-    skip = cfg.skip_empty_hops and masks.can_be_empty(cfg.hop.causal, cfg.hop.window, qs.seg is not None)
+    builtin = masks.can_be_empty(cfg.hop.causal, cfg.hop.window, qs.seg is not None)
+    skip = cfg.skip_empty_hops and (builtin or cfg.block_mask is not None)
 
     def hop(step, kv, o, lse):
         kv = comm.decode(kv, kv_dtype)  # what travels is the wire format (comm_dtype)
+        kv_idx = kv_index(my_idx, step, n)
 
         def attend_hop(o, lse):
-            o_hop, lse_hop = hop_fwd(qs, hop_kv(cfg, kv, bias, kv_index(my_idx, step, n)), cfg.hop)
+            tiles = block_mask.hop_tiles(cfg.block_mask, my_idx, kv_idx)
+            o_hop, lse_hop = hop_fwd(qs, hop_kv(cfg, kv, bias, kv_idx), cfg.hop,
+                                     **({} if tiles is None else {"tiles": tiles}))
             return merge(o, lse, o_hop.astype(acc), lse_hop.astype(acc))
 
         if skip:
-            empty = masks.tile_is_empty(qs.pos, kv.pos, qs.seg, kv.seg, causal=cfg.hop.causal, window=cfg.hop.window)
-            return lax.cond(empty, lambda o, lse: (o, lse), attend_hop, o, lse)
+            return lax.cond(block_mask.hop_is_empty(cfg, qs, kv, my_idx, step), lambda o, lse: (o, lse), attend_hop, o, lse)
         return attend_hop(o, lse)
 
     def step_fn(carry, step):
@@ -124,7 +127,8 @@ def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=N
                          scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
                          positions=None, padding_segment=None, return_lse=False, dropout_rate=0.0,
                          dropout_key=None, dropout_offsets=(0, 0), comm_dtype=None, grad_comm_dtype=None,
-                         sinks=None, logit_softcap=None, mask_fn=None, score_fn=None):
+                         sinks=None, logit_softcap=None, mask_fn=None, score_fn=None, kv_segment_ids=None,
+                         kv_positions=None):
     """Ring attention for code already inside ``jax.shard_map``: this host's output shard.
 
     q: [batch, s_local, heads, dim] and k, v: [batch, s_local, kv_heads, dim], this host's shard of the
@@ -147,12 +151,14 @@ def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=N
     """
     return_lse = val.check_bool(return_lse, "return_lse")
     settings, drop = check_shard_call(
-        RING, q, k, v, axis_name=axis_name, segment_ids=segment_ids, bias=bias, positions=positions, sinks=sinks,
+        RING, q, k, v, axis_name=axis_name, segment_ids=segment_ids, bias=bias, positions=positions,
+        kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, sinks=sinks,
         padding_segment=padding_segment, layout=layout, dropout_key=dropout_key, dropout_offsets=dropout_offsets,
         causal=causal, window=window, scale=scale, block_q=block_q, block_kv=block_kv, impl=impl,
         comm_dtype=comm_dtype, grad_comm_dtype=grad_comm_dtype, dropout_rate=dropout_rate, logit_softcap=logit_softcap,
         mask_fn=mask_fn, score_fn=score_fn)
     o, lse = attend(host_inputs(settings, q, k, v, segment_ids=segment_ids, bias=bias, positions=positions,
+                                kv_segment_ids=kv_segment_ids, kv_positions=kv_positions,
                                 drop=drop))
     return finish(o, lse, sinks=sinks, return_lse=return_lse)
 
@@ -161,7 +167,7 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
                    window=None, scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
                    padding_segment=None, return_lse=False, batch_axes=None, head_axis=None, dropout_rate=0.0,
                    dropout_key=None, comm_dtype=None, grad_comm_dtype=None, sinks=None, logit_softcap=None,
-                   mask_fn=None, score_fn=None):
+                   mask_fn=None, score_fn=None, kv_segment_ids=None):
     """Ring attention on global arrays: shards them over ``mesh``, runs the ring, returns the output.
 
     - q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim] (heads % kv_heads == 0);
@@ -200,4 +206,4 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
                    impl=impl, padding_segment=padding_segment, return_lse=return_lse, batch_axes=batch_axes,
                    head_axis=head_axis, dropout_rate=dropout_rate, dropout_key=dropout_key, comm_dtype=comm_dtype,
                    grad_comm_dtype=grad_comm_dtype, sinks=sinks, logit_softcap=logit_softcap, mask_fn=mask_fn,
-                   score_fn=score_fn)
+                   score_fn=score_fn, kv_segment_ids=kv_segment_ids)

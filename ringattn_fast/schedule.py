@@ -43,7 +43,9 @@ class RingConfig:
     - skip_empty_hops: skip a hop whose mask is provably empty with ``lax.cond`` around it; off for
       a kernel that must run on every host at every step (the TPU interpreter's barrier;
       ``kernels.IMPLS``);
-    - comm_dtype / grad_comm_dtype: what K/V and dK/dV travel in (``comm.py``; None: as they are).
+    - comm_dtype / grad_comm_dtype: what K/V and dK/dV travel in (``comm.py``; None: as they are);
+    - block_mask: the ``block_mask.BlockMaskSpec`` of a ``mask_fn`` whose empty hops and tiles are known
+      statically, or None.
     """
     axis_name: str
     hop: HopConfig
@@ -52,6 +54,7 @@ class RingConfig:
     skip_empty_hops: bool = True
     comm_dtype: str | None = None
     grad_comm_dtype: str | None = None
+    block_mask: object = None
 
 
 def ring_perm(n):

@@ -77,15 +77,16 @@ def attend(inp):
     All-to-all sequence -> heads (K/V repeated first where ``kv_heads`` does not split, see the module),
     one hop against the whole sequence (``allgather.attend_whole`` without a gather), all-to-all back.
     """
-    (q, pos, q_seg), (k, v, _, k_seg, kv_bias), axis_name = inp.qs, inp.kv, inp.cfg.axis_name
+    (q, pos, q_seg), (k, v, k_pos, k_seg, kv_bias), axis_name = inp.qs, inp.kv, inp.cfg.axis_name
     n = lax.axis_size(axis_name)
     r = n // gcd(k.shape[2], n)  # how often each kv head is repeated
     k, v = (jnp.repeat(x, r, axis=2) if r > 1 else x for x in (k, v))  # kv head i -> i*r .. i*r + r - 1
     travels = inp.cfg.bias_mode == "travel"
     bias = _bias_to_heads(kv_bias if travels else inp.bias, travels, axis_name)
     pos = gather(pos, axis_name, 1)  # (b, seq): true positions of the whole sequence, in layout order
+    k_pos = gather(k_pos, axis_name, 1)  # the keys' own (their own length in cross-attention)
     qs = QShard(_seq_to_heads(q, axis_name), pos, gather(q_seg, axis_name, 1))
-    kv = KVShard(_seq_to_heads(k, axis_name), _seq_to_heads(v, axis_name), pos, gather(k_seg, axis_name, 1), bias)
+    kv = KVShard(_seq_to_heads(k, axis_name), _seq_to_heads(v, axis_name), k_pos, gather(k_seg, axis_name, 1), bias)
     cfg = dataclasses.replace(inp.cfg, bias_mode=None if bias is None else "travel")  # the bias is in kv
     o, lse = attend_whole(cfg, False, qs, kv, None)  # (b, seq, h/N, d), (b, h/N, seq)
     o = lax.all_to_all(o, axis_name, split_axis=1, concat_axis=2, tiled=True)  # (b, s_local, h, d)
@@ -99,7 +100,8 @@ ULYSSES = Strategy("ulysses_attention", attend, q_whole=True, kv_whole=True, che
 def ulysses_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=None, bias=None, window=None,
                             scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
                             positions=None, padding_segment=None, return_lse=False, sinks=None, logit_softcap=None,
-                            mask_fn=None, score_fn=None):
+                            mask_fn=None, score_fn=None, kv_segment_ids=None,
+                            kv_positions=None):
     """Ulysses attention inside ``jax.shard_map``: this host's output shard.
 
     Arguments, shapes and results as ``ring_attention_shard`` (q [b, s_local, h, d], k, v
@@ -109,17 +111,19 @@ def ulysses_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_id
     return_lse = val.check_bool(return_lse, "return_lse")
     settings, _ = check_shard_call(
         ULYSSES, q, k, v, axis_name=axis_name, segment_ids=segment_ids, bias=bias, positions=positions,
+        kv_segment_ids=kv_segment_ids, kv_positions=kv_positions,
         sinks=sinks, padding_segment=padding_segment, layout=layout, causal=causal, window=window, scale=scale,
         block_q=block_q, block_kv=block_kv, impl=impl, logit_softcap=logit_softcap, mask_fn=mask_fn,
         score_fn=score_fn)
-    o, lse = attend(host_inputs(settings, q, k, v, segment_ids=segment_ids, bias=bias, positions=positions))
+    o, lse = attend(host_inputs(settings, q, k, v, segment_ids=segment_ids, bias=bias, positions=positions,
+                                kv_segment_ids=kv_segment_ids, kv_positions=kv_positions))
     return finish(o, lse, sinks=sinks, return_lse=return_lse)
 
 
 def ulysses_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_ids=None, bias=None,
                       window=None, scale=None, layout="contiguous", block_q=None, block_kv=None, impl="auto",
                       padding_segment=None, return_lse=False, batch_axes=None, head_axis=None, sinks=None,
-                      logit_softcap=None, mask_fn=None, score_fn=None):
+                      logit_softcap=None, mask_fn=None, score_fn=None, kv_segment_ids=None):
     """Ulysses attention on global arrays: the inputs, keywords and result of ``ring_attention``.
 
     q: [batch, seq, heads, dim] with ``heads`` (per ``head_axis`` shard) divisible by the size ``N``
@@ -133,4 +137,4 @@ def ulysses_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
                    bias=bias, window=window, scale=scale, layout=layout, block_q=block_q, block_kv=block_kv,
                    impl=impl, padding_segment=padding_segment, return_lse=return_lse, batch_axes=batch_axes,
                    head_axis=head_axis, sinks=sinks, logit_softcap=logit_softcap, mask_fn=mask_fn,
-                   score_fn=score_fn)
+                   score_fn=score_fn, kv_segment_ids=kv_segment_ids)

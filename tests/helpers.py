@@ -47,3 +47,45 @@ def random_qkv(b, s, h, hk, d, *, seed=0, dtype=np.float32, do=False):
 def examples(n):
     """``n`` examples under the ``ci`` profile, proportionally more (or fewer) under another."""
     return max(1, round(n * settings.default.max_examples / CI_EXAMPLES))
+
+
+def dense_attention(q, k, v, *, causal=False, segment_ids=None, kv_segment_ids=None, logit_softcap=None,
+                    sinks=None, mask_fn=None, score_fn=None, scale=None):
+    """The oracle's attention written densely in ``jax.numpy`` (differentiable: gradients by autodiff).
+
+    q [b, t, h, d], k [b, s, hk, d], v [b, s, hk, dv]; the oracle's positions (keys ``0..s-1``, queries the
+    last t); softcap, score_fn, mask (causal, segments, mask_fn), sinks as ``ringattn_ref.attention``.
+    A row that sees no key gives 0 (its probabilities are set to 0, not NaN)."""
+    import jax
+    import jax.numpy as jnp
+
+    b, t, h, d = q.shape
+    s = k.shape[1]
+    kk, vv = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, kk) * (d ** -0.5 if scale is None else scale)
+    if logit_softcap is not None:
+        logits = logit_softcap * jnp.tanh(logits / logit_softcap)
+    q_pos = (jnp.arange(t) + s - t)[None, None, :, None]
+    k_pos = jnp.arange(s)[None, None, None, :]
+    head = jnp.arange(h)[None, :, None, None]
+    if score_fn is not None:
+        logits = score_fn(logits, q_pos, k_pos, head)
+    ok = jnp.ones((1, 1, t, s), bool)
+    if causal:
+        ok = ok & (k_pos <= q_pos)
+    zeros_q, zeros_k = jnp.zeros((1, 1, t, 1), jnp.int32), jnp.zeros((1, 1, 1, s), jnp.int32)
+    q_seg, k_seg = zeros_q, zeros_k
+    if segment_ids is not None:
+        kv_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+        q_seg, k_seg = jnp.asarray(segment_ids)[:, None, :, None], jnp.asarray(kv_ids)[:, None, None, :]
+        ok = ok & (q_seg == k_seg)
+    if mask_fn is not None:
+        ok = ok & mask_fn(q_pos, k_pos, q_seg, k_seg, head)
+    logits = jnp.where(ok, logits, -jnp.inf)
+    if sinks is not None:
+        logits = jnp.concatenate([logits, jnp.broadcast_to(sinks[None, :, None, None], (b, h, t, 1))], axis=-1)
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(logits - m)
+    p = e / jnp.maximum(e.sum(-1, keepdims=True), jnp.finfo(e.dtype).tiny)
+    return jnp.einsum("bhqk,bkhd->bqhd", p[..., :s], vv)

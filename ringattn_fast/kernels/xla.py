@@ -38,7 +38,7 @@ from jax import lax
 
 from ringattn_ref.dropout import keep_scale, row_hash
 
-from ringattn_fast import masks
+from ringattn_fast import block_mask, masks
 from ringattn_fast.mesh import varying_axes, vary_like
 from ringattn_fast.schedule import HopGrads
 from ringattn_fast.softmax import acc_dtype
@@ -113,15 +113,17 @@ class _UserFns(NamedTuple):
     grid: tuple
 
 
-def _user_fns(cfg, q_pos, k_pos, q_seg, k_seg, heads):
-    """The tile's :class:`_UserFns`, or None when the config has neither function."""
-    if cfg.mask_fn is None and cfg.score_fn is None:
+def _user_fns(cfg, q_pos, k_pos, q_seg, k_seg, heads, masked=True):
+    """The tile's :class:`_UserFns`, or None when the config has neither function (``mask_fn`` only on a
+    ``masked`` tile: a full one needs no mask at all)."""
+    mask_fn = cfg.mask_fn if masked else None
+    if mask_fn is None and cfg.score_fn is None:
         return None
     qp, kp = q_pos[:, None, :, None], k_pos[:, None, None, :]
     qs = jnp.zeros_like(qp) if q_seg is None else q_seg[:, None, :, None]
     ks = jnp.zeros_like(kp) if k_seg is None else k_seg[:, None, None, :]
     head = jnp.arange(heads, dtype=jnp.int32)[None, :, None, None]
-    return _UserFns(cfg.mask_fn, cfg.score_fn, (qp, kp, qs, ks, head))
+    return _UserFns(mask_fn, cfg.score_fn, (qp, kp, qs, ks, head))
 
 
 def _heads_first(x, heads):
@@ -212,35 +214,48 @@ def _drop_rows(drop, q_pos, hk, group, block):
     return jnp.transpose(rows, (3, 0, 1, 2, 4)).reshape(sq // block, b, hk, group * block)
 
 
-def _by_kind(tile, carry, skipped, where, cfg, *, per_tile):
+def _by_kind(tile, carry, skipped, where, cfg, *, per_tile, user_kind=None):
     """Run ``tile(carry, True)`` on a partial tile, ``tile(carry, False)`` on a full one, and
     return ``skipped(carry)`` on an empty one; no branch at all unless ``per_tile``.
-    where: the tile's ``(q_pos, k_pos, q_seg, k_seg)`` (segment ids None without them)."""
+    where: the tile's ``(q_pos, k_pos, q_seg, k_seg)`` (segment ids None without them); user_kind: the
+    tile's kind in ``mask_fn``'s static block mask (``ringattn_fast.block_mask``), or None: then a
+    ``mask_fn`` makes every tile that the built-ins leave non-empty partial."""
     if not per_tile:
         return tile(carry, False)
     kind = masks.tile_kind(*where, causal=cfg.causal, window=cfg.window)
+    if user_kind is not None:
+        kind = block_mask.combine(kind, user_kind)
+    elif cfg.mask_fn is not None:
+        kind = jnp.where(kind == 0, 0, 2)
     return lax.switch(kind, [skipped, lambda c: tile(c, False), lambda c: tile(c, True)], carry)
 
 
-def _whole_hop(run, qs, kv, cfg):
+def _whole_hop(run, qs, kv, cfg, tiles=None):
     """``run(per_tile=False)`` when the whole hop is provably visible (one branch for the hop, none
-    per tile), else ``run(per_tile=True)``: tiles classified one by one (``masks.tile_kind``)."""
-    if not masks.can_be_empty(cfg.causal, cfg.window, qs.seg is not None):
+    per tile), else ``run(per_tile=True)``: tiles classified one by one (``masks.tile_kind``, and
+    ``tiles``, the hop's kinds in a ``mask_fn``'s block mask)."""
+    builtin = masks.can_be_empty(cfg.causal, cfg.window, qs.seg is not None)
+    if cfg.mask_fn is not None and tiles is None:
+        return run(per_tile=True)  # nothing proves a tile full: each evaluates mask_fn
+    if not builtin and cfg.mask_fn is None:
         return run(per_tile=False)
-    full = masks.tile_is_full(qs.pos, kv.pos, qs.seg, kv.seg, causal=cfg.causal, window=cfg.window)
+    full = jnp.all(tiles == 1) if cfg.mask_fn is not None else jnp.asarray(True)
+    if builtin:
+        full &= masks.tile_is_full(qs.pos, kv.pos, qs.seg, kv.seg, causal=cfg.causal, window=cfg.window)
     return lax.cond(full, lambda: run(per_tile=False), lambda: run(per_tile=True))
 
 
-def hop_fwd(qs, kv, cfg, drop=None):
+def hop_fwd(qs, kv, cfg, drop=None, tiles=None):
     """Attention of ``qs.q`` against one K/V shard: ``(o, lse)``, o 0 and lse -inf where a row saw nothing.
 
     drop: a ``schedule.Dropout`` when ``cfg.dropout_rate > 0``: ``P V`` uses ``P * M / (1 - rate)``
-    (``ringattn_ref.dropout``), lse is that of the undropped ``P``."""
+    (``ringattn_ref.dropout``), lse is that of the undropped ``P``. tiles: int8 [sq / block_q, sk / block_kv],
+    the kinds of this hop's tiles in ``cfg.mask_fn``'s block mask (``ringattn_fast.block_mask``), or None."""
     cfg = cfg.resolve(qs.q.shape[-1], qs.q.shape[1], kv.k.shape[1])
-    return _whole_hop(partial(_hop_fwd, qs, kv, cfg, drop), qs, kv, cfg)
+    return _whole_hop(partial(_hop_fwd, qs, kv, cfg, drop, tiles), qs, kv, cfg, tiles)
 
 
-def _hop_fwd(qs, kv, cfg, drop, *, per_tile):
+def _hop_fwd(qs, kv, cfg, drop, tiles, *, per_tile):
     (q, q_pos, q_seg), (k, v, k_pos, k_seg, bias) = qs, kv
     block_q, block_kv = cfg.block_q, cfg.block_kv
     b, sq, h, d = q.shape
@@ -263,7 +278,7 @@ def _hop_fwd(qs, kv, cfg, drop, *, per_tile):
                 o, m, l = carry  # (b, hk, group*bq, d), (b, hk, group*bq), (b, hk, group*bq)
                 mask = masks.allowed(q_pos_i[:, :, None], k_pos_j[:, None, :], *_seg_pair(q_seg_i, k_seg_j),
                                      causal=cfg.causal, window=cfg.window) if masked else None
-                fns = _user_fns(cfg, q_pos_i, k_pos_j, q_seg_i, k_seg_j, h)
+                fns = _user_fns(cfg, q_pos_i, k_pos_j, q_seg_i, k_seg_j, h, masked)
                 s = _logits(q_i, k_j, _rows(bias_i, j * block_kv, block_kv, 3), mask, group, acc,
                             softcap=cfg.logit_softcap, fns=fns)
                 m_new = jnp.maximum(m, s.max(axis=-1))
@@ -278,7 +293,8 @@ def _hop_fwd(qs, kv, cfg, drop, *, per_tile):
                 return alpha[..., None] * o + pv, m_new, alpha * l + p.sum(axis=-1)
 
             where = (q_pos_i, k_pos_j, q_seg_i, k_seg_j)
-            return _by_kind(tile, carry, lambda c: c, where, cfg, per_tile=per_tile), None
+            user_kind = None if tiles is None else tiles[i, j]
+            return _by_kind(tile, carry, lambda c: c, where, cfg, per_tile=per_tile, user_kind=user_kind), None
 
         o0 = jnp.zeros(q_i.shape[:-1] + v.shape[-1:], acc)  # o is as wide as v (MLA: d_v != d)
         init = (o0, jnp.full(q_i.shape[:-1], -jnp.inf, acc), jnp.zeros(q_i.shape[:-1], acc))
@@ -302,7 +318,7 @@ def _sum_to(x, shape):
     return x.sum(axis=axes, keepdims=True) if axes else x
 
 
-def hop_bwd(qs, kv, cfg, *, do, lse, delta, drop=None):
+def hop_bwd(qs, kv, cfg, *, do, lse, delta, drop=None, tiles=None):
     """FlashAttention-2 backward (Algorithm 2) of one hop, recomputing each tile from ``q, k, lse``.
 
     Outer loop over K/V chunks (dK_j, dV_j accumulate over the query chunks), inner loop over query
@@ -317,13 +333,14 @@ def hop_bwd(qs, kv, cfg, *, do, lse, delta, drop=None):
 
     do: [b, sq, h, d]; lse, delta: [b, h, sq] over all hops (delta = rowsum(do * o_final)); drop: as
     in :func:`hop_fwd` (with the keep multiplier ``keep``: ``dV += (P keep)^T dO``, ``dP = (dO V^T) keep``; D is
-    unchanged). Returns :class:`HopGrads` in float32 (float64 for float64).
+    unchanged); tiles: as in :func:`hop_fwd`. Returns :class:`HopGrads` in float32 (float64 for float64).
     """
     cfg = cfg.resolve(qs.q.shape[-1], qs.q.shape[1], kv.k.shape[1])
-    return HopGrads(*_whole_hop(partial(_hop_bwd, qs, kv, cfg, do=do, lse=lse, delta=delta, drop=drop), qs, kv, cfg))
+    run = partial(_hop_bwd, qs, kv, cfg, do=do, lse=lse, delta=delta, drop=drop, tiles=tiles)
+    return HopGrads(*_whole_hop(run, qs, kv, cfg, tiles))
 
 
-def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, per_tile):
+def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, tiles, per_tile):
     (q, q_pos, q_seg), (k, v, k_pos, k_seg, bias) = qs, kv
     scale, block_q, block_kv = cfg.scale, cfg.block_q, cfg.block_kv
     b, sq, h, d = q.shape
@@ -355,7 +372,7 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, per_tile):
                 dk_j, dv_j, db_j, dqt = carry
                 mask = masks.allowed(q_pos_i[:, :, None], k_pos_j[:, None, :], *_seg_pair(q_seg_i, k_seg_j),
                                      causal=cfg.causal, window=cfg.window) if masked else None
-                fns = _user_fns(cfg, q_pos_i, k_pos_j, q_seg_i, k_seg_j, h)
+                fns = _user_fns(cfg, q_pos_i, k_pos_j, q_seg_i, k_seg_j, h, masked)
                 st, dcap, score_vjp = _logits_t(k_j, qt_i, bias_ij, mask, group, acc, softcap=cfg.logit_softcap,
                                                 fns=fns)  # S^T: (b, hk, bkv, group*bq)
                 pt = jnp.exp(st - lse_i[:, :, None])  # P^T; masked -> 0
@@ -382,7 +399,8 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, per_tile):
 
             zeros = vary_like(jnp.zeros(bias_ij.shape, acc), axes) if bias_rows else None
             where = (q_pos_i, k_pos_j, q_seg_i, k_seg_j)
-            return _by_kind(tile, carry, lambda c: (c, zeros), where, cfg, per_tile=per_tile)
+            user_kind = None if tiles is None else tiles[i, j]
+            return _by_kind(tile, carry, lambda c: (c, zeros), where, cfg, per_tile=per_tile, user_kind=user_kind)
 
         db0 = jnp.zeros(bias_j.shape, acc) if bias is not None and not bias_rows else None
         init = vary_like((jnp.zeros(k_j.shape, acc), jnp.zeros(v_j.shape, acc), db0), axes) + (dqt,)

@@ -1,0 +1,90 @@
+"""Programmable attention in combination (issue 22): soft-cap x sinks x a value width of its own x
+cross-attention (T != S) x mask_fn x score_fn x layouts x GQA x segments, on 1-8 simulated devices, for
+every strategy that takes them, against the float64 oracle (``ringattn_ref.attention``, forward) and a
+dense ``jax.numpy`` float64 autodiff reference (``helpers.dense_attention``, gradients)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ringattn_fast as rf
+import ringattn_ref as ref
+from ringattn_ref import variants
+
+from helpers import assert_close, dense_attention, examples
+
+pytestmark = pytest.mark.slow  # each example compiles a forward and a backward ring: ~5 s
+
+STRATEGIES = {"ring": rf.ring_attention, "allgather": rf.allgather_attention, "ulysses": rf.ulysses_attention}
+MASKS = {"none": None, "chunked_local": variants.chunked_local(8), "prefix_lm": variants.prefix_lm(5),
+         "streaming": variants.streaming(2, 6)}
+
+
+@given(st.data())
+@settings(max_examples=examples(5), deadline=None)
+def test_every_combination_equals_the_oracle_and_its_gradients(data):
+    name = data.draw(st.sampled_from(sorted(STRATEGIES)), "strategy")
+    n = data.draw(st.sampled_from([1, 2, 4, 8]), "devices")
+    t, s = data.draw(st.sampled_from([(32, 32), (16, 32), (32, 16), (20, 36)]), "t, s")
+    h, hk = data.draw(st.sampled_from([(8, 8), (8, 2), (8, 1)]), "heads")
+    d_v = data.draw(st.sampled_from([8, 4]), "d_v")
+    layout = data.draw(st.sampled_from(["contiguous", "striped", "zigzag"]), "layout")
+    causal, segments, use_sinks = (data.draw(st.booleans(), x) for x in ("causal", "segments", "sinks"))
+    cap = data.draw(st.sampled_from([None, 4.0]), "logit_softcap")
+    fns = name != "ulysses"  # Ulysses splits the heads: no user functions there (a ValueError)
+    mask_fn = MASKS[data.draw(st.sampled_from(sorted(MASKS)), "mask_fn")] if fns else None
+    score_fn = variants.alibi(variants.alibi_slopes(h)) if fns and data.draw(st.booleans(), "alibi") else None
+    rng = np.random.default_rng(data.draw(st.integers(0, 99), "seed"))
+    q = 2 * rng.standard_normal((2, t, h, 8))
+    k = 2 * rng.standard_normal((2, s, hk, 8))
+    v = rng.standard_normal((2, s, hk, d_v))
+    seg = dict(segment_ids=np.sort(rng.integers(0, 3, (2, t)), axis=1),
+               kv_segment_ids=np.sort(rng.integers(0, 3, (2, s)), axis=1)) if segments else {}
+    if segments and t == s:
+        seg["kv_segment_ids"] = None
+    sinks = rng.standard_normal(h) if use_sinks else None
+    kw = dict(causal=causal, logit_softcap=cap, mask_fn=mask_fn, score_fn=score_fn, **seg)
+    fn = STRATEGIES[name]
+    do = rng.standard_normal((2, t, h, d_v))
+    with jax.enable_x64(True):
+        sk = None if sinks is None else jnp.asarray(sinks)
+        run = lambda q, k, v, sk: fn(q, k, v, mesh=rf.make_mesh(n), layout=layout, sinks=sk, **kw)  # noqa: E731
+        o = run(q, k, v, sk)
+        assert_close(o, ref.attention(q, k, v, sinks=sinks, **kw), "o", tol=1e-10)
+        argnums = (0, 1, 2) if sinks is None else (0, 1, 2, 3)
+        got = jax.grad(lambda *a: (run(*a) * do).sum(), argnums=argnums)(q, k, v, sk)
+        want = jax.grad(lambda *a: (dense_attention(*a[:3], sinks=a[3], **kw) * do).sum(), argnums=argnums)(
+            q, k, v, sk)
+    for what, g, wg in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        assert_close(g, wg, what, tol=1e-9)
+
+
+def test_cross_attention_in_float32_through_the_shard_function():
+    """``ring_attention_shard`` with queries and keys of their own lengths (and kv_segment_ids) inside the
+    caller's shard_map, in layout order, equals the oracle at float32 tolerance."""
+    rng = np.random.default_rng(5)
+    t, s, n = 16, 32, 4
+    q = rng.standard_normal((1, t, 4, 8)).astype(np.float32)
+    k, v = rng.standard_normal((2, 1, s, 2, 8)).astype(np.float32)
+    q_ids, kv_ids = np.repeat([[0, 1]], t // 2, axis=1), np.repeat([[0, 1]], s // 2, axis=1)
+    mesh = rf.make_mesh(n)
+    perm = lambda x: rf.to_layout(jnp.asarray(x), "zigzag", n)  # noqa: E731
+    shard = jax.shard_map(lambda q, k, v, a, b: rf.ring_attention_shard(q, k, v, causal=True, layout="zigzag",
+                                                                      segment_ids=a, kv_segment_ids=b),
+                          mesh=mesh, in_specs=(jax.P(None, "sp"),) * 5, out_specs=jax.P(None, "sp"))
+    o = rf.from_layout(shard(perm(q), perm(k), perm(v), perm(q_ids), perm(kv_ids)), "zigzag", n)
+    want = ref.attention(q, k, v, causal=True, segment_ids=q_ids, kv_segment_ids=kv_ids)
+    assert_close(o, want, "o", tol=2e-5)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(segment_ids=np.zeros((1, 8), np.int32)), "pass kv_segment_ids"),
+    (dict(layout=np.arange(8)), "layout: a permutation orders one sequence"),
+    (dict(kv_segment_ids=np.zeros((1, 16), np.int32)), "kv_segment_ids needs segment_ids")])
+def test_cross_attention_bad_input_is_a_value_error(kw, match):
+    q, k, v = np.zeros((1, 8, 2, 8), np.float32), np.zeros((1, 16, 2, 8), np.float32), np.zeros((1, 16, 2, 8),
+                                                                                                 np.float32)
+    with pytest.raises(ValueError, match=match):
+        rf.ring_attention(q, k, v, mesh=rf.make_mesh(2), **kw)
