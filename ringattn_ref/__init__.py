@@ -6,7 +6,8 @@ Reading order: ``attention`` (the oracle) -> ``softmax`` (online softmax, merge)
 ``strategies`` (all-gather and Ulysses beside the ring) -> ``strategy_cost`` (which one to use).
 Serving: ``inference`` (a KV cache over the hosts, ring prefill, decode with a merge tree).
 Programming attention: ``variants`` (mask and score functions of true positions; the oracle takes
-``mask_fn``, ``score_fn``, ``logit_softcap``, ``sinks``, a value width of its own and ``t != s``).
+``mask_fn``, ``score_fn``, ``logit_softcap``, ``sinks``, a value width of its own and ``t != s``; so does
+the ring, ``sinks`` aside) -> ``block_mask`` (which tiles and hops a mask leaves empty, found before the ring).
 
 Plain imports: every module needs only numpy (matplotlib and hypothesis are imported inside the
 functions that use them), so importing all of them costs a few milliseconds beyond numpy.
@@ -14,6 +15,7 @@ functions that use them), so importing all of them costs a few milliseconds beyo
 from . import variants
 from .attention import attention
 from .backward import hop_attention_vjp, ring_attention_vjp
+from .block_mask import BlockMask, ring_block_mask, tile_kinds
 from .blockwise import blockwise_attention, hop_attention
 from .cost import HARDWARE, hop_times, min_block_size, step_bytes, step_flops, table1, table2
 from .feedforward import blockwise_feedforward, relu_ffn
@@ -36,3 +38,4 @@ __all__ = ["AttentionProblem", "HARDWARE", "RingTrace", "attention", "attention_
            "strategy_costs", "ulysses_attention"]
 __all__ += ["InferenceTrace", "KVCache", "decode_step", "init_cache", "prefill"]
 __all__ += ["HopConfig", "HopGrads", "KVShard", "QShard"]
+__all__ += ["BlockMask", "ring_block_mask", "tile_kinds"]

@@ -10,7 +10,8 @@ empty, recomputes the probabilities and accumulates the gradients (FA-2 Algorith
     dS = P * (dP - D)                 dQ += scale * dS K      dK += scale * dS^T Q
 
 (with ``logit_softcap`` c, S starts from ``c tanh(scale Q K^T / c)`` and dS gains the factor
-``1 - tanh(scale Q K^T / c)^2``).
+``1 - tanh(scale Q K^T / c)^2``; with a ``score_fn`` f, S starts from ``f(S0)`` and dS gains ``f'(S0)``,
+which :func:`score_slope` takes by the complex step, numpy having no autodiff).
 
 ``dQ`` stays on its host. ``dK``/``dV`` (a ``KVGrads``) travel with their K/V shard in the same
 ``ring.Message`` (the authors' code rotates ``k, v, dk, dv`` together); after the last step host ``i``
@@ -28,13 +29,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from .attention import repeat_kv
+from .attention import _grid, _shapes, repeat_kv
 from .blockwise import check_hop, kv_tile, q_tile, scaled_logits, tile_logits
 from .dropout import dropout_mask
 from .masks import tile_is_empty
-from .ring import hop_kv, ring_forward, send_to_next, setup_ring, swap_buffers
+from .ring import hop_is_empty, hop_kinds, hop_kv, ring_forward, send_to_next, setup_ring, swap_buffers
 from .shards import HopGrads, KVGrads
-from .validation import check_cotangent, check_qkv
+from .validation import check_attention_shapes, check_cotangent
+
+COMPLEX_STEP = 1e-30  # far below float64's resolution of any logit: f(s + ih) = f(s) + ih f'(s) exactly
 
 
 def sum_over_group(x, kv_heads):
@@ -43,14 +46,37 @@ def sum_over_group(x, kv_heads):
     return x.reshape(b, sk, kv_heads, h // kv_heads, d).sum(axis=3)
 
 
-def hop_grads(qs, kv, cfg, *, do, lse, delta, dropout=None):
+def score_slope(score_fn, s, q_pos, k_pos, heads):
+    """``d score_fn(s) / d s`` pair by pair, [b, h, tq, tk], by the complex step (Squire & Trapp 1998).
+
+    s: the tile's logits where ``score_fn`` takes them (after the scale and soft-cap) [b, h, tq, tk];
+    q_pos [b|1, tq], k_pos [b|1, tk]. A score function is elementwise in s (``variants.py``), so its
+    Jacobian is diagonal and ``Im f(s + ih) / h`` is its derivative: no difference to cancel, exact to
+    rounding for every function built of analytic operations (``+``, ``*``, ``tanh``, ``exp``; ``abs`` of
+    positions is fine, of ``s`` it is not). ``ringattn_fast`` takes ``jax.vjp`` of the same function.
+    """
+    qp, kp, _, _, head = _grid(q_pos, k_pos, None, None, heads)
+    try:
+        out = np.asarray(score_fn(s + 1j * COMPLEX_STEP, qp, kp, head))
+    except Exception as e:  # noqa: BLE001 - the user's function: say how it was called
+        raise ValueError(f"score_fn raised {type(e).__name__} on complex logits: the float64 ring backward "
+                         f"differentiates it by the complex step (s + 1e-30j), so it must accept complex s; it "
+                         f"was called with s, q_pos, k_pos, head of shapes {_shapes(s, qp, kp, head)}") from e
+    if not np.iscomplexobj(out) or out.shape != s.shape:
+        raise ValueError(f"score_fn must keep complex logits complex and of their shape {s.shape} (the float64 "
+                         f"ring backward differentiates it by the complex step); got {out.dtype} {out.shape}")
+    return out.imag / COMPLEX_STEP
+
+
+def hop_grads(qs, kv, cfg, *, do, lse, delta, dropout=None, kinds=None):
     """The gradients of one hop, tile by tile (FA-2 Algorithm 2): :class:`HopGrads` (dbias None).
 
     qs, kv, cfg as in ``blockwise.attend_kv_shard`` (validated, cfg resolved); do [b, sq, h, d];
     lse, delta [b, h, sq]: the *final* lse and ``delta = rowsum(do * o_final)``; dropout: ``(seed,
     rate)`` or None. With dropout ``O = (P * keep) V`` for the keep multiplier ``keep = mask / (1 - rate)``:
     ``dV = (P * keep)^T dO``, ``dP = (dO V^T) * keep``, and ``D = rowsum(dO * O)`` is still
-    ``rowsum(P * dP)``. dk, dv are summed over the GQA group.
+    ``rowsum(P * dP)``. dk, dv are summed over the GQA group. kinds: the hop's tile kinds
+    (``block_mask.tile_kinds``; 0 = empty, skipped) or None.
     """
     q, k, v = qs.q, kv.k, kv.v
     b, sq, h, _ = q.shape
@@ -64,7 +90,8 @@ def hop_grads(qs, kv, cfg, *, do, lse, delta, dropout=None):
         for kj in range(k.shape[1] // cfg.block_kv):
             cols = slice(kj * cfg.block_kv, (kj + 1) * cfg.block_kv)
             kt = kv_tile(kv, cols, rows)
-            if tile_is_empty(qt.pos, kt.pos, qt.seg, kt.seg, causal=cfg.causal, window=cfg.window):
+            if (tile_is_empty(qt.pos, kt.pos, qt.seg, kt.seg, causal=cfg.causal, window=cfg.window)
+                    or (kinds is not None and kinds[qi, kj] == 0)):
                 continue
             s = tile_logits(qt, kt, cfg)  # (b, h, tq, tk)
             p = np.exp(s - lse[:, :, rows, None])  # (b, h, tq, tk); 0 where masked
@@ -74,8 +101,12 @@ def hop_grads(qs, kv, cfg, *, do, lse, delta, dropout=None):
             dp = np.einsum("bqhd,bkhd->bhqk", do[:, rows], v_t) * keep  # (b, h, tq, tk)
             ds = np.where(p == 0, 0.0, p * (dp - delta[:, :, rows, None]))  # (b, h, tq, tk); a pair of
             # probability 0 has no gradient, even in a row made NaN by a bad key (its delta is NaN)
-            if cfg.logit_softcap is not None:  # d(c tanh(x / c)) / dx = 1 - tanh(x / c)^2
-                t = np.tanh(scaled_logits(qt, kt, cfg) / cfg.logit_softcap)
+            s0 = None if cfg.logit_softcap is None and cfg.score_fn is None else scaled_logits(qt, kt, cfg)
+            t = None if cfg.logit_softcap is None else np.tanh(s0 / cfg.logit_softcap)
+            if cfg.score_fn is not None:  # chain rule through f, at f's input (after the soft-cap)
+                s1 = s0 if t is None else cfg.logit_softcap * t
+                ds = np.where(p == 0, 0.0, ds * score_slope(cfg.score_fn, s1, qt.pos, kt.pos, h))
+            if t is not None:  # d(c tanh(x / c)) / dx = 1 - tanh(x / c)^2
                 ds = np.where(p == 0, 0.0, ds * (1.0 - t * t))
             dq[:, rows] += cfg.scale * np.einsum("bhqk,bkhd->bqhd", ds, k_t)
             dk[:, cols] += sum_over_group(cfg.scale * np.einsum("bhqk,bqhd->bkhd", ds, qt.q), kv_heads)
@@ -100,20 +131,24 @@ def hop_attention_vjp(qs, kv, cfg, *, do, lse, delta):
 
 def ring_attention_vjp(q, k, v, do, *, n_hosts, causal=False, segment_ids=None, bias=None,
                        window=None, scale=None, layout="contiguous", block_q=None, block_kv=None,
-                       dropout_rate=0.0, dropout_key=None, logit_softcap=None):
+                       dropout_rate=0.0, dropout_key=None, logit_softcap=None, mask_fn=None, score_fn=None,
+                       kv_segment_ids=None):
     """Gradients of :func:`ringattn_ref.ring_attention` for the output cotangent ``do``.
 
-    q, do: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim]; keywords as in
-    ``ring_attention``. Returns ``(dq, dk, dv)`` float64 in the caller's order, shaped like
-    ``q``, ``k``, ``v``. No gradient is returned for ``bias``.
+    q: [batch, t, heads, dim]; k: [batch, s, kv_heads, dim]; v: [batch, s, kv_heads, dim_v]; do:
+    [batch, t, heads, dim_v]; keywords as in ``ring_attention`` (``t != s``, ``mask_fn``, ``score_fn``
+    included: the hops and tiles the block mask calls empty are skipped here too). Returns
+    ``(dq, dk, dv)`` float64 in the caller's order, shaped like ``q``, ``k``, ``v``. No gradient is
+    returned for ``bias``.
     """
-    check_qkv(q, k, v, value_width=True)
-    check_cotangent(do, q.shape[:3] + v.shape[-1:])  # do is shaped like o: (b, s, h, d_v)
+    check_attention_shapes(q, k, v)
+    check_cotangent(do, q.shape[:3] + v.shape[-1:])  # do is shaped like o: (b, t, h, d_v)
     kwargs = dict(n_hosts=n_hosts, causal=causal, segment_ids=segment_ids, bias=bias, window=window,
                   scale=scale, layout=layout, block_q=block_q, block_kv=block_kv, dropout_rate=dropout_rate,
-                  dropout_key=dropout_key, logit_softcap=logit_softcap)
+                  dropout_key=dropout_key, logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn,
+                  kv_segment_ids=kv_segment_ids)
     o, lse, _ = ring_forward(q, k, v, **kwargs)  # the forward saves only o and lse
-    problem, hosts = setup_ring(q, k, v, **kwargs)
+    problem, hosts = setup_ring(q, k, v, **kwargs, cross_attention=True)
     n, c, perm, hop = problem.n_hosts, problem.shard, problem.perm, problem.hop
     do_l, o_l, lse_l = np.asarray(do, np.float64)[:, perm], o[:, perm], lse[:, :, perm]  # layout order
     for host in hosts:
@@ -126,10 +161,10 @@ def ring_attention_vjp(q, k, v, do, *, n_hosts, causal=False, segment_ids=None, 
 
     for step in range(n):
         for host in hosts:
-            qs, kv, grads = host.qs, host.held.kv, host.held.grads
-            if not tile_is_empty(qs.pos, kv.pos, qs.seg, kv.seg, causal=hop.causal, window=hop.window):
-                g = hop_grads(qs, hop_kv(host, problem), hop, do=host.do, lse=host.lse, delta=host.delta,
-                              dropout=problem.dropout)
+            grads = host.held.grads
+            if not hop_is_empty(host, problem, step):
+                g = hop_grads(host.qs, hop_kv(host, problem), hop, do=host.do, lse=host.lse, delta=host.delta,
+                              dropout=problem.dropout, kinds=hop_kinds(host, problem))
                 host.dq += g.dq  # dQ stays
                 grads.dk[...] += g.dk  # dK/dV accumulate in the message that travels
                 grads.dv[...] += g.dv
@@ -142,8 +177,8 @@ def ring_attention_vjp(q, k, v, do, *, n_hosts, causal=False, segment_ids=None, 
         dest = (host.my_idx + 1) % n if n > 1 else host.my_idx
         assert host.held.kv_idx == dest
         home[dest] = host.held.grads
-    inverse = np.argsort(perm)
-    dq = np.concatenate([host.dq for host in hosts], axis=1)[:, inverse]
-    dk = np.concatenate([home[r].dk for r in range(n)], axis=1)[:, inverse]
-    dv = np.concatenate([home[r].dv for r in range(n)], axis=1)[:, inverse]
+    dq = np.concatenate([host.dq for host in hosts], axis=1)[:, np.argsort(perm)]
+    kv_inverse = np.argsort(problem.kv_perm)
+    dk = np.concatenate([home[r].dk for r in range(n)], axis=1)[:, kv_inverse]
+    dv = np.concatenate([home[r].dv for r in range(n)], axis=1)[:, kv_inverse]
     return dq, dk, dv

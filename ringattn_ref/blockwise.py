@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from .attention import repeat_kv
+from .attention import call_mask_fn, call_score_fn, repeat_kv
 from .dropout import dropout_mask
 from .masks import allowed, as_rows, mark_bad_keys, tile_is_empty
 from .shards import DEFAULT_BLOCK, HopConfig, KVShard, QShard, default_block  # noqa: F401  (re-exported)
@@ -71,19 +71,26 @@ def tile_logits(qs, kv, cfg):
     qs: the tile's queries (q [b, tq, h, d], positions [b|1, tq], segment ids or None); kv: its keys
     (k [b, tk, hk, d], positions [b|1, tk], segment ids, and the bias block of this tile
     ``[b|1, h|1, tq|1, tk|1]`` or None); cfg: a resolved :class:`HopConfig` (scale, logit_softcap, causal,
-    window).
+    window, mask_fn, score_fn). The order of ``docs/design.md``: soft-cap, ``score_fn``, bias, then the
+    built-in mask *and* ``mask_fn``, both called on the tile's true positions (``variants.py``).
     """
     s = scaled_logits(qs, kv, cfg)  # (b, h, tq, tk)
+    b, h = s.shape[:2]
     if cfg.logit_softcap is not None:  # Gemma 2: c * tanh(s / c), before the bias and the mask
         s = cfg.logit_softcap * np.tanh(s / cfg.logit_softcap)
+    if cfg.score_fn is not None:
+        s = call_score_fn(cfg.score_fn, s, qs.pos, kv.pos, h)
     if kv.bias is not None:
         s = np.where(kv.bias == -np.inf, -np.inf, s + kv.bias)  # -inf masks even a NaN logit
     seg = (None, None) if qs.seg is None else (qs.seg[:, :, None], kv.seg[:, None, :])
     mask = allowed(qs.pos[:, :, None], kv.pos[:, None, :], *seg, causal=cfg.causal, window=cfg.window)  # (b|1, tq, tk)
-    return np.where(mask[:, None], s, -np.inf)
+    mask = mask[:, None]  # (b|1, 1, tq, tk)
+    if cfg.mask_fn is not None:
+        mask = mask & call_mask_fn(cfg.mask_fn, qs.pos, kv.pos, qs.seg, kv.seg, b, h)  # (b|1, h|1, tq, tk)
+    return np.where(mask, s, -np.inf)
 
 
-def attend_kv_shard(state, qs, kv, cfg, *, dropout=None):
+def attend_kv_shard(state, qs, kv, cfg, *, dropout=None, kinds=None):
     """Fold the attention of ``qs`` over one K/V shard into ``state = (m, l, o)``, in place.
 
     - qs: :class:`QShard` (q [b, sq, h, d], true positions [b|1, sq], segment ids [b, sq] or None);
@@ -92,9 +99,11 @@ def attend_kv_shard(state, qs, kv, cfg, *, dropout=None):
     - cfg: a resolved :class:`HopConfig` (every field set; tile sides dividing the shards);
     - m, l: [b, h, sq]; o: [b, sq, h, d] unnormalised;
     - dropout: ``(seed, rate)`` or None: each tile's ``P V`` uses the mask of ``dropout.dropout_mask``
-      at the tile's true positions (the same entries whatever the tiling).
+      at the tile's true positions (the same entries whatever the tiling);
+    - kinds: int8 ``[sq / block_q, sk / block_kv]`` from ``block_mask.tile_kinds`` (0 = empty) or None.
 
-    Tiles whose mask is provably empty are skipped (:func:`ringattn_ref.masks.tile_is_empty`).
+    Tiles whose mask is provably empty are skipped (:func:`ringattn_ref.masks.tile_is_empty`), and so
+    are those ``kinds`` calls empty (a ``mask_fn``'s, which bounds cannot prove).
     Returns ``(tiles_computed, tiles_skipped)``.
     """
     m, l, o = state
@@ -105,7 +114,8 @@ def attend_kv_shard(state, qs, kv, cfg, *, dropout=None):
         qt = q_tile(qs, rows)
         for kj in range(kv.k.shape[1] // cfg.block_kv):  # inner loop over key blocks (B_c columns)
             kt = kv_tile(kv, slice(kj * cfg.block_kv, (kj + 1) * cfg.block_kv), rows)
-            if tile_is_empty(qt.pos, kt.pos, qt.seg, kt.seg, causal=cfg.causal, window=cfg.window):
+            if (tile_is_empty(qt.pos, kt.pos, qt.seg, kt.seg, causal=cfg.causal, window=cfg.window)
+                    or (kinds is not None and kinds[qi, kj] == 0)):
                 skipped += 1
                 continue
             s = tile_logits(qt, kt, cfg)  # (b, h, tq, tk)

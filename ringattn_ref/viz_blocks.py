@@ -1,4 +1,4 @@
-"""Figures of the work inside one host: the online softmax state, and the tile grid with skipping.
+"""Figures of the work inside one host: the online softmax state, the tile grid with skipping, a block mask.
 
 Companions of :mod:`ringattn_ref.viz` (which draws the ring: schedule, per-hop masks, load, memory,
 overlap) for the notebooks on the online softmax (01) and blockwise attention (02). Every function
@@ -97,4 +97,45 @@ def plot_tiles(q_pos, k_pos, block_q, block_kv, *, causal=True, window=None, tit
     ax.set_xlabel(f"key (block_kv = {block_kv})")
     ax.set_ylabel(f"query (block_q = {block_q})")
     ax.set_title(title or f"tiles computed: {computed} of {nq * nk} (hatched: skipped)", fontsize=10)
+    return fig
+
+
+def plot_block_mask(bm):
+    """A :class:`ringattn_ref.block_mask.BlockMask`: every tile's kind, and which hops the ring computes.
+
+    Left: the tiles of every (query host, K/V shard) pair, queries down and keys across in layout order
+    (true order for ``"contiguous"``), thin lines between hosts and shards: white = empty (skipped),
+    light blue = partial (computed and masked), dark blue = full (no mask needed). Right: the hops, host x
+    ring step (host ``i`` holds shard ``(i - step) % N``): grey = empty, skipped whole.
+    """
+    plt = pyplot()
+    from matplotlib.colors import ListedColormap
+
+    tiles, hops = np.asarray(bm.tiles), np.asarray(bm.hops, bool)
+    if tiles.ndim != 4 or tiles.shape[0] != tiles.shape[1] or hops.shape != tiles.shape[:2]:
+        raise ValueError(f"bm must be a BlockMask: tiles [n_hosts, n_hosts, nq, nk] and hops [n_hosts, n_hosts]; "
+                         f"got tiles {tiles.shape}, hops {hops.shape}")
+    n, _, nq, nk = tiles.shape
+    grid = tiles.transpose(0, 2, 1, 3).reshape(n * nq, n * nk)  # (host, q tile) x (shard, k tile)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4.6), layout="constrained",
+                                  gridspec_kw=dict(width_ratios=(1.6, 1)))
+    ax.imshow(grid, cmap=ListedColormap(["white", "#08306b", "#9ecae1"]), vmin=-0.5, vmax=2.5,
+              interpolation="nearest", aspect="auto")
+    for r in range(1, n):
+        ax.axhline(r * nq - 0.5, color="black", lw=0.6)
+        ax.axvline(r * nk - 0.5, color="black", lw=0.6)
+    counts = bm.tile_counts()
+    ax.set_title(f"tiles: {counts['empty']} empty (skipped, {bm.skipped_fraction:.0%}), {counts['partial']} "
+                 f"partial, {counts['full']} full", fontsize=10)
+    ax.set_xlabel(f"key tile, by K/V shard ({nk} per shard)")
+    ax.set_ylabel(f"query tile, by host ({nq} per host)")
+    rgba = np.where(hops[..., None], np.array(plt.get_cmap("Blues")(0.75)), np.array([0.82, 0.82, 0.82, 1.0]))
+    ax2.imshow(rgba, interpolation="nearest")
+    for i in range(n):
+        for step in range(n):
+            ax2.text(step, i, str((i - step) % n), ha="center", va="center", fontsize=8,
+                     color="white" if hops[i, step] else "black")
+    ax2.set_xlabel("ring step (number: the K/V shard held)")
+    ax2.set_ylabel("host")
+    ax2.set_title(f"hops: {bm.empty_hop_fraction:.0%} empty (grey); built in {bm.seconds:.2f} s", fontsize=10)
     return fig

@@ -24,12 +24,15 @@ def blockwise(q, k, v, **kw):
 
 ALL = [attention, blockwise, ring, vjp]
 RING = [ring, vjp]
-SELF = [blockwise, ring, vjp]  # the oracle also takes t != s and a value width of its own (test_ref_variants)
+SELF = [blockwise]  # the oracle and the ring also take t != s and a value width of its own (test_ref_variants,
+# test_ref_block_mask)
 
 CASES = [  # (functions, q, k, v, kwargs, message pattern)
     (SELF, Q, K[:, :8], V[:, :8], {}, r"k/v shape \(2, 8, 2, 3\) does not match q shape"),
     (SELF, Q, K, V[:, :, :1], {}, r"k and v must have the same \[batch, seq, kv_heads\]"),
-    ([attention], Q, K[:, :, :, :2], V, {}, r"need q \[batch=2, t, heads, dim=3\], k \[batch=2, s, kv_heads, dim=3\]"),
+    (RING, Q, K, V[:, :, :1], {}, r"need q \[batch=2, t, heads, dim=3\], .* \(v like k but its width\)"),
+    ([attention, *RING], Q, K[:, :, :, :2], V, {},
+     r"need q \[batch=2, t, heads, dim=3\], k \[batch=2, s, kv_heads, dim=3\]"),
     (ALL, Q[0], K, V, {}, r"q must be 4-D \[batch, seq, heads, dim\]; got shape \(16, 4, 3\)"),
     (ALL, Q, rng.normal(size=(B, S, 3, D)), rng.normal(size=(B, S, 3, D)), {},
      r"q heads \(4\) must be divisible by k/v heads \(3\)"),
