@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringattn_ref import (attention, blockwise_attention, from_layout, hop_attention, merge,
-                          ring_attention, to_layout)
+                          ring_attention, to_layout, variants)
 from ringattn_ref.blockwise import bias_tile
 from ringattn_ref.layouts import layout_permutation
 from ringattn_ref.shards import HopConfig, KVShard, QShard
@@ -174,3 +174,46 @@ def test_trace_work_per_host_and_flops():
     assert np.array_equal(t.flops, t.tiles_computed * 4 * 2 * 3 * 2 * 2 * 5)
     assert np.array_equal(t.work_per_host(), t.flops.sum(axis=1))
     assert t.layout == "contiguous" and (t.block_q, t.block_kv) == (2, 2)
+
+
+PROGRAMS = [  # mask_fn / score_fn pairs of ringattn_ref.variants, and a per-head mask
+    dict(mask_fn=variants.prefix_lm(3)), dict(mask_fn=variants.chunked_local(4)),
+    dict(mask_fn=variants.streaming(1, 2), score_fn=variants.alibi(variants.alibi_slopes(8))),
+    dict(mask_fn=lambda q, k, qs, ks, h: (q + k + h) % 3 != 1), dict(score_fn=variants.softcap(1.5))]
+
+
+@settings(max_examples=examples(20))
+@given(attention_problems(max_hosts=6), st.sampled_from(PROGRAMS))
+def test_ring_with_mask_and_score_functions_equals_attention(p, program):
+    o, trace = ring_attention(p.q, p.k, p.v, return_trace=True, **p.ring_kwargs(), **program)
+    assert max_err(o, attention(p.q, p.k, p.v, **p.mask_kwargs(), **program)) <= TOL
+    c = p.q.shape[1] // p.n_hosts
+    assert np.all(trace.tiles_computed + trace.tiles_skipped == (c // p.block_q) * (c // p.block_kv))
+    if "mask_fn" in program:  # the block mask's empty tiles, and no others, are skipped
+        n = p.n_hosts
+        kv_idx = (np.arange(n)[:, None] - np.arange(n)[None, :]) % n
+        empty = (trace.block_mask.tiles == 0).sum(axis=(2, 3))[np.arange(n)[:, None], kv_idx]
+        assert np.array_equal(trace.tiles_skipped, empty)
+        assert np.array_equal(trace.hop_skipped, ~trace.block_mask.hops)
+
+
+@settings(max_examples=examples(20))
+@given(st.data())
+def test_cross_attention_ring_equals_attention(data):
+    """t != s: queries and keys each laid out and sharded on their own, the queries the last t positions."""
+    draw = data.draw
+    n, layout = draw(st.integers(1, 4)), draw(st.sampled_from(["contiguous", "striped", "zigzag"]))
+    unit = 2 * n if layout == "zigzag" else n
+    t, s = unit * draw(st.integers(1, 3)), unit * draw(st.integers(1, 3))
+    b, hk, group, d, d_v = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 2)), 2, 3
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q, k, v = (rng.standard_normal(shape) for shape in ((b, t, hk * group, d), (b, s, hk, d), (b, s, hk, d_v)))
+    kw = dict(causal=draw(st.booleans()), window=draw(st.sampled_from([None, (2, 1), (-1, 0)])))
+    if draw(st.booleans()):
+        kw.update(segment_ids=rng.integers(0, 2, (b, t)), kv_segment_ids=rng.integers(0, 2, (b, s)))
+    if draw(st.booleans()):
+        kw["bias"] = rng.standard_normal(tuple(m if draw(st.booleans()) else 1 for m in (b, hk * group, t, s)))
+    block_q, block_kv = draw(st.sampled_from([1, t // n])), draw(st.sampled_from([1, s // n]))
+    o = ring_attention(q, k, v, n_hosts=n, layout=layout, block_q=block_q, block_kv=block_kv, **kw)
+    assert o.shape == (b, t, hk * group, d_v)
+    assert max_err(o, attention(q, k, v, **kw)) <= TOL
