@@ -33,7 +33,7 @@ import numpy as np
 from .attention import call_mask_fn
 from .layouts import layout_permutation
 from .masks import allowed, bounds_empty
-from .validation import check_bool, check_layout, check_n_hosts, check_window
+from .validation import check_bool, check_layout, check_window
 
 EMPTY, FULL, PARTIAL = 0, 1, 2
 CHUNK_PAIRS = 2 ** 19  # mask elements (pairs x heads x batch rows) per evaluation chunk, or one tile's if more
@@ -243,8 +243,12 @@ def ring_block_mask(mask_fn, seq_len, n_hosts, *, layout="contiguous", kv_seq_le
         raise ValueError(f"layout: a permutation array orders one sequence; with seq_len ({seq_len}) != "
                          f"kv_seq_len ({kv_seq_len}) pass a layout name ('contiguous', 'striped', 'zigzag')")
     layout = check_layout(layout, seq_len)
-    n_hosts = check_n_hosts(n_hosts, seq_len, layout)
-    check_n_hosts(n_hosts, kv_seq_len, layout)
+    n_hosts = _length(n_hosts, "n_hosts")
+    parts = 2 * n_hosts if isinstance(layout, str) and layout == "zigzag" else n_hosts
+    for name, length in (("seq_len", seq_len), ("kv_seq_len", kv_seq_len)):
+        if length % parts:
+            raise ValueError(f"{name} ({length}) must be divisible by "
+                             f"{f'2*n_hosts = {parts} (zigzag layout)' if parts != n_hosts else f'n_hosts = {parts}'}")
     _tile_side(block_q, seq_len // n_hosts, "block_q", "the query shard seq_len / n_hosts")
     _tile_side(block_kv, kv_seq_len // n_hosts, "block_kv", "the K/V shard kv_seq_len / n_hosts")
     q_pos = layout_permutation(layout, seq_len, n_hosts) + (kv_seq_len - seq_len)
