@@ -7,17 +7,22 @@ float32: with a bias ``"auto"`` falls back to ``"xla"``, and asking for a Pallas
 bias, with float64 or with mixed q/k/v dtypes is an error (``kernels.tiles.check_kernel_dtypes``). On a
 chip the kernels' memory table does not know (``kernels.budgets.CHIPS``: no VMEM / shared-memory budget
 to check), ``"auto"`` picks ``"xla"`` and an explicit Pallas impl is an error naming ``device_kind``. On
-CPU the Pallas impls run in their interpreters (slow; for tests). Where each impl runs is the table
-``kernels.IMPLS``; its modules are imported here when first used.
+CPU the Pallas impls run in their interpreters (slow; for tests). Where each impl runs, and which of
+``logit_softcap``, ``mask_fn``, ``score_fn`` and a value width of its own it applies, is the table
+``kernels.IMPLS``; its modules are imported here when first used. A user function that indexes an
+array (a gather) does not lower in a compiled kernel: ``"auto"`` picks ``"xla"`` for it, an explicit
+Pallas impl there is an error (`gathering`).
 """
 from __future__ import annotations
 
 import importlib
 from typing import Callable, NamedTuple
 
+import jax
 import jax.numpy as jnp
+from jax.extend.core import jaxprs_in_params
 
-from .kernels import GPU_PLATFORMS, IMPLS
+from .kernels import GPU_PLATFORMS, IMPLS, PROGRAMS
 
 KERNEL_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 _AUTO = {"tpu": "pallas_tpu_fused", **{p: "pallas_gpu" for p in GPU_PLATFORMS}}
@@ -66,11 +71,37 @@ def _chip_known(device_kind):
     return device_kind is None or budgets.knows(device_kind)
 
 
-def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, xla_only=False, fused_ok=True,
-               device_kind=None):
+def programs_used(v_width, qk_width, *, logit_softcap=None, mask_fn=None, score_fn=None):
+    """The names (``kernels.PROGRAMS``) of the programmable-attention features a call uses."""
+    used = dict(logit_softcap=logit_softcap is not None, mask_fn=mask_fn is not None, score_fn=score_fn is not None,
+                value_width=v_width != qk_width)
+    return tuple(name for name in PROGRAMS if used[name])
+
+
+def gathering(heads, *, mask_fn=None, score_fn=None):
+    """The names of the user functions that index an array (a gather or scatter in their jaxpr, e.g.
+    ``variants.alibi``'s ``slopes[head]``): Mosaic and Triton lower neither, so these run in the XLA hop
+    or an interpreted kernel only (the same per-head value as arithmetic of ``head`` lowers)."""
+    i32, f32 = jnp.int32, jnp.float32
+    col, row = jax.ShapeDtypeStruct((1, 1, 2, 1), i32), jax.ShapeDtypeStruct((1, 1, 1, 3), i32)
+    head = jax.ShapeDtypeStruct((1, heads, 1, 1), i32)
+
+    def gathers(jaxpr):
+        return any(e.primitive.name == "gather" or e.primitive.name.startswith("scatter")
+                   or any(gathers(sub) for sub in jaxprs_in_params(e.params)) for e in jaxpr.eqns)
+
+    fns = (("mask_fn", mask_fn, (col, row, col, row, head)),
+           ("score_fn", score_fn, (jax.ShapeDtypeStruct((1, heads, 2, 3), f32), col, row, head)))
+    return tuple(name for name, fn, args in fns if fn is not None and gathers(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, logit_softcap=None, mask_fn=None,
+               score_fn=None, fused_ok=True, device_kind=None):
     """The concrete impl for this call, or a ValueError naming what does not fit (bias, dropout, dtype,
-    platform). Attention dropout, ``logit_softcap``, ``mask_fn`` and ``score_fn`` (``xla_only``) run in
-    the XLA hop only: ``"auto"`` picks it, as it does on a TPU or GPU ``device_kind`` that
+    platform, a programmable-attention feature its kernel lacks). Attention dropout and a bias run in the
+    XLA hop only: ``"auto"`` picks it, as it does where the platform's kernel does not apply one of the
+    call's ``logit_softcap``, ``mask_fn``, ``score_fn`` or ``d_v != d`` (``kernels.IMPLS``' ``programs``)
+    or cannot lower a user function (`gathering`), and on a TPU or GPU ``device_kind`` that
     ``kernels.budgets`` has no row for.
 
     ``fused_ok=False``: the caller needs per-hop functions (``comm_dtype`` on the ring, the all-gather
@@ -82,10 +113,13 @@ def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, xl
     if impl == "pallas_tpu_fused" and not fused_ok:
         raise ValueError("impl='pallas_tpu_fused' runs the whole ring in one kernel that moves K/V itself; "
                          "comm_dtype, the all-gather and Ulysses need per-hop kernels: use impl='pallas_tpu'")
+    used = programs_used(v.shape[-1], q.shape[-1], logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn)
     if impl == "auto":
-        value_width = v.shape[-1] != q.shape[-1]
-        impl = "xla" if has_bias or has_dropout or xla_only or value_width else _AUTO.get(platform, "xla")
+        impl = "xla" if has_bias or has_dropout else _AUTO.get(platform, "xla")
         impl = "pallas_tpu" if impl == "pallas_tpu_fused" and not fused_ok else impl
+        impl = impl if set(used) <= set(IMPLS[impl].programs) else "xla"
+        if impl != "xla" and platform != "cpu" and gathering(q.shape[2], mask_fn=mask_fn, score_fn=score_fn):
+            impl = "xla"  # compiled, the kernel could not lower the function
         if impl != "xla" and platform != "cpu" and not _chip_known(device_kind):
             impl = "xla"  # a chip without a memory row: nothing to check a kernel's tiles against
         if impl != "xla":
@@ -101,13 +135,20 @@ def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, xl
     if has_bias:
         raise ValueError(f"impl={impl!r} does not support bias (the Pallas kernels take none); "
                          f"use impl='xla' or impl='auto' with a bias")
-    if xla_only:
-        raise ValueError(f"impl={impl!r} does not support logit_softcap, mask_fn or score_fn yet (the XLA hop "
-                         f"applies them); use impl='xla' or impl='auto' with them")
-    if v.shape[-1] != q.shape[-1]:
-        raise ValueError(f"impl={impl!r} needs v as wide as q and k for now; got q {tuple(q.shape)}, v "
-                         f"{tuple(v.shape)} (a value width of its own runs in the XLA hop: impl='xla' or 'auto')")
     row = IMPLS[impl]
+    lacking = [name for name in used if name not in row.programs]
+    if lacking:
+        what = ", ".join(f"v of width {v.shape[-1]} != q's {q.shape[-1]}" if name == "value_width" else name
+                         for name in lacking)
+        raise ValueError(f"impl={impl!r} does not apply {what} yet (the XLA hop does); use impl='xla' or "
+                         f"impl='auto' with them")
+    if platform in row.compiled:
+        names = gathering(q.shape[2], mask_fn=mask_fn, score_fn=score_fn)
+        if names:
+            verb = "index" if len(names) > 1 else "indexes"
+            raise ValueError(f"impl={impl!r}: {' and '.join(names)} {verb} an array (a gather, e.g. slopes[head]), "
+                             f"which the compiled kernel cannot lower; compute the value from head instead (ALiBi: "
+                             f"2 ** (-8 * (head + 1) / heads)) or use impl='xla' (or 'auto')")
     if platform not in row.compiled + row.interpreted:
         raise ValueError(f"impl={impl!r} cannot run on {platform!r} devices (the mesh's platform); it runs on "
                          f"{row.compiled} (and in its interpreter on {row.interpreted}): use impl='auto' or 'xla'")

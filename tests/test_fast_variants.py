@@ -160,7 +160,6 @@ def test_the_ref_ring_and_its_backward_soft_cap_as_the_oracle():
 @pytest.mark.parametrize("kw, match", [
     (dict(logit_softcap=0.0), "logit_softcap must be a positive finite number"),
     (dict(logit_softcap=True), "logit_softcap must be a positive finite real number"),
-    (dict(logit_softcap=2.0, impl="pallas_tpu"), "impl='pallas_tpu' does not support logit_softcap, mask_fn or score_fn yet"),
 ])
 def test_bad_softcap_is_a_value_error(kw, match):
     q, k, v = (np.zeros((1, 8, 4, 8), np.float32) for _ in range(3))
@@ -211,15 +210,13 @@ def test_a_value_width_of_its_own_on_every_strategy(data):
         assert_close(g, wg, what, tol=1e-9)
 
 
-def test_a_value_width_in_float32_with_comm_dtype_and_the_kernels_refusing_it():
+def test_a_value_width_in_float32_with_comm_dtype():
+    """(The Pallas kernels' value width: tests/test_kernels_variants.py.)"""
     rng = np.random.default_rng(6)
     q, k = rng.standard_normal((2, 1, 32, 4, 16)).astype(np.float32)
     v = rng.standard_normal((1, 32, 4, 8)).astype(np.float32)
     o = rf.ring_attention(q, k, v, mesh=rf.make_mesh(4), causal=True, comm_dtype="bfloat16")
     assert_close(o, ref.attention(q, k, v, causal=True), "o", tol=2e-2)
-    for impl in ("pallas_gpu", "pallas_tpu", "pallas_tpu_fused"):
-        with pytest.raises(ValueError, match=rf"impl='{impl}' needs v as wide as q and k for now"):
-            rf.ring_attention(q, k, v, mesh=rf.make_mesh(4), impl=impl)
 
 
 def dense_programmed(q, k, v, do, mask_fn, score_fn, seg=None):
@@ -294,7 +291,6 @@ def test_mask_functions_equal_the_built_ins_on_the_ring():
     (dict(mask_fn=lambda qp, kp, qs, ks, h: jnp.ones((5, 5), bool)), r"mask_fn must return a bool array"),
     (dict(score_fn=lambda s, qp, kp, h: s.sum(-1)), r"score_fn must return the shape of s, \(1, 4, 2, 3\)"),
     (dict(score_fn=3), r"score_fn must be a function"),
-    (dict(mask_fn=variants.causal, impl="pallas_gpu"), "does not support logit_softcap, mask_fn or score_fn"),
 ])
 def test_bad_user_functions_are_value_errors(kw, match):
     q, k, v = (np.zeros((1, 8, 4, 8), np.float32) for _ in range(3))

@@ -27,18 +27,21 @@ share with the XLA hop.
 from typing import NamedTuple
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+PROGRAMS = ("logit_softcap", "mask_fn", "score_fn", "value_width")  # docs/design.md, "Programmable attention"
 
 
 class Impl(NamedTuple):
     """One row of :data:`IMPLS`: the module (in this package), the platforms it runs on compiled and
-    interpreted, whether it provides per-hop functions (else a whole ring), and whether the ring may skip
+    interpreted, whether it provides per-hop functions (else a whole ring), whether the ring may skip
     an empty hop around it with ``lax.cond`` (not around a per-hop TPU kernel: the TPU interpreter puts a
-    barrier across all devices before each kernel, so every host must run it at every step)."""
+    barrier across all devices before each kernel, so every host must run it at every step), and which
+    of :data:`PROGRAMS` it applies (``value_width``: v as wide as it likes, d_v != d)."""
     module: str
     compiled: tuple
     interpreted: tuple
     per_hop: bool = True
     skip_empty_hops: bool = True
+    programs: tuple = PROGRAMS
 
 
 IMPLS = {

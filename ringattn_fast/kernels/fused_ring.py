@@ -39,8 +39,11 @@ class FusedConfig:
 
     @property
     def masked(self):
-        """Whether any pair can be masked (else positions are never read, and never copied)."""
-        return self.hop.causal or self.hop.window is not None or self.has_seg
+        """Whether positions are read: a pair can be masked, or a user function sees them (``mask_fn``,
+        ``score_fn``); else positions are never copied."""
+        hop = self.hop
+        return (hop.causal or hop.window is not None or self.has_seg or hop.mask_fn is not None
+                or hop.score_fn is not None)
 
 
 # ---------------------------------------------------------------- tables

@@ -13,7 +13,9 @@ Notation: FlashAttention-2 (Dao 2023, arXiv:2307.08691) -> code
 - inner loop: over K/V tiles = ``lax.fori_loop``; a tile that ``masks.bounds_empty`` proves empty
   (from the min/max of the tile's positions and segment ids) is skipped with ``lax.cond``
   (`_unless_empty`); ``count=True`` also counts the computed tiles (`fwd_tile_counts`).
-- S_ij: ``s = scale * q @ k.T`` (fp32), -inf where ``masks.allowed`` is False.
+- S_ij: ``s = scale * q @ k.T`` (fp32), then ``HopConfig``'s soft-cap, ``score_fn`` and ``mask_fn``
+  (`tiles.programmed`; the backward takes dS back through them, ``score_fn`` by ``jax.vjp`` on the
+  tile), -inf where ``masks.allowed`` or ``mask_fn`` is False.
 - m_i, l_i: ``m`` running row max, ``l`` running row sum of exp(s - m) (Alg. 1 lines 8-10).
 - O_i: ``o`` kept unnormalised during the loop, divided by ``l`` once at the end (§3.1.1).
 - L_i: ``lse = m + log(l)``, the only statistic saved; -inf for a row that saw nothing.
@@ -37,7 +39,8 @@ are never repeated in memory. Inputs are float16, bfloat16 or float32 (one dtype
 
 Triton needs power-of-two tensor sizes: on a GPU, block_q and block_kv must be powers of two
 (>= 16, the smallest ``tl.dot``), and a head dim that is not a power of two is zero-padded (zeros
-change neither q.k nor o's first ``dim`` columns). On CPU (``interpret=True``) any divisor works.
+change neither q.k nor o's first ``dim`` columns): q and k to one width, v (and o, dO, dV) to its
+own, so v may be ``d_v`` wide (MLA). On CPU (``interpret=True``) any divisor works.
 """
 import dataclasses
 import functools
@@ -49,7 +52,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ringattn_fast.kernels import budgets
-from ringattn_fast.kernels.tiles import NEG_INF, Budget, hop_kernels, out_struct, same_vma
+from ringattn_fast.kernels.tiles import (NEG_INF, Budget, const_specs, hop_kernels, out_struct, program, programmed,
+                                         same_vma)
 from ringattn_fast.kernels import GPU_PLATFORMS
 from ringattn_fast.masks import allowed, bounds_empty, finite_part, masked_grad
 from ringattn_fast.schedule import HopConfig
@@ -108,23 +112,29 @@ def _unless_empty(compute, carry, q_bounds, k_bounds, cfg):
     return compute(carry) if empty is None else lax.cond(empty, lambda c: c, compute, carry)
 
 
-def _logits(q, k, cfg, *, q_pos, k_pos, q_seg, k_seg):
-    """S_ij = scale * q k^T, fp32 [block_q, block_kv], -inf where the mask forbids the pair."""
+def _logits(q, k, cfg, fn, *, q_pos, k_pos, q_seg, k_seg, grad=False):
+    """S_ij = scale * q k^T, fp32 [block_q, block_kv], soft-capped, scored and masked (``fn``: the tile's
+    `tiles.Program`, its consts and the query head), -inf where a mask forbids the pair; with ``grad``
+    ``(S_ij, pullback)`` (`tiles.programmed`; None without a program)."""
     s = cfg.scale * _dot(q, k, trans_b=True)
+    prog, consts, head = fn
+    s, pull = programmed(prog, consts, s, q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg, head=head, grad=grad)
     allow = allowed(q_pos[:, None], k_pos[None, :], None if q_seg is None else q_seg[:, None],
                     None if k_seg is None else k_seg[None, :], causal=cfg.causal, window=cfg.window)
-    return s if allow is None else jnp.where(allow, s, NEG_INF)
+    s = s if allow is None else jnp.where(allow, s, NEG_INF)
+    return (s, pull) if grad else s
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, count_ref, *, cfg,
-                preload):
+def _fwd_kernel(q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, const_refs, o_ref, lse_ref,
+                count_ref, *, cfg, prog, preload):
     """One Q tile against every K/V tile (FA-2 Alg. 1). q_seg_ref, k_seg_ref: None without segments;
-    count_ref: None unless counting."""
+    const_refs: ``prog``'s captured arrays (a tuple); count_ref: None unless counting."""
     n_kv, segments = k_ref.shape[0] // cfg.block_kv, q_seg_ref is not None
     k_rows, v_rows, k_pos_rows, k_seg_rows = (_rows(r, preload) for r in (k_ref, v_ref, k_pos_ref, k_seg_ref))
     q, q_pos = q_ref[...], q_pos_ref[...]  # (block_q, d), (block_q,)
     q_seg = q_seg_ref[...] if segments else None
-    block_q, d = q.shape
+    fn = (prog, [r[...] for r in const_refs], pl.program_id(1))  # the query head
+    block_q, d_v = q.shape[0], o_ref.shape[-1]
 
     def kv_tile(j, carry):
         kv = pl.ds(j * cfg.block_kv, cfg.block_kv)
@@ -132,8 +142,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
 
         def compute(carry):
             o, m, l, n = carry
-            k, v = k_rows[kv, :], v_rows[kv, :]  # (block_kv, d)
-            s = _logits(q, k, cfg, q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg)  # (block_q, block_kv)
+            k, v = k_rows[kv, :], v_rows[kv, :]  # (block_kv, d), (block_kv, d_v)
+            s = _logits(q, k, cfg, fn, q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg)  # (block_q, block_kv)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row with nothing seen yet: exp(-inf) = 0
             p = jnp.exp(s - m_safe[:, None])  # masked: exp(-inf) = 0
@@ -143,7 +153,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
 
         return _unless_empty(compute, carry, _bounds(q_pos, q_seg), _bounds(k_pos, k_seg), cfg)
 
-    init = (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), NEG_INF, jnp.float32),
+    init = (jnp.zeros((block_q, d_v), jnp.float32), jnp.full((block_q,), NEG_INF, jnp.float32),
             jnp.zeros((block_q,), jnp.float32), jnp.int32(0))
     o, m, l, n = lax.fori_loop(0, n_kv, kv_tile, init)
     empty = l == 0.0  # saw nothing (a NaN l stays NaN below)
@@ -168,55 +178,76 @@ def _params(d):
     return plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=budgets.TRITON_STAGES)
 
 
-def _inputs(qs, kv, d_pad, *extra):
-    """Kernel operands, typed alike under shard_map: q, k, v (padded), ``extra``, int32 positions and
-    segment ids (None without segments)."""
+def _widths(qs, kv):
+    """(d, d_v) and their padded widths (`pl.next_power_of_2`): q, k are ``d`` wide, v and o ``d_v``."""
+    d, d_v = qs.q.shape[-1], kv.v.shape[-1]
+    return d, d_v, pl.next_power_of_2(d), pl.next_power_of_2(d_v)
+
+
+def _inputs(qs, kv, prog, *extra):
+    """Kernel operands, typed alike under shard_map: q, k (padded to d_pad), v (to dv_pad), ``extra``, int32
+    positions and segment ids (None without segments), then ``prog``'s consts (a tuple)."""
+    _, _, d_pad, dv_pad = _widths(qs, kv)
     ints = lambda x: None if x is None else x.astype(jnp.int32)
-    q, k, v, *rest = same_vma(qs.q, kv.k, kv.v, *extra, ints(qs.pos), ints(kv.pos), ints(qs.seg), ints(kv.seg))
-    return (_pad_dim(q, d_pad), _pad_dim(k, d_pad), _pad_dim(v, d_pad), *rest)
+    consts = () if prog is None else prog.consts
+    q, k, v, *rest = same_vma(qs.q, kv.k, kv.v, *extra, ints(qs.pos), ints(kv.pos), ints(qs.seg), ints(kv.seg),
+                              *consts)
+    rest, consts = rest[:len(rest) - len(consts)], tuple(rest[len(rest) - len(consts):])
+    return (_pad_dim(q, d_pad), _pad_dim(k, d_pad), _pad_dim(v, dv_pad), *rest, consts)
+
+
+def _whole(shape):
+    """A BlockSpec of the whole array in every program (a program's captured constants)."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("count",))
 def _forward(qs, kv, *, cfg, interpret, count, vmem_limit):
     """pallas_call for the forward: (o, lse, computed K/V tiles per Q tile [b, h, nq] or None).
     ``vmem_limit`` is always None here (a TPU setting; shared memory is only checked, `footprints`)."""
-    (b, sq, h, d), (sk, hk) = qs.q.shape, kv.k.shape[1:3]
-    group, d_pad, bq = h // hk, pl.next_power_of_2(d), cfg.block_q
-    args = _inputs(qs, kv, d_pad)
+    (b, sq, h, _), (sk, hk) = qs.q.shape, kv.k.shape[1:3]
+    (_, d_v, d_pad, dv_pad), group, bq = _widths(qs, kv), h // hk, cfg.block_q
+    prog = program(cfg, bq, cfg.block_kv)
+    args = _inputs(qs, kv, prog)
+    q_side, kv_side = (lambda bi, hi, i: (bi, i, hi, 0)), (lambda bi, hi, i: (bi, 0, hi // group, 0))
     seg = lambda spec: None if qs.seg is None else spec
-    q_tile = pl.BlockSpec((None, bq, None, d_pad), lambda bi, hi, i: (bi, i, hi, 0))
-    kv_all = pl.BlockSpec((None, sk, None, d_pad), lambda bi, hi, i: (bi, 0, hi // group, 0))
+    tile = lambda width: pl.BlockSpec((None, bq, None, width), q_side)  # noqa: E731
+    kv_all = lambda width: pl.BlockSpec((None, sk, None, width), kv_side)  # noqa: E731
     q_row = pl.BlockSpec((None, bq), lambda bi, hi, i: (bi, i))
     k_row = pl.BlockSpec((None, sk), lambda bi, hi, i: (bi, 0))
     stat = pl.BlockSpec((None, None, bq), lambda bi, hi, i: (bi, hi, i))
     counter = pl.BlockSpec((None, None, 1), lambda bi, hi, i: (bi, hi, i))
     o, lse, counts = pl.pallas_call(
-        functools.partial(_fwd_kernel, cfg=cfg, preload=_preload(interpret, args[0])),
+        functools.partial(_fwd_kernel, cfg=cfg, prog=prog, preload=_preload(interpret, args[0])),
         grid=(b, h, sq // bq),
-        in_specs=[q_tile, kv_all, kv_all, q_row, k_row, seg(q_row), seg(k_row)],
-        out_specs=[q_tile, stat, counter if count else None],
-        out_shape=[out_struct((b, sq, h, d_pad), jnp.float32, args[0]),
+        in_specs=[tile(d_pad), kv_all(d_pad), kv_all(dv_pad), q_row, k_row, seg(q_row), seg(k_row),
+                  const_specs(prog, _whole)],
+        out_specs=[tile(dv_pad), stat, counter if count else None],
+        out_shape=[out_struct((b, sq, h, dv_pad), jnp.float32, args[0]),
                    out_struct((b, h, sq), jnp.float32, args[0]),
                    out_struct((b, h, sq // bq), jnp.int32, args[0]) if count else None],
-        compiler_params=_params(d_pad), interpret=interpret, name="ring_hop_fwd",
+        compiler_params=_params(max(d_pad, dv_pad)), interpret=interpret, name="ring_hop_fwd",
     )(*args)
-    return o[..., :d], lse, counts
+    return o[..., :d_v], lse, counts
 
 
-def _tile_grads(s, do, v, lse, delta):
-    """FA-2 Alg. 2 lines 11-20 for one tile of masked logits ``s``: (p, ds), fp32 [block_q, block_kv]."""
+def _tile_grads(s, pull, do, v, lse, delta):
+    """FA-2 Alg. 2 lines 11-20 for one tile of masked logits ``s``: (p, ds), fp32 [block_q, block_kv];
+    ``pull``: the tile program's pullback (`tiles.programmed`) to the scaled logits, or None."""
     p = jnp.exp(s - lse[:, None])  # P_ij = exp(S_ij - L_i), 0 where masked (lse is finite here)
     dp = _dot(do, v, trans_b=True)  # dP_ij = dO_i V_j^T
-    return p, masked_grad(p, dp, delta[:, None])  # dS_ij = P_ij * (dP_ij - D_i)
+    ds = masked_grad(p, dp, delta[:, None])  # dS_ij = P_ij * (dP_ij - D_i)
+    return p, ds if pull is None else pull(ds, p)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, dq_ref, *,
-               cfg, preload):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, const_refs,
+               dq_ref, *, cfg, prog, preload):
     """dQ of one Q tile, looping over the K/V tiles (q_seg_ref, k_seg_ref: None without segments)."""
     n_kv, segments = k_ref.shape[0] // cfg.block_kv, q_seg_ref is not None
     k_rows, v_rows, k_pos_rows, k_seg_rows = (_rows(r, preload) for r in (k_ref, v_ref, k_pos_ref, k_seg_ref))
     q, do, lse, delta, q_pos = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], q_pos_ref[...]
     q_seg = q_seg_ref[...] if segments else None
+    fn = (prog, [r[...] for r in const_refs], pl.program_id(1))
 
     def kv_tile(j, dq):
         kv = pl.ds(j * cfg.block_kv, cfg.block_kv)
@@ -224,8 +255,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos
 
         def compute(dq):
             k, v = k_rows[kv, :], v_rows[kv, :]
-            s = _logits(q, k, cfg, q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg)
-            _, ds = _tile_grads(s, do, v, lse, delta)
+            s, pull = _logits(q, k, cfg, fn, q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg, grad=True)
+            _, ds = _tile_grads(s, pull, do, v, lse, delta)
             return dq + cfg.scale * _dot(ds.astype(k.dtype), finite_part(k))  # dQ_i += dS_ij K_j (a masked NaN K: 0)
 
         return _unless_empty(compute, dq, _bounds(q_pos, q_seg), _bounds(k_pos, k_seg), cfg)
@@ -233,15 +264,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos
     dq_ref[...] = lax.fori_loop(0, n_kv, kv_tile, jnp.zeros(q.shape, jnp.float32))
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, dk_ref,
-                dv_ref, *, cfg, group, preload):
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, const_refs,
+                dk_ref, dv_ref, *, cfg, prog, group, preload):
     """dK, dV of one K/V tile, looping over the GQA group's heads and the Q tiles."""
     n_q, segments = q_ref.shape[0] // cfg.block_q, q_seg_ref is not None
     q_rows, do_rows, lse_rows, delta_rows, q_pos_rows, q_seg_rows = (
         _rows(r, preload) for r in (q_ref, do_ref, lse_ref, delta_ref, q_pos_ref, q_seg_ref))
-    k, v, k_pos = k_ref[...], v_ref[...], k_pos_ref[...]  # (block_kv, d), (block_kv,)
+    k, v, k_pos = k_ref[...], v_ref[...], k_pos_ref[...]  # (block_kv, d), (block_kv, d_v), (block_kv,)
     k_seg = k_seg_ref[...] if segments else None
-    carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32))
+    consts, kv_head = [r[...] for r in const_refs], pl.program_id(1)  # read here: not inside a loop (the interpreter)
+    carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     for member in range(group):  # the query heads that share this kv head (GQA): dK, dV summed over them
 
         def q_tile(i, carry, member=member):
@@ -250,9 +282,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_po
 
             def compute(carry):
                 dk, dv = carry
-                q, do = q_rows[rows, member, :], do_rows[rows, member, :]  # (block_q, d)
-                s = _logits(q, k, cfg, q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg)
-                p, ds = _tile_grads(s, do, v, lse_rows[member, rows], delta_rows[member, rows])
+                q, do = q_rows[rows, member, :], do_rows[rows, member, :]  # (block_q, d), (block_q, d_v)
+                fn = (prog, consts, kv_head * group + member)  # the query head
+                s, pull = _logits(q, k, cfg, fn, q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg, grad=True)
+                p, ds = _tile_grads(s, pull, do, v, lse_rows[member, rows], delta_rows[member, rows])
                 dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)  # dV_j += P_ij^T dO_i
                 dk = dk + cfg.scale * _dot(ds.astype(q.dtype), q, trans_a=True)  # dK_j += dS_ij^T Q_i
                 return dk, dv
@@ -266,57 +299,66 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_po
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _backward(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit):
     """The two backward pallas_calls (dQ; dK and dV): (dq, dk, dv) float32."""
-    (b, sq, h, d), (sk, hk) = qs.q.shape, kv.k.shape[1:3]
-    group, d_pad, bq, bk = h // hk, pl.next_power_of_2(d), cfg.block_q, cfg.block_kv
+    (b, sq, h, _), (sk, hk) = qs.q.shape, kv.k.shape[1:3]
+    (d, d_v, d_pad, dv_pad), group, bq, bk = _widths(qs, kv), h // hk, cfg.block_q, cfg.block_kv
+    prog = program(cfg, bq, bk)
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # a row that saw nothing: every p is masked to 0 anyway
-    q, k, v, do, lse, delta, *ints = _inputs(qs, kv, d_pad, do, lse.astype(jnp.float32),
-                                             delta.astype(jnp.float32))
-    args = (q, k, v, _pad_dim(do, d_pad), lse, delta, *ints)
+    q, k, v, do, lse, delta, *ints, consts = _inputs(qs, kv, prog, do, lse.astype(jnp.float32),
+                                                     delta.astype(jnp.float32))
+    args = (q, k, v, _pad_dim(do, dv_pad), lse, delta, *ints, consts)
     seg = lambda spec: None if qs.seg is None else spec
-    preload = _preload(interpret, q)
+    preload, fns = _preload(interpret, q), const_specs(prog, _whole)
+    params = _params(max(d_pad, dv_pad))
 
     # dQ: one program per (batch, head, Q tile), looping over K/V tiles.
-    q_tile = pl.BlockSpec((None, bq, None, d_pad), lambda bi, hi, i: (bi, i, hi, 0))
-    kv_all = pl.BlockSpec((None, sk, None, d_pad), lambda bi, hi, i: (bi, 0, hi // group, 0))
+    q_side, kv_side = (lambda bi, hi, i: (bi, i, hi, 0)), (lambda bi, hi, i: (bi, 0, hi // group, 0))
+    q_tile = lambda width: pl.BlockSpec((None, bq, None, width), q_side)  # noqa: E731
+    kv_all = lambda width: pl.BlockSpec((None, sk, None, width), kv_side)  # noqa: E731
     stat = pl.BlockSpec((None, None, bq), lambda bi, hi, i: (bi, hi, i))
     q_row = pl.BlockSpec((None, bq), lambda bi, hi, i: (bi, i))
     k_row = pl.BlockSpec((None, sk), lambda bi, hi, i: (bi, 0))
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, cfg=cfg, preload=preload),
+        functools.partial(_dq_kernel, cfg=cfg, prog=prog, preload=preload),
         grid=(b, h, sq // bq),
-        in_specs=[q_tile, kv_all, kv_all, q_tile, stat, stat, q_row, k_row, seg(q_row), seg(k_row)],
-        out_specs=q_tile, out_shape=out_struct((b, sq, h, d_pad), jnp.float32, q),
-        compiler_params=_params(d_pad), interpret=interpret, name="ring_hop_bwd_dq",
+        in_specs=[q_tile(d_pad), kv_all(d_pad), kv_all(dv_pad), q_tile(dv_pad), stat, stat, q_row, k_row, seg(q_row),
+                  seg(k_row), fns],
+        out_specs=q_tile(d_pad), out_shape=out_struct((b, sq, h, d_pad), jnp.float32, q),
+        compiler_params=params, interpret=interpret, name="ring_hop_bwd_dq",
     )(*args)
 
     # dK, dV: one program per (batch, kv head, K/V tile), looping over its group's heads and Q tiles.
-    q_all = pl.BlockSpec((None, sq, group, d_pad), lambda bi, kv_head, j: (bi, 0, kv_head, 0))
-    kv_tile = pl.BlockSpec((None, bk, None, d_pad), lambda bi, kv_head, j: (bi, j, kv_head, 0))
+    q_side, kv_side = (lambda bi, kv_head, j: (bi, 0, kv_head, 0)), (lambda bi, kv_head, j: (bi, j, kv_head, 0))
+    q_all = lambda width: pl.BlockSpec((None, sq, group, width), q_side)  # noqa: E731
+    kv_tile = lambda width: pl.BlockSpec((None, bk, None, width), kv_side)  # noqa: E731
     stat_all = pl.BlockSpec((None, group, sq), lambda bi, kv_head, j: (bi, kv_head, 0))
     q_row = pl.BlockSpec((None, sq), lambda bi, kv_head, j: (bi, 0))
     k_row = pl.BlockSpec((None, bk), lambda bi, kv_head, j: (bi, j))
     dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, cfg=cfg, group=group, preload=preload),
+        functools.partial(_dkv_kernel, cfg=cfg, prog=prog, group=group, preload=preload),
         grid=(b, hk, sk // bk),
-        in_specs=[q_all, kv_tile, kv_tile, q_all, stat_all, stat_all, q_row, k_row, seg(q_row), seg(k_row)],
-        out_specs=[kv_tile, kv_tile],
-        out_shape=[out_struct((b, sk, hk, d_pad), jnp.float32, q)] * 2,
-        compiler_params=_params(d_pad), interpret=interpret, name="ring_hop_bwd_dkv",
+        in_specs=[q_all(d_pad), kv_tile(d_pad), kv_tile(dv_pad), q_all(dv_pad), stat_all, stat_all, q_row, k_row,
+                  seg(q_row), seg(k_row), fns],
+        out_specs=[kv_tile(d_pad), kv_tile(dv_pad)],
+        out_shape=[out_struct((b, sk, hk, d_pad), jnp.float32, q), out_struct((b, sk, hk, dv_pad), jnp.float32, q)],
+        compiler_params=params, interpret=interpret, name="ring_hop_bwd_dkv",
     )(*args)
-    return dq[..., :d], dk[..., :d], dv[..., :d]
+    return dq[..., :d], dk[..., :d], dv[..., :d_v]
 
 
-def footprints(cfg, q_shape, k_shape, dtype, backward):
+def footprints(cfg, q_shape, k_shape, dtype, backward, d_v=None):
     """Shared memory of each Triton program (`budgets.triton_smem_bytes`), from the tiles each kernel
     loads: the forward streams K/V tiles past one Q tile; dQ streams K/V past Q and dO; dK/dV streams
-    Q and dO past one K/V tile. The head dim is the padded one (`pl.next_power_of_2`)."""
+    Q and dO past one K/V tile. The head dims are the padded ones (`pl.next_power_of_2`); ``d_v``: v's
+    width (None: q's)."""
     d, bq, bk = pl.next_power_of_2(q_shape[-1]), cfg.block_q, cfg.block_kv
+    d_v = d if d_v is None else pl.next_power_of_2(d_v)
     smem = lambda name, looped, once: budgets.Footprint(  # noqa: E731
         budgets.triton_smem_bytes(looped=looped, once=once, score=(bq, bk), dtype=dtype), 0, name)
-    q_tile, kv_tile = (bq, d), (bk, d)
+    q_tile, k_tile, v_tile, do_tile = (bq, d), (bk, d), (bk, d_v), (bq, d_v)
     if not backward:
-        return [smem("ring_hop_fwd", [kv_tile] * 2, [q_tile])]
-    return [smem("ring_hop_bwd_dq", [kv_tile] * 2, [q_tile] * 2), smem("ring_hop_bwd_dkv", [q_tile] * 2, [kv_tile] * 2)]
+        return [smem("ring_hop_fwd", [k_tile, v_tile], [q_tile])]
+    return [smem("ring_hop_bwd_dq", [k_tile, v_tile], [q_tile, do_tile]),
+            smem("ring_hop_bwd_dkv", [q_tile, do_tile], [k_tile, v_tile])]
 
 
 def _blocks(sq, sk, top=256):

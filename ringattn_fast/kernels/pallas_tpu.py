@@ -15,8 +15,9 @@ Notation: FlashAttention-2 (Dao 2023, arXiv:2307.08691) -> code
   feeds the index maps: a skipped tile keeps the block of the last computed one, so it costs no DMA
   either (JAX's flash / splash kernels' trick). Every hop runs on every host: an empty hop is a grid
   of skipped tiles.
-- S_ij, m, l, O: as in FA-2 Alg. 1: ``s = scale * q @ k.T`` (-inf where ``masks.allowed`` is
-  False), ``m`` row max, ``l`` row sum of exp(s - m), ``acc`` = unnormalised O (divided by l at the
+- S_ij, m, l, O: as in FA-2 Alg. 1: ``s = scale * q @ k.T``, soft-capped, ``score_fn`` and
+  ``mask_fn`` applied as in `pallas_gpu` (`tiles.programmed`), -inf where ``masks.allowed`` is False,
+  ``m`` row max, ``l`` row sum of exp(s - m), ``acc`` = unnormalised O (divided by l at the
   end). K/V arrive marked by ``masks.mark_bad_keys``, as in `pallas_gpu`.
 - L_i, D_i: ``lse = m + log l`` (-inf for a row that saw nothing); ``delta = rowsum(dO * O)``.
 - backward: Alg. 2 as two kernels: dQ (grid over Q tiles, K/V tiles last) and dK/dV (grid over K/V
@@ -32,7 +33,8 @@ BlockSpec, as in ``jax/experimental/pallas/ops/tpu/flash_attention.py``.
 TPU tiling. Mosaic tiles the last two dims of every block in (8 sublanes x 128 lanes), so:
 
 * q, k, v, do are given to the kernels heads-major, ``[b, h, s, d]`` (one transpose outside):
-  a block is (block_q, d) or (block_kv, d), with d the full last dim;
+  a block is (block_q, d) or (block_kv, d), with d the full last dim (v, o and dO: d_v, which may
+  differ from q's d);
 * per-row statistics (m, l, lse, delta) and query positions are lane-replicated
   ``(block_q, 128)`` columns; key positions are sublane-replicated ``(8, block_kv)`` rows;
 * on a TPU block_q must be a multiple of 8 and block_kv a multiple of 128, unless the block is
@@ -52,8 +54,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ringattn_fast.kernels import budgets
-from ringattn_fast.kernels.tiles import (NEG_INF, Budget, empty_tiles, finite_keys, hop_kernels, out_struct,
-                                         resident_blocks, same_vma, tile_bounds)
+from ringattn_fast.kernels.tiles import (NEG_INF, Budget, const_specs, empty_tiles, finite_keys, hop_kernels,
+                                         out_struct, program, programmed, resident_blocks, same_vma, tile_bounds)
 from ringattn_fast.masks import allowed, bounds_empty, masked_grad
 from ringattn_fast.schedule import HopConfig
 
@@ -113,19 +115,26 @@ def _unless_empty(body, qb_ref, kb_ref, tile, cfg, segments):
         pl.when(jnp.logical_not(empty))(body)
 
 
-def _logits(q, k, cfg, *, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref):
-    """fp32 [block_q, block_kv] ``scale * q k^T``, -inf where masked; positions from a (block_q, 128)
-    query column and an (8, block_kv) key row."""
+def _logits(q, k, cfg, fn, *, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, grad=False):
+    """fp32 [block_q, block_kv] ``scale * q k^T``, soft-capped, scored and masked (``fn``: the tile's
+    `tiles.Program`, its consts' refs and the query head), -inf where masked; positions from a (block_q,
+    128) query column and an (8, block_kv) key row. With ``grad``: ``(s, pullback)`` (`tiles.programmed`)."""
     s = cfg.scale * _dot(q, k, _NT)
-    seg = (None, None) if q_seg_ref is None else (q_seg_ref[:, :1], k_seg_ref[:1, :])
-    allow = allowed(q_pos_ref[:, :1], k_pos_ref[:1, :], *seg, causal=cfg.causal, window=cfg.window)
-    return s if allow is None else jnp.where(allow, s, NEG_INF)
+    prog, const_refs, head = fn
+    q_pos, k_pos = q_pos_ref[:, :1], k_pos_ref[:1, :]  # (block_q, 1), (1, block_kv)
+    q_seg, k_seg = (None, None) if q_seg_ref is None else (q_seg_ref[:, :1], k_seg_ref[:1, :])
+    s, pull = programmed(prog, [r[...] for r in const_refs], s, q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg,
+                         head=head, grad=grad)
+    allow = allowed(q_pos, k_pos, q_seg, k_seg, causal=cfg.causal, window=cfg.window)
+    s = s if allow is None else jnp.where(allow, s, NEG_INF)
+    return (s, pull) if grad else s
 
 
 def _fwd_kernel(qb_ref, kb_ref, res_ref,                                    # SMEM tables
                 q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,        # inputs (segments: None)
+                const_refs,                                                 # the program's consts (a tuple)
                 o_ref, lse_ref, count_ref,                                  # outputs (count: None)
-                m_sc, l_sc, acc_sc, *, cfg, n_q, n_kv):
+                m_sc, l_sc, acc_sc, *, cfg, prog, n_q, n_kv):
     """Grid (batch, head, Q tile i, K/V tile j): fold tile (i, j) into (m, l, acc) (FA-2 Alg. 1)."""
     del res_ref  # read by the index maps only
     bi, hi, i, j = (pl.program_id(a) for a in range(4))
@@ -140,9 +149,9 @@ def _fwd_kernel(qb_ref, kb_ref, res_ref,                                    # SM
             count_ref[counter] = 0
 
     def _compute():
-        v = v_ref[...]
-        s = _logits(q_ref[...], k_ref[...], cfg, q_pos_ref=q_pos_ref, k_pos_ref=k_pos_ref,  # (block_q, block_kv)
-                    q_seg_ref=q_seg_ref, k_seg_ref=k_seg_ref)
+        v = v_ref[...]  # (block_kv, d_v)
+        s = _logits(q_ref[...], k_ref[...], cfg, (prog, const_refs, hi), q_pos_ref=q_pos_ref,  # (block_q, block_kv)
+                    k_pos_ref=k_pos_ref, q_seg_ref=q_seg_ref, k_seg_ref=k_seg_ref)
         m_prev = m_sc[...]  # (block_q, 128), lane-replicated
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row with nothing seen yet: exp(-inf) = 0
@@ -165,84 +174,97 @@ def _fwd_kernel(qb_ref, kb_ref, res_ref,                                    # SM
         lse_ref[...] = jnp.where(empty, NEG_INF, m + jnp.log(l_safe))
 
 
-def _qmajor_specs(cfg, d, group, n_q, n_kv):
+def _qmajor_specs(cfg, d, group, n_q, n_kv, d_v=None):
     """BlockSpecs of grid (b, h, i, j) (forward, dQ). Index maps get the grid indices, then the three
-    scalar-prefetch refs ``(qb, kb, res)``; K/V-side blocks read the resident K/V tile from ``res``."""
-    bq, bk = cfg.block_q, cfg.block_kv
+    scalar-prefetch refs ``(qb, kb, res)``; K/V-side blocks read the resident K/V tile from ``res``.
+    ``q``, ``kv``: q and k tiles (d wide); ``o``, ``v``: o / dO and v tiles (``d_v`` wide; None: d)."""
+    bq, bk, d_v = cfg.block_q, cfg.block_kv, d if d_v is None else d_v
     kv_tile = lambda bi, i, j, res: res[(bi * n_q + i) * n_kv + j]  # j, or the last computed tile
     q_side = lambda bi, hi, i, j, *_: (bi, hi, i, 0)
+    kv_side = lambda bi, hi, i, j, qb, kb, res: (bi, hi // group, kv_tile(bi, i, j, res), 0)
     return dict(
-        q=pl.BlockSpec((None, None, bq, d), q_side),
-        kv=pl.BlockSpec((None, None, bk, d),
-                        lambda bi, hi, i, j, qb, kb, res: (bi, hi // group, kv_tile(bi, i, j, res), 0)),
+        q=pl.BlockSpec((None, None, bq, d), q_side), o=pl.BlockSpec((None, None, bq, d_v), q_side),
+        kv=pl.BlockSpec((None, None, bk, d), kv_side), v=pl.BlockSpec((None, None, bk, d_v), kv_side),
         stat=pl.BlockSpec((None, None, bq, LANES), q_side),
         q_col=pl.BlockSpec((None, bq, LANES), lambda bi, hi, i, j, *_: (bi, i, 0)),
         k_row=pl.BlockSpec((None, SUBLANES, bk), lambda bi, hi, i, j, qb, kb, res: (bi, 0, kv_tile(bi, i, j, res))))
 
 
-def _kvmajor_specs(cfg, d, group, n_q, n_kv):
+def _kvmajor_specs(cfg, d, group, n_q, n_kv, d_v=None):
     """BlockSpecs of grid (b, kv_head, j, member, i) (dK/dV): the Q-side blocks read the resident Q tile
-    from ``res``; query head = ``kv_head * group + member``."""
-    bq, bk = cfg.block_q, cfg.block_kv
+    from ``res``; query head = ``kv_head * group + member``. Widths as in `_qmajor_specs`."""
+    bq, bk, d_v = cfg.block_q, cfg.block_kv, d if d_v is None else d_v
     q_tile = lambda bi, j, i, res: res[(bi * n_kv + j) * n_q + i]  # i, or the last computed tile
     q_side = lambda bi, kv_head, j, member, i, qb, kb, res: (bi, kv_head * group + member, q_tile(bi, j, i, res), 0)
+    kv_side = lambda bi, kv_head, j, member, i, *_: (bi, kv_head, j, 0)
     return dict(
-        q=pl.BlockSpec((None, None, bq, d), q_side),
-        kv=pl.BlockSpec((None, None, bk, d), lambda bi, kv_head, j, member, i, *_: (bi, kv_head, j, 0)),
+        q=pl.BlockSpec((None, None, bq, d), q_side), o=pl.BlockSpec((None, None, bq, d_v), q_side),
+        kv=pl.BlockSpec((None, None, bk, d), kv_side), v=pl.BlockSpec((None, None, bk, d_v), kv_side),
         stat=pl.BlockSpec((None, None, bq, LANES), q_side),
         q_col=pl.BlockSpec((None, bq, LANES), lambda bi, kv_head, j, member, i, qb, kb, res: (bi, q_tile(bi, j, i, res), 0)),
         k_row=pl.BlockSpec((None, SUBLANES, bk), lambda bi, kv_head, j, member, i, *_: (bi, 0, j)))
 
 
-def _pos_specs(sp, segments):
-    """Specs of (q_pos, k_pos, q_seg, k_seg): None for the absent segment ids."""
-    return [sp["q_col"], sp["k_row"]] + ([sp["q_col"], sp["k_row"]] if segments else [None, None])
+def _pos_specs(sp, segments, prog):
+    """Specs of (q_pos, k_pos, q_seg, k_seg): None for the absent segment ids; then the tuple of ``prog``'s
+    consts (`tiles.const_specs`: each whole, in every grid step)."""
+    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
+    return ([sp["q_col"], sp["k_row"]] + ([sp["q_col"], sp["k_row"]] if segments else [None, None])
+            + [const_specs(prog, whole)])
+
+
+def _consts(prog):
+    """``prog``'s consts as the kernels' last input (a tuple; () without a program)."""
+    return () if prog is None else prog.consts
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("count",))
 def _forward(qs, kv, *, cfg, interpret, count, vmem_limit):
     """pallas_call for the forward; returns (o, lse, computed K/V tiles per Q tile [b, h, nq] or None)."""
-    (b, sq, h, d), (sk, hk) = qs.q.shape, kv.k.shape[1:3]
+    (b, sq, h, d), (sk, hk), d_v = qs.q.shape, kv.k.shape[1:3], kv.v.shape[-1]
     n_q, n_kv, segments = sq // cfg.block_q, sk // cfg.block_kv, qs.seg is not None
+    prog = program(cfg, cfg.block_q, cfg.block_kv)
     prefetch, pos = _layout(qs, kv, cfg)
-    ops = same_vma(*prefetch, *(x.swapaxes(1, 2) for x in (qs.q, kv.k, kv.v)), *pos)  # heads-major q, k, v
-    q = ops[3]
-    sp = _qmajor_specs(cfg, d, h // hk, n_q, n_kv)
+    ops = same_vma(*prefetch, *(x.swapaxes(1, 2) for x in (qs.q, kv.k, kv.v)), *pos, *_consts(prog))  # heads-major
+    q, consts = ops[3], tuple(ops[len(ops) - len(_consts(prog)):])
+    sp = _qmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v)
     counter = pl.BlockSpec(memory_space=pltpu.SMEM)  # debug output: one counter per (batch, head, Q tile)
     out = pl.pallas_call(
-        functools.partial(_fwd_kernel, cfg=cfg, n_q=n_q, n_kv=n_kv),
+        functools.partial(_fwd_kernel, cfg=cfg, prog=prog, n_q=n_q, n_kv=n_kv),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3, grid=(b, h, n_q, n_kv),
-            in_specs=[sp["q"], sp["kv"], sp["kv"]] + _pos_specs(sp, segments),
-            out_specs=[sp["q"], sp["stat"], counter if count else None],
+            in_specs=[sp["q"], sp["kv"], sp["v"]] + _pos_specs(sp, segments, prog),
+            out_specs=[sp["o"], sp["stat"], counter if count else None],
             scratch_shapes=[pltpu.VMEM((cfg.block_q, LANES), jnp.float32),
                             pltpu.VMEM((cfg.block_q, LANES), jnp.float32),
-                            pltpu.VMEM((cfg.block_q, d), jnp.float32)]),
-        out_shape=[out_struct((b, h, sq, d), jnp.float32, q), out_struct((b, h, sq, LANES), jnp.float32, q),
+                            pltpu.VMEM((cfg.block_q, d_v), jnp.float32)]),
+        out_shape=[out_struct((b, h, sq, d_v), jnp.float32, q), out_struct((b, h, sq, LANES), jnp.float32, q),
                    out_struct((b * h * n_q,), jnp.int32, q) if count else None],
         compiler_params=pltpu.CompilerParams(  # the shared SMEM counter needs every axis in order
             dimension_semantics=("arbitrary",) * 4 if count else ("parallel",) * 3 + ("arbitrary",),
             vmem_limit_bytes=vmem_limit),
         interpret=interpret, name="ring_hop_fwd_tpu",
-    )(*ops)
+    )(*ops[:len(ops) - len(consts)], consts)
     counts = out[2].reshape(b, h, n_q) if count else None
     return out[0].swapaxes(1, 2), out[1][..., 0], counts
 
 
-def _tile_grads(s, do, v, lse, delta):
+def _tile_grads(s, pull, do, v, lse, delta):
     """FA-2 Alg. 2 lines 11-20 for one tile of masked logits: (p, ds), fp32 [block_q, block_kv];
-    lse, delta lane-replicated (block_q, 128)."""
+    lse, delta lane-replicated (block_q, 128); ``pull``: the tile program's pullback (`tiles.programmed`)
+    to the scaled logits, or None."""
     p = jnp.exp(s - lse[:, :1])  # P_ij = exp(S_ij - L_i), 0 where masked (lse is finite here)
     dp = _dot(do, v, _NT)  # dP_ij = dO_i V_j^T
-    return p, masked_grad(p, dp, delta[:, :1])  # dS_ij = P_ij * (dP_ij - D_i)
+    ds = masked_grad(p, dp, delta[:, :1])  # dS_ij = P_ij * (dP_ij - D_i)
+    return p, ds if pull is None else pull(ds, p)
 
 
 def _dq_kernel(qb_ref, kb_ref, res_ref,
                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
-               dq_ref, acc_sc, *, cfg, n_q, n_kv):
+               const_refs, dq_ref, acc_sc, *, cfg, prog, n_q, n_kv):
     """Grid (b, h, i, j): dQ_i += scale * dS_ij K_j over the K/V tiles j (in order)."""
     del res_ref
-    bi, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    bi, hi, i, j = (pl.program_id(a) for a in range(4))
 
     @pl.when(j == 0)
     def _init():
@@ -250,9 +272,9 @@ def _dq_kernel(qb_ref, kb_ref, res_ref,
 
     def _compute():
         k = k_ref[...]
-        s = _logits(q_ref[...], k, cfg, q_pos_ref=q_pos_ref, k_pos_ref=k_pos_ref, q_seg_ref=q_seg_ref,
-                    k_seg_ref=k_seg_ref)
-        _, ds = _tile_grads(s, do_ref[...], v_ref[...], lse_ref[...], delta_ref[...])
+        s, pull = _logits(q_ref[...], k, cfg, (prog, const_refs, hi), q_pos_ref=q_pos_ref, k_pos_ref=k_pos_ref,
+                          q_seg_ref=q_seg_ref, k_seg_ref=k_seg_ref, grad=True)
+        _, ds = _tile_grads(s, pull, do_ref[...], v_ref[...], lse_ref[...], delta_ref[...])
         acc_sc[...] += cfg.scale * _dot(ds.astype(k.dtype), finite_keys(k), _NN)  # a masked NaN key stays out
 
     _unless_empty(_compute, qb_ref, kb_ref, (bi, i, j, n_q, n_kv), cfg, q_seg_ref is not None)
@@ -264,10 +286,10 @@ def _dq_kernel(qb_ref, kb_ref, res_ref,
 
 def _dkv_kernel(qb_ref, kb_ref, res_ref,
                 q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
-                dk_ref, dv_ref, dk_sc, dv_sc, *, cfg, n_q, n_kv, group):
+                const_refs, dk_ref, dv_ref, dk_sc, dv_sc, *, cfg, prog, n_q, n_kv, group):
     """Grid (b, kv_head, j, member, i): dK_j, dV_j summed over the group's heads and the Q tiles i."""
     del res_ref
-    bi, j, member, i = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    bi, kv_head, j, member, i = (pl.program_id(a) for a in range(5))
 
     @pl.when((member == 0) & (i == 0))
     def _init():
@@ -276,9 +298,10 @@ def _dkv_kernel(qb_ref, kb_ref, res_ref,
 
     def _compute():
         q, do = q_ref[...], do_ref[...]
-        s = _logits(q, k_ref[...], cfg, q_pos_ref=q_pos_ref, k_pos_ref=k_pos_ref, q_seg_ref=q_seg_ref,
-                    k_seg_ref=k_seg_ref)
-        p, ds = _tile_grads(s, do, v_ref[...], lse_ref[...], delta_ref[...])
+        head = kv_head * group + member
+        s, pull = _logits(q, k_ref[...], cfg, (prog, const_refs, head), q_pos_ref=q_pos_ref, k_pos_ref=k_pos_ref,
+                          q_seg_ref=q_seg_ref, k_seg_ref=k_seg_ref, grad=True)
+        p, ds = _tile_grads(s, pull, do, v_ref[...], lse_ref[...], delta_ref[...])
         dv_sc[...] += _dot(p.astype(do.dtype), do, _TN)  # dV_j += P_ij^T dO_i
         dk_sc[...] += cfg.scale * _dot(ds.astype(q.dtype), q, _TN)  # dK_j += dS_ij^T Q_i
 
@@ -306,55 +329,63 @@ def _bwd_call(kernel, name, grid, *, specs, prefetch, args, out_specs, out_shape
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _backward(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit):
     """The two backward pallas_calls (dQ; dK and dV): (dq, dk, dv) float32."""
-    (b, sq, h, d), (sk, hk) = qs.q.shape, kv.k.shape[1:3]
+    (b, sq, h, d), (sk, hk), d_v = qs.q.shape, kv.k.shape[1:3], kv.v.shape[-1]
     group, n_q, n_kv, segments = h // hk, sq // cfg.block_q, sk // cfg.block_kv, qs.seg is not None
+    prog = program(cfg, cfg.block_q, cfg.block_kv)
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # a row that saw nothing: every p is masked to 0 anyway
     stats = [jnp.broadcast_to(x.astype(jnp.float32)[..., None], (b, h, sq, LANES)) for x in (lse, delta)]
     (prefetch_q, pos), (prefetch_kv, _) = _layout(qs, kv, cfg), _layout(qs, kv, cfg, transposed=True)
-    ops = same_vma(*prefetch_q, *prefetch_kv, *(x.swapaxes(1, 2) for x in (qs.q, kv.k, kv.v, do)), *stats, *pos)
-    prefetch_q, prefetch_kv, args = ops[:3], ops[3:6], ops[6:]  # args: q, k, v, do, lse, delta, positions
-    q, static = args[0], dict(cfg=cfg, n_q=n_q, n_kv=n_kv)
+    ops = same_vma(*prefetch_q, *prefetch_kv, *(x.swapaxes(1, 2) for x in (qs.q, kv.k, kv.v, do)), *stats, *pos,
+                   *_consts(prog))
+    n_args = len(ops) - len(_consts(prog))
+    prefetch_q, prefetch_kv = ops[:3], ops[3:6]
+    args = list(ops[6:n_args]) + [tuple(ops[n_args:])]  # q, k, v, do, lse, delta, positions, consts
+    q, static = args[0], dict(cfg=cfg, prog=prog, n_q=n_q, n_kv=n_kv)
 
     # dQ: grid (b, h, Q tiles, K/V tiles), K/V tiles last.
-    sp = _qmajor_specs(cfg, d, group, n_q, n_kv)
-    in_specs = [sp["q"], sp["kv"], sp["kv"], sp["q"], sp["stat"], sp["stat"]] + _pos_specs(sp, segments)
+    sp = _qmajor_specs(cfg, d, group, n_q, n_kv, d_v)
+    in_specs = [sp["q"], sp["kv"], sp["v"], sp["o"], sp["stat"], sp["stat"]] + _pos_specs(sp, segments, prog)
     dq = _bwd_call(functools.partial(_dq_kernel, **static), "ring_hop_bwd_dq_tpu", (b, h, n_q, n_kv),
                    specs=in_specs, prefetch=prefetch_q, args=args, out_specs=sp["q"],
                    out_shape=out_struct((b, h, sq, d), jnp.float32, q),
                    scratch=[pltpu.VMEM((cfg.block_q, d), jnp.float32)], interpret=interpret, vmem_limit=vmem_limit)
 
     # dK, dV: grid (b, kv heads, K/V tiles, group heads, Q tiles); the last two accumulate in scratch.
-    sp = _kvmajor_specs(cfg, d, group, n_q, n_kv)
-    in_specs = [sp["q"], sp["kv"], sp["kv"], sp["q"], sp["stat"], sp["stat"]] + _pos_specs(sp, segments)
+    sp = _kvmajor_specs(cfg, d, group, n_q, n_kv, d_v)
+    in_specs = [sp["q"], sp["kv"], sp["v"], sp["o"], sp["stat"], sp["stat"]] + _pos_specs(sp, segments, prog)
     dk, dv = _bwd_call(functools.partial(_dkv_kernel, group=group, **static), "ring_hop_bwd_dkv_tpu",
                        (b, hk, n_kv, group, n_q), specs=in_specs, prefetch=prefetch_kv, args=args,
-                       out_specs=[sp["kv"], sp["kv"]], out_shape=[out_struct((b, hk, sk, d), jnp.float32, q)] * 2,
-                       scratch=[pltpu.VMEM((cfg.block_kv, d), jnp.float32)] * 2, interpret=interpret,
-                       vmem_limit=vmem_limit)
+                       out_specs=[sp["kv"], sp["v"]],
+                       out_shape=[out_struct((b, hk, sk, width), jnp.float32, q) for width in (d, d_v)],
+                       scratch=[pltpu.VMEM((cfg.block_kv, width), jnp.float32) for width in (d, d_v)],
+                       interpret=interpret, vmem_limit=vmem_limit)
     return dq.swapaxes(1, 2), dk.swapaxes(1, 2), dv.swapaxes(1, 2)
 
 
-def footprints(cfg, q_shape, k_shape, dtype, backward):
+def footprints(cfg, q_shape, k_shape, dtype, backward, d_v=None):
     """The VMEM / SMEM estimate of each pallas_call (`budgets`), from the BlockSpecs and scratch the
     kernels are built with: the forward, or the dQ and the dK/dV kernels. Segment ids are counted
-    (they may be absent: an over-estimate of two int32 blocks)."""
+    (they may be absent: an over-estimate of two int32 blocks); ``d_v``: v's width (None: q's); a
+    program's consts (a few scalars per head) are not."""
     (b, sq, h, d), (sk, hk) = q_shape, k_shape[1:3]
+    d_v = d if d_v is None else d_v
     bq, bk, f32, i32 = cfg.block_q, cfg.block_kv, jnp.float32, jnp.int32
     n_q, n_kv = sq // bq, sk // bk
     smem = 4 * (b * n_q * 4 + b * n_kv * 4 + b * n_q * n_kv)  # tile bounds, resident blocks (int32)
     out = []
     for name, sp, scratch in (
-            [("ring_hop_fwd_tpu", _qmajor_specs(cfg, d, h // hk, n_q, n_kv),
-              [((bq, LANES), f32)] * 2 + [((bq, d), f32)])]
+            [("ring_hop_fwd_tpu", _qmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v),
+              [((bq, LANES), f32)] * 2 + [((bq, d_v), f32)])]
             if not backward else
-            [("ring_hop_bwd_dq_tpu", _qmajor_specs(cfg, d, h // hk, n_q, n_kv), [((bq, d), f32)]),
-             ("ring_hop_bwd_dkv_tpu", _kvmajor_specs(cfg, d, h // hk, n_q, n_kv), [((bk, d), f32)] * 2)]):
+            [("ring_hop_bwd_dq_tpu", _qmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v), [((bq, d), f32)]),
+             ("ring_hop_bwd_dkv_tpu", _kvmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v),
+              [((bk, d), f32), ((bk, d_v), f32)])]):
         of = lambda spec, dt: budgets.block_of(spec, dt)  # noqa: E731
-        ins = [of(sp["q"], dtype), of(sp["kv"], dtype), of(sp["kv"], dtype)]
-        ins += [of(sp["q"], dtype), of(sp["stat"], f32), of(sp["stat"], f32)] if backward else []
+        ins = [of(sp["q"], dtype), of(sp["kv"], dtype), of(sp["v"], dtype)]
+        ins += [of(sp["o"], dtype), of(sp["stat"], f32), of(sp["stat"], f32)] if backward else []
         ins += [of(sp["q_col"], i32), of(sp["k_row"], i32)] * 2
-        outs = ([of(sp["q"], f32), of(sp["stat"], f32)] if not backward else
-                [of(sp["q"], f32)] if name.endswith("dq_tpu") else [of(sp["kv"], f32)] * 2)
+        outs = ([of(sp["o"], f32), of(sp["stat"], f32)] if not backward else
+                [of(sp["q"], f32)] if name.endswith("dq_tpu") else [of(sp["kv"], f32), of(sp["v"], f32)])
         temps = [((bq, bk), f32)] * (2 if not backward else 3)  # s, p (and dp / ds)
         out.append(budgets.Footprint(budgets.tpu_vmem_bytes(ins + outs, scratch, temps), smem, name))
     return out

@@ -25,15 +25,17 @@ Notation (FlashAttention-2, Dao 2023, Algorithms 1 and 2):
   (Br, 128) halves, ``acc_v`` the unnormalised O) while the tile runs through the hop's K/V tiles;
   between ring steps in HBM (``stat``, ``acc``): the ring *is* FA-2's outer Bc loop, so the running
   statistics of every Q tile live across the grid axis.
-- S: ``scale * q @ k.T``, -inf where ``masks.allowed`` is False. K/V arrive marked by
-  ``masks.mark_bad_keys``; dQ reads ``tiles.finite_keys(K)``, dS is zeroed where P is 0.
+- S: ``scale * q @ k.T``, soft-capped, ``score_fn`` and ``mask_fn`` applied as in the per-hop kernels
+  (`tiles.programmed`; their consts sit whole in VMEM), -inf where ``masks.allowed`` is False. K/V
+  arrive marked by ``masks.mark_bad_keys``; dQ reads ``tiles.finite_keys(K)``, dS is zeroed where P is 0.
 - lse = m + log l (-inf for a row that saw nothing; then o = 0); D = rowsum(dO * O) (outside).
 - backward: per ring step two passes over the held shard, as the per-hop kernels' two pallas_calls:
   pass B (K/V tiles outer, the GQA group's Q tiles streamed) accumulates dK/dV in VMEM and adds them
   into the travelling ``dkv`` buffer; its send then overlaps pass A (Q tiles outer, K/V tiles
   streamed), which adds dQ into HBM.
 
-What travels (HBM to HBM). Forward: ``kv`` = stack(K, V) ``[2, b, hk, sk, d]`` and ``kmeta`` =
+What travels (HBM to HBM). Forward: ``kv`` = stack(K, V) ``[2, b, hk, sk, d]`` (with ``d_v != d`` the
+narrower of q/K and V zero-padded to the wider, `_pack`) and ``kmeta`` =
 stack(k_pos, k_seg) ``[b, 2, sk]`` (positions travel with their K/V, so every layout gets exact masks).
 Backward: the same plus ``dkv`` = stack(dK, dV) float32, which makes one extra hop after the last step
 to arrive home; dQ stays (Ring Attention, Sec. 3).
@@ -96,7 +98,7 @@ from ringattn_fast.kernels import budgets
 from ringattn_fast.kernels import fused_ring as fr
 from ringattn_fast.kernels.fused_ring import I32
 from ringattn_fast.kernels.tiles import (NEG_INF, check_budget, check_kernel_call, finite_keys, interpret_mode,
-                                         out_struct, same_vma, target_chip)
+                                         out_struct, program, programmed, same_vma, target_chip)
 from ringattn_fast.masks import allowed, masked_grad
 from ringattn_fast.schedule import HopConfig, KVShard, QShard
 
@@ -119,15 +121,24 @@ def _split(t, sizes):
     return [t] + out[::-1]
 
 
-def _logits(cfg, q, k, qm, km):
-    """fp32 (bq, bk) ``scale * q k^T``, -inf where the true positions (and segments) forbid the pair.
-    qm: VMEM (2, bq, 128) lane-replicated query (pos, seg); km: VMEM (2, bk) key (pos, seg) rows."""
+def _logits(cfg, fn, q, k, qm, km, *, grad=False):
+    """fp32 (bq, bk) ``scale * q k^T``, soft-capped, scored and masked by ``fn`` = (the `tiles.Program`,
+    its consts' refs, the query head), -inf where the true positions (and segments) forbid the pair.
+    qm: VMEM (2, bq, 128) lane-replicated query (pos, seg); km: VMEM (2, bk) key (pos, seg) rows. With
+    ``grad``: ``(s, pullback)`` (`tiles.programmed`)."""
     s = _dot(q, k, ((1,), (1,))) * cfg.hop.scale
-    if not cfg.masked:
-        return s
-    seg = (qm[1, :, :1], km[1:2, :]) if cfg.has_seg else (None, None)
-    allow = allowed(qm[0, :, :1], km[0:1, :], *seg, causal=cfg.hop.causal, window=cfg.hop.window)
-    return s if allow is None else jnp.where(allow, s, NEG_INF)
+    prog, const_refs, head = fn
+    pull = None
+    if cfg.masked:
+        q_pos, k_pos = qm[0, :, :1], km[0:1, :]
+        seg = (qm[1, :, :1], km[1:2, :]) if cfg.has_seg else (None, None)
+        s, pull = programmed(prog, [r[...] for r in const_refs], s, q_pos=q_pos, k_pos=k_pos, q_seg=seg[0],
+                             k_seg=seg[1], head=head, grad=grad)
+        allow = allowed(q_pos, k_pos, *seg, causal=cfg.hop.causal, window=cfg.hop.window)
+        s = s if allow is None else jnp.where(allow, s, NEG_INF)
+    elif prog is not None:  # a soft-cap only: no positions needed
+        s, pull = programmed(prog, [], s, q_pos=None, k_pos=None, q_seg=None, k_seg=None, head=None, grad=grad)
+    return (s, pull) if grad else s
 
 
 def _shape(cfg, q_shape, k_shape):
@@ -138,8 +149,8 @@ def _shape(cfg, q_shape, k_shape):
 
 # ---------------------------------------------------------------- forward kernel
 
-def _fwd_kernel(cfg, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,             # SMEM tables
-                q_hbm, qmeta_hbm, kv_hbm, kmeta_hbm,                                 # inputs (HBM)
+def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,       # SMEM tables
+                q_hbm, qmeta_hbm, kv_hbm, kmeta_hbm, const_refs,                     # inputs (HBM; consts VMEM)
                 o_hbm, stat_hbm, acc_hbm, kv_ring, kmeta_ring, cnt_ref,              # outputs (HBM; cnt SMEM)
                 q_v, qm_v, acc_v, stat_v, o_v, k_s, v_s, km_s,                       # VMEM tiles
                 sem, tile_sems, send_sem, recv_sem, cap_sem):
@@ -193,7 +204,7 @@ def _fwd_kernel(cfg, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,          
             if cnt_ref is not None:
                 cnt_ref[0] += 1
             v = v_s[buf]
-            s = _logits(cfg, q_v[...], k_s[buf], qm_v, km_s.at[buf])     # (bq, bk)
+            s = _logits(cfg, (prog, const_refs, hi), q_v[...], k_s[buf], qm_v, km_s.at[buf])  # (bq, bk)
             m_prev, l_prev = stat_v[:, :LANES], stat_v[:, LANES:]        # (bq, 128) each, lane-replicated
             m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row with nothing seen yet: no NaN
@@ -245,9 +256,9 @@ def _fwd_scratch(cfg, d, dtype):
             ((2, bk, d), dtype), ((2, bk, d), dtype), ((2, 2, bk), i32)]
 
 
-def _call(kernel, name, cfg, *, out_shape, in_specs, out_specs, scratch):
+def _call(kernel, name, cfg, prog, *, out_shape, in_specs, out_specs, scratch):
     return pl.pallas_call(
-        functools.partial(kernel, cfg),
+        functools.partial(kernel, cfg, prog),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5, grid=(cfg.axis_size,), in_specs=in_specs, out_specs=out_specs,
@@ -271,26 +282,35 @@ def _outputs(cfg, like, *shapes_dtypes):
     return structs, specs
 
 
+def _consts(cfg):
+    """The `tiles.Program` of ``cfg.hop`` (or None), its consts (a tuple) and their in_specs (each whole, in VMEM)."""
+    prog = program(cfg.hop, cfg.hop.block_q, cfg.hop.block_kv)
+    consts = () if prog is None else prog.consts
+    return prog, consts, tuple(pl.BlockSpec(memory_space=pltpu.VMEM) for _ in consts)
+
+
 def _fwd_call(cfg, sched, q_t, qmeta, kv, kmeta):
     """q_t [b, h, sq, d], qmeta [b, 2, sq, 128], kv [2, b, hk, sk, d], kmeta [b, 2, sk] -> o [b, h, sq, d]
     (q dtype), stat [b, h, sq, 256] float32 (lse in lanes 0..127), computed-tile count int32 [1] or None."""
     f32 = jnp.float32
-    q_t, qmeta, kv, kmeta = same_vma(q_t, qmeta, kv, kmeta)
+    prog, consts, const_specs = _consts(cfg)
+    q_t, qmeta, kv, kmeta, *consts = same_vma(q_t, qmeta, kv, kmeta, *consts)
     b, h, sq, d = q_t.shape
     out_shape, out_specs = _outputs(cfg, q_t, (q_t.shape, q_t.dtype), ((b, h, sq, 2 * LANES), f32), (q_t.shape, f32),
                                     ((2,) + kv.shape, kv.dtype), ((2,) + kmeta.shape, jnp.int32))
     sems = [pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA((3, 2)), pltpu.SemaphoreType.DMA((2,)),
             pltpu.SemaphoreType.DMA((2, 2)), pltpu.SemaphoreType.REGULAR]
-    call = _call(_fwd_kernel, "ring_fused_fwd_tpu", cfg, out_shape=out_shape, in_specs=[_ANY] * 4,
-                 out_specs=out_specs, scratch=_vmem(_fwd_scratch(cfg, d, q_t.dtype)) + sems)
-    o, stat, _, _, _, cnt = call(*sched, q_t, qmeta, kv, kmeta)
+    call = _call(_fwd_kernel, "ring_fused_fwd_tpu", cfg, prog, out_shape=out_shape,
+                 in_specs=[_ANY] * 4 + [const_specs], out_specs=out_specs,
+                 scratch=_vmem(_fwd_scratch(cfg, d, q_t.dtype)) + sems)
+    o, stat, _, _, _, cnt = call(*sched, q_t, qmeta, kv, kmeta, tuple(consts))
     return o, stat, cnt
 
 
 # ---------------------------------------------------------------- backward kernel
 
-def _bwd_kernel(cfg, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,             # SMEM tables
-                q_hbm, do_hbm, stat_hbm, qmeta_hbm, kv_hbm, kmeta_hbm,               # inputs (HBM)
+def _bwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,       # SMEM tables
+                q_hbm, do_hbm, stat_hbm, qmeta_hbm, kv_hbm, kmeta_hbm, const_refs,   # inputs (HBM; consts VMEM)
                 dq_hbm, kv_ring, kmeta_ring, dkv_ring, cnt_ref,                      # outputs (HBM; cnt SMEM)
                 k_v, v_v, km_v, dk_v, dv_v, q_s, do_s, st_s, qm_s,                   # pass B tiles (dK, dV)
                 q_v, do_v, st_v, qm_v, dq_v, k_s, v_s, km_s,                         # pass A tiles (dQ)
@@ -322,11 +342,13 @@ def _bwd_kernel(cfg, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,          
     rows, cols = (lambda i: pl.ds(i * I32(bq), bq)), (lambda j: pl.ds(j * I32(bk), bk))
     first = ring.step == 0
 
-    def grads(q, do, st, qm, k, v, km):
-        """P, dS of one tile (FA-2 Alg. 2 lines 11-20); st (bq, 256) = [lse | delta]."""
-        s = _logits(cfg, q, k, qm, km)
+    def grads(head, q, do, st, qm, k, v, km):
+        """P, dS of one tile of query head ``head`` (FA-2 Alg. 2 lines 11-20); st (bq, 256) = [lse | delta];
+        dS taken back through the tile's program to the scaled logits."""
+        s, pull = _logits(cfg, (prog, const_refs, head), q, k, qm, km, grad=True)
         p = jnp.exp(s - st[:, :1])                               # P = exp(S - lse), masked: 0
-        return p, masked_grad(p, _dot(do, v, ((1,), (1,))), st[:, LANES:LANES + 1])  # dS = P (dP - D)
+        ds = masked_grad(p, _dot(do, v, ((1,), (1,))), st[:, LANES:LANES + 1])  # dS = P (dP - D)
+        return p, ds if pull is None else pull(ds, p)
 
     def kv_tile(t, carry):  # pass B: dK_j, dV_j += over the group's heads and my Q tiles
         bi, kv_head, j = _split(t, (b, hk, nk))
@@ -357,7 +379,7 @@ def _bwd_kernel(cfg, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,          
 
         def q_tile(u, buf):
             q, do = q_s[buf], do_s[buf]
-            p, ds = grads(q, do, st_s[buf], qm_s.at[buf], k_v[...], v_v[...], km_v)
+            p, ds = grads(head(u), q, do, st_s[buf], qm_s.at[buf], k_v[...], v_v[...], km_v)
             dv_v[...] += _dot(p.astype(do.dtype), do, ((0,), (0,)))          # dV_j += P^T dO_i
             dk_v[...] += _dot(ds.astype(q.dtype), q, ((0,), (0,))) * scale   # dK_j += dS^T Q_i
 
@@ -397,7 +419,7 @@ def _bwd_kernel(cfg, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,          
             if cnt_ref is not None:
                 cnt_ref[0] += 1
             k = k_s[buf]
-            _, ds = grads(q_v[...], do_v[...], st_v[...], qm_v, k, v_s[buf], km_s.at[buf])
+            _, ds = grads(hi, q_v[...], do_v[...], st_v[...], qm_v, k, v_s[buf], km_s.at[buf])
             dq_v[...] += _dot(ds.astype(k.dtype), finite_keys(k), ((1,), (0,))) * scale  # a masked NaN key: 0
 
         pairs = [(lambda j: kv_ring.at[slot, 0, bi, kv_head, cols(j), :], k_s),
@@ -440,14 +462,16 @@ def _bwd_call(cfg, sched, q_t, qmeta, kv, kmeta, *, do_t, stat):
     """The backward's inputs as `_fwd_call`'s, plus do_t (like q_t) and stat [b, h, sq, 256] = [lse | delta]
     -> dq [b, h, sq, d] float32, dkv ring [2, 2, b, hk, sk, d] float32 (home: slot N % 2), count or None."""
     f32 = jnp.float32
-    q_t, do_t, stat, qmeta, kv, kmeta = same_vma(q_t, do_t, stat, qmeta, kv, kmeta)
+    prog, consts, const_specs = _consts(cfg)
+    q_t, do_t, stat, qmeta, kv, kmeta, *consts = same_vma(q_t, do_t, stat, qmeta, kv, kmeta, *consts)
     out_shape, out_specs = _outputs(cfg, q_t, (q_t.shape, f32), ((2,) + kv.shape, kv.dtype),
                                     ((2,) + kmeta.shape, jnp.int32), ((2,) + kv.shape, f32))
     sems = [pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA((4, 2)), pltpu.SemaphoreType.DMA((3, 2)),
             pltpu.SemaphoreType.DMA((3,)), pltpu.SemaphoreType.DMA((3, 2)), pltpu.SemaphoreType.REGULAR]
-    call = _call(_bwd_kernel, "ring_fused_bwd_tpu", cfg, out_shape=out_shape, in_specs=[_ANY] * 6,
-                 out_specs=out_specs, scratch=_vmem(_bwd_scratch(cfg, q_t.shape[-1], q_t.dtype)) + sems)
-    dq, _, _, dkv, cnt = call(*sched, q_t, do_t, stat, qmeta, kv, kmeta)
+    call = _call(_bwd_kernel, "ring_fused_bwd_tpu", cfg, prog, out_shape=out_shape,
+                 in_specs=[_ANY] * 6 + [const_specs], out_specs=out_specs,
+                 scratch=_vmem(_bwd_scratch(cfg, q_t.shape[-1], q_t.dtype)) + sems)
+    dq, _, _, dkv, cnt = call(*sched, q_t, do_t, stat, qmeta, kv, kmeta, tuple(consts))
     return dq, dkv, cnt
 
 
@@ -458,19 +482,27 @@ def _lanes(x):
     return jnp.broadcast_to(x[..., None], x.shape + (LANES,))
 
 
+def _width(x, width):
+    """x zero-padded on its last axis to ``width``."""
+    return x if x.shape[-1] == width else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+
+
 def _pack(qs, kv):
     """[b, s, h, d] -> head-major kernel layout; positions and segments packed per side (queries
-    lane-replicated [b, 2, sq, 128], keys as rows [b, 2, sk])."""
+    lane-replicated [b, 2, sq, 128], keys as rows [b, 2, sk]). K and V travel as one buffer, so with
+    d_v != d the narrower of q/k and v is zero-padded to the wider, ``D = max(d, d_v)`` (zeros change
+    neither q.k nor o's first d_v columns; the padded gradients' columns are 0 and cut off)."""
+    width = max(qs.q.shape[-1], kv.v.shape[-1])
     meta = lambda pos, seg: jnp.stack([pos, jnp.zeros_like(pos) if seg is None else seg], 1).astype(jnp.int32)
-    kv_t = jnp.stack([kv.k, kv.v]).transpose(0, 1, 3, 2, 4)  # (2, b, hk, sk, d)
-    return qs.q.transpose(0, 2, 1, 3), _lanes(meta(qs.pos, qs.seg)), kv_t, meta(kv.pos, kv.seg)
+    kv_t = jnp.stack([_width(kv.k, width), _width(kv.v, width)]).transpose(0, 1, 3, 2, 4)  # (2, b, hk, sk, D)
+    return _width(qs.q, width).transpose(0, 2, 1, 3), _lanes(meta(qs.pos, qs.seg)), kv_t, meta(kv.pos, kv.seg)
 
 
 def _forward(cfg, qs, kv):
     """-> o [b, sq, h, d] (q dtype), lse [b, h, sq] float32, tiles computed on this device (int32 [1]
     with ``cfg.count``, else None)."""
     o, stat, cnt = _fwd_call(cfg, fr.schedule(cfg, qs, kv), *_pack(qs, kv))
-    return o.transpose(0, 2, 1, 3), stat[..., 0], cnt
+    return o[..., :kv.v.shape[-1]].transpose(0, 2, 1, 3), stat[..., 0], cnt
 
 
 def _backward(cfg, qs, kv, *, o, lse, do, dlse):
@@ -484,10 +516,12 @@ def _backward(cfg, qs, kv, *, o, lse, do, dlse):
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # a row that saw nothing: every p is 0 anyway
     stat = jnp.concatenate([_lanes(lse.astype(jnp.float32)), _lanes(delta)], axis=-1)  # (b, h, sq, 256)
     dq, dkv, cnt = _bwd_call(cfg, fr.schedule(cfg, qs, kv), q_t, qmeta, kv_t, kmeta,
-                             do_t=do.transpose(0, 2, 1, 3), stat=stat)
+                             do_t=_width(do, q_t.shape[-1]).transpose(0, 2, 1, 3), stat=stat)
     home = cfg.axis_size % 2 if cfg.axis_size > 1 else 0  # after N sends (none when N == 1)
-    dk, dv = dkv[home].transpose(0, 1, 3, 2, 4)           # (b, sk, hk, d) each
-    return dq.transpose(0, 2, 1, 3).astype(qs.q.dtype), dk.astype(kv.k.dtype), dv.astype(kv.v.dtype), cnt
+    dk, dv = dkv[home].transpose(0, 1, 3, 2, 4)           # (b, sk, hk, D) each
+    d, d_v = qs.q.shape[-1], kv.v.shape[-1]
+    return (dq[..., :d].transpose(0, 2, 1, 3).astype(qs.q.dtype), dk[..., :d].astype(kv.k.dtype),
+            dv[..., :d_v].astype(kv.v.dtype), cnt)
 
 
 def _int_zeros(x):
@@ -560,8 +594,9 @@ def make_config(qs, kv, cfg, *, axis_name, interpret=None, _handshake=True, coun
             raise ValueError(f"impl={IMPL!r}: TPU tiles need block_q % {SUBLANES} == 0 (or block_q == sq) and "
                              f"block_kv % {LANES} == 0 (or block_kv == sk); got block_q={hop.block_q}, sq={sq}, "
                              f"block_kv={hop.block_kv}, sk={sk}")
-        est = lambda c: footprints(c, qs.q.shape, kv.k.shape, qs.q.dtype, n=axis_size,  # noqa: E731
-                                    has_seg=qs.seg is not None)
+        width = max(qs.q.shape[-1], kv.v.shape[-1])  # q, K and V as `_pack` pads them
+        est = lambda c: footprints(c, qs.q.shape[:-1] + (width,), kv.k.shape[:-1] + (width,),  # noqa: E731
+                                    qs.q.dtype, n=axis_size, has_seg=qs.seg is not None)
         limit = check_budget(IMPL, chip, est, hop, q_blocks=budgets.candidate_blocks(sq, multiple=SUBLANES, top=2048),
                              kv_blocks=budgets.candidate_blocks(sk, multiple=LANES, top=2048))
     return fr.FusedConfig(axis_name=axis_name, axis_size=axis_size, hop=hop, has_seg=qs.seg is not None,

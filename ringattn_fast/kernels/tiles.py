@@ -14,6 +14,11 @@ divide the shard. Non-finite keys (docs/design.md): the kernels take K/V as the 
 once per ring by ``masks.mark_bad_keys``; what is left to them (``masks.finite_part``,
 ``masks.masked_grad``, shared with the XLA hop): dQ multiplies dS with the finite part of K, and dS is
 zeroed with ``where`` where P is 0 (never ``0 * nan``).
+
+Programmable attention (docs/design.md): `Program` is what a kernel applies to a tile's scaled logits
+beyond the built-in mask, in the XLA hop's order: ``logit_softcap``, ``score_fn``, ``mask_fn``. The
+user functions are traced once at the kernel's tile shapes and their captured arrays (ALiBi's slopes)
+become kernel inputs: a ``pallas_call`` refuses a kernel that captures an array.
 """
 import dataclasses
 from typing import Callable, NamedTuple
@@ -124,17 +129,13 @@ def check_kernel_call(impl, qs, kv, cfg):
     and tile sides filled in, tiles clamped to the shard).
 
     Everything else about the call was validated at the front door (``ringattn_fast.front``). Raises
-    ValueError naming the impl, the argument, what was received and what is needed.
+    ValueError naming the impl, the argument, what was received and what is needed. ``logit_softcap``,
+    ``mask_fn``, ``score_fn`` (`Program`) and a value width of its own (v [b, sk, hk, d_v]) are every
+    kernel's.
     """
     if kv.bias is not None:
         raise ValueError(f"impl={impl!r}: the Pallas kernels take no bias; use impl='xla' (got bias of "
                          f"shape {getattr(kv.bias, 'shape', None)})")
-    if kv.v.shape[-1] != qs.q.shape[-1]:
-        raise ValueError(f"impl={impl!r}: the Pallas kernels need v as wide as q for now; got q "
-                         f"{tuple(qs.q.shape)}, v {tuple(kv.v.shape)}: use impl='xla'")
-    if cfg.logit_softcap is not None or cfg.mask_fn is not None or cfg.score_fn is not None:
-        raise ValueError(f"impl={impl!r}: the Pallas kernels do not apply logit_softcap, mask_fn or score_fn yet; "
-                         f"use impl='xla'")
     check_kernel_dtypes(impl, qs.q, kv.k, kv.v)
     sq, sk = qs.q.shape[1], kv.k.shape[1]
     cfg = cfg.resolve(qs.q.shape[-1], sq, sk)
@@ -142,6 +143,96 @@ def check_kernel_call(impl, qs, kv, cfg):
         raise ValueError(f"impl={impl!r}: block_q must divide sq and block_kv must divide sk; got "
                          f"block_q={cfg.block_q}, sq={sq}, block_kv={cfg.block_kv}, sk={sk}")
     return cfg
+
+
+# ---------------------------------------------------------------- programmable logits
+
+class Program(NamedTuple):
+    """``HopConfig``'s soft-cap and user functions as a kernel applies them to one tile (`program`).
+
+    In order on the scaled logits ``s`` (``kernels/xla.py``'s ``_logits``): ``softcap`` c (``c tanh(s / c)``,
+    Gemma 2), ``score`` (``score_fn``), ``mask`` (``mask_fn``, beside the built-in mask). ``score`` and
+    ``mask`` are the user functions traced at the kernel's tile shapes (``ringattn_ref.variants``'
+    conventions with the batch and head axes of one tile: q_pos, q_seg int32 [1, 1, bq, 1], k_pos, k_seg
+    [1, 1, 1, bk], head [1, 1, 1, 1], s float32 [1, 1, bq, bk]) as jaxprs, or None; the arrays they
+    captured are ``consts`` (``n_score`` of them the score's, then the mask's), which the kernel takes as
+    inputs (`const_specs`) and hands back, read, to `programmed`.
+    """
+    softcap: float | None
+    score: object
+    mask: object
+    consts: tuple
+    n_score: int
+
+
+def program(cfg, block_q, block_kv):
+    """The :class:`Program` of a resolved ``cfg`` for ``block_q x block_kv`` tiles, or None (nothing to apply)."""
+    if cfg.logit_softcap is None and cfg.score_fn is None and cfg.mask_fn is None:
+        return None
+    i32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    col, row, head = i32((1, 1, block_q, 1)), i32((1, 1, 1, block_kv)), i32((1, 1, 1, 1))
+    s = jax.ShapeDtypeStruct((1, 1, block_q, block_kv), jnp.float32)
+    trace = lambda fn, *args: (None, ()) if fn is None else _hoisted(jax.make_jaxpr(fn)(*args))  # noqa: E731
+    score, score_consts = trace(cfg.score_fn, s, col, row, head)
+    mask, mask_consts = trace(cfg.mask_fn, col, row, col, row, head)
+    return Program(cfg.logit_softcap, score, mask, score_consts + mask_consts, len(score_consts))
+
+
+def _hoisted(closed):
+    """(jaxpr, its captured arrays as jax arrays): a ClosedJaxpr's consts, to be passed in, not captured."""
+    return closed.jaxpr, tuple(jnp.asarray(c) for c in closed.consts)
+
+
+def const_specs(prog, spec):
+    """The in_specs of ``prog.consts`` (a tuple, one ref each in the kernel; () without a program):
+    ``spec(shape)`` -> a BlockSpec holding the whole array in every program."""
+    return () if prog is None else tuple(spec(c.shape) for c in prog.consts)
+
+
+def programmed(prog, consts, s, *, q_pos, k_pos, q_seg, k_seg, head, grad=False):
+    """One tile's logits after ``prog``: ``(s, pullback)``; ``(s, None)`` without a program or ``grad``.
+
+    s: float32 [bq, bk] scaled logits (before any mask); q_pos, q_seg: the tile's bq query positions and
+    segment ids in any shape (a (bq,) vector, a (bq, 1) column), k_pos, k_seg the bk keys' (None segment
+    ids: zeros, as the oracle gives the functions); head: the query head, an int32 scalar; consts: the
+    values of ``prog.consts`` read from their refs. ``mask_fn`` sets -inf where False (built-in masks are
+    the caller's). ``pullback(ds, p)`` takes dS of the returned logits (0 where P is 0) back to the scaled
+    logits: through ``score_fn`` by ``jax.vjp`` of the traced function on the tile, then times
+    ``1 - tanh^2``, each 0 where ``p`` is 0 (a masked pair's gradient stays 0, NaN or not).
+    """
+    if prog is None:
+        return s, None
+    bq, bk = s.shape
+    if prog.score is not None or prog.mask is not None:  # (a soft-cap alone reads no positions)
+        qp, kp = jnp.reshape(q_pos, (1, 1, bq, 1)), jnp.reshape(k_pos, (1, 1, 1, bk))
+        qseg = jnp.zeros_like(qp) if q_seg is None else jnp.reshape(q_seg, (1, 1, bq, 1))
+        kseg = jnp.zeros_like(kp) if k_seg is None else jnp.reshape(k_seg, (1, 1, 1, bk))
+        hd = jnp.full((1, 1, 1, 1), head, jnp.int32)
+    dcap = score_pull = None
+    if prog.softcap is not None:
+        t = jnp.tanh(s / prog.softcap)
+        s, dcap = prog.softcap * t, 1.0 - t * t
+    if prog.score is not None:
+        score = lambda x: jax.core.eval_jaxpr(prog.score, consts[:prog.n_score], x, qp, kp, hd)[0]  # noqa: E731
+        x = jnp.reshape(s, (1, 1, bq, bk))
+        if grad:
+            x, score_pull = jax.vjp(lambda x: score(x).astype(jnp.float32), x)
+        else:
+            x = score(x).astype(jnp.float32)
+        s = jnp.reshape(x, (bq, bk))
+    if prog.mask is not None:
+        ok = jax.core.eval_jaxpr(prog.mask, consts[prog.n_score:], qp, kp, qseg, kseg, hd)[0]
+        s = jnp.where(jnp.reshape(jnp.broadcast_to(ok, (1, 1, bq, bk)), (bq, bk)), s, NEG_INF)
+    if not grad:
+        return s, None
+
+    def pullback(ds, p):
+        if score_pull is not None:
+            ds = jnp.where(p == 0, 0.0, jnp.reshape(score_pull(jnp.reshape(ds, (1, 1, bq, bk)))[0], (bq, bk)))
+        if dcap is not None:  # dcap is NaN for a bad key: kept out where P is 0
+            ds = jnp.where(p == 0, 0.0, ds * dcap)
+        return ds
+    return s, pullback
 
 
 # ---------------------------------------------------------------- the per-hop entry points
@@ -155,8 +246,9 @@ class HopKernels(NamedTuple):
 
 class Budget(NamedTuple):
     """What a kernel module tells `hop_kernels` about its memory: ``estimate(cfg, q_shape, k_shape,
-    dtype, backward)`` -> [budgets.Footprint] (one per pallas_call, from its own block specs), and
-    ``blocks(sq, sk)`` -> (block_q candidates, block_kv candidates) its tile rule allows on the chip."""
+    dtype, backward, d_v=v's width)`` -> [budgets.Footprint] (one per pallas_call, from its own block
+    specs), and ``blocks(sq, sk)`` -> (block_q candidates, block_kv candidates) its tile rule allows on
+    the chip."""
     estimate: Callable
     blocks: Callable
 
@@ -178,7 +270,8 @@ def hop_kernels(impl, forward, backward, tile_rule=None, budget=None):
             tile_rule(cfg, sq, sk, interpret)
         chip, limit = target_chip(interpret), None
         if chip is not None and budget is not None:
-            estimate = lambda c: budget.estimate(c, qs.q.shape, kv.k.shape, qs.q.dtype, backward_pass)  # noqa: E731
+            estimate = lambda c: budget.estimate(c, qs.q.shape, kv.k.shape, qs.q.dtype, backward_pass,  # noqa: E731
+                                                 d_v=kv.v.shape[-1])
             q_blocks, kv_blocks = budget.blocks(sq, sk)
             limit = check_budget(impl, chip, estimate, cfg, q_blocks=q_blocks, kv_blocks=kv_blocks)
         return dict(cfg=cfg, interpret=interpret, vmem_limit=limit)

@@ -1,0 +1,66 @@
+"""Programmable attention in the Pallas kernels: ``logit_softcap``, a value width of its own (d_v != d),
+``mask_fn`` and ``score_fn``, forward and gradients, through ``ring_attention`` on a ring of 2 CPU devices.
+
+Each kernel runs interpreted (Triton: ``interpret=True``; TPU and the fused ring: the TPU interpreter
+with race detection). One call per kernel applies all four at once, in the XLA hop's order (scale,
+soft-cap, ``score_fn``, then the masks), with GQA so the user functions see every query head: the
+forward against the float64 oracle (``ringattn_ref.attention``), the gradients against a dense jnp
+float64 autodiff of the same attention. Interpreting is slow (compiling the interpreted kernels is
+most of it): one case per kernel.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ringattn_fast as rf
+import ringattn_ref as ref
+from ringattn_fast.kernels.races import races_found
+from ringattn_ref import variants
+from helpers import assert_close
+
+pytestmark = pytest.mark.slow  # three interpreted kernels, fwd + bwd: ~1.5 min on two cores
+
+H, HK, SEQ = 4, 2, 32  # GQA groups of 2; 16 tokens per device, 2 x 2 tiles of 8 per hop
+SOFTCAP, MASK_FN, SCORE_FN = 2.0, variants.chunked_local(8), variants.alibi(variants.alibi_slopes(H))
+# (d, d_v): narrower v (GPU: 12 is padded to 16; fused: v padded to q's width), wider v (fused: q, k padded)
+WIDTHS = {"pallas_gpu": (16, 12), "pallas_tpu": (16, 8), "pallas_tpu_fused": (8, 16)}
+
+
+def dense(q, k, v):
+    """jnp attention with the same soft-cap, score and mask functions, for autodiff (the oracle's order)."""
+    b, s, h, d = q.shape
+    kk, vv = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
+    logits = SOFTCAP * jnp.tanh(jnp.einsum("bqhd,bkhd->bhqk", q, kk) * d ** -0.5 / SOFTCAP)
+    pos = jnp.arange(s)
+    qp, kp, head = pos[None, None, :, None], pos[None, None, None, :], jnp.arange(h)[None, :, None, None]
+    logits = SCORE_FN(logits, qp, kp, head)
+    logits = jnp.where(MASK_FN(qp, kp, jnp.zeros_like(qp), jnp.zeros_like(kp), head), logits, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), vv)
+
+
+@pytest.mark.parametrize("impl", list(WIDTHS))
+def test_softcap_value_width_mask_and_score_functions(impl):
+    d, d_v = WIDTHS[impl]
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, SEQ, H, d)).astype(np.float32)
+    k = rng.standard_normal((1, SEQ, HK, d)).astype(np.float32)
+    v = rng.standard_normal((1, SEQ, HK, d_v)).astype(np.float32)
+    do = rng.standard_normal((1, SEQ, H, d_v)).astype(np.float32)
+    run = lambda q, k, v: rf.ring_attention(q, k, v, mesh=rf.make_mesh(2), layout="striped", impl=impl,  # noqa: E731
+                                            block_q=8, block_kv=8, logit_softcap=SOFTCAP, mask_fn=MASK_FN,
+                                            score_fn=SCORE_FN)
+    o, pull = jax.vjp(run, q, k, v)  # one forward for o and the gradients
+    got = pull(jnp.asarray(do))
+    assert o.shape == (1, SEQ, H, d_v)
+    want_o = ref.attention(*(x.astype(np.float64) for x in (q, k, v)), logit_softcap=SOFTCAP, mask_fn=MASK_FN,
+                           score_fn=SCORE_FN)
+    assert_close(o, want_o, "o", tol=2e-5)
+    with jax.enable_x64(True):
+        loss = lambda *a: (dense(*a) * do).sum()  # noqa: E731
+        want = jax.grad(loss, argnums=(0, 1, 2))(*(x.astype(np.float64) for x in (q, k, v)))
+    for what, g, wg in zip(("dq", "dk", "dv"), got, want):
+        assert g.shape == wg.shape, (what, g.shape, wg.shape)
+        assert_close(g, wg, what, tol=5e-5)
+    if impl != "pallas_gpu":
+        assert not races_found()
