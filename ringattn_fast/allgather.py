@@ -76,45 +76,47 @@ def whole_kv(cfg, gather, kv, bias):
     return kv if cfg.bias_mode in (None, "travel") else kv._replace(bias=bias)
 
 
-def _tiles(cfg):
-    """``{"tiles": ...}``: this host's tile kinds in a ``mask_fn``'s static block mask (``block_mask.py``), or {}."""
-    tiles = block_mask.hop_tiles(cfg.block_mask, lax.axis_index(cfg.axis_name))
-    return {} if tiles is None else {"tiles": tiles}
+def _extras(cfg, head_offset):
+    """The hop's optional keywords (``block_mask.hop_extras``): this host's tile kinds in a ``mask_fn``'s
+    static block mask and the index of its first query head, where there are any."""
+    return block_mask.hop_extras(cfg, lax.axis_index(cfg.axis_name), 0, head_offset)
 
 
-def _forward(cfg, gather, qs, kv, bias):
-    o, lse = kernels_for(cfg.impl).hop_fwd(qs, whole_kv(cfg, gather, kv, bias), cfg.hop, **_tiles(cfg))
+def _forward(cfg, gather, qs, kv, bias, head_offset):
+    o, lse = kernels_for(cfg.impl).hop_fwd(qs, whole_kv(cfg, gather, kv, bias), cfg.hop,
+                                           **_extras(cfg, head_offset))
     return o.astype(qs.q.dtype), lse.astype(acc_dtype(qs.q.dtype))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def attend_whole(cfg, gather, qs, kv, bias):
+def attend_whole(cfg, gather, qs, kv, bias, head_offset=None):
     """``(o, lse)`` of this host's queries against the whole sequence's keys: ``kv`` gathered over
     ``cfg.axis_name`` first when ``gather`` (dK/dV reduce-scattered back), else already whole.
-    o [b, sq, h, d] in q's dtype, lse [b, h, sq] float32 (float64 for float64)."""
-    return _forward(cfg, gather, qs, kv, bias)
+    o [b, sq, h, d] in q's dtype, lse [b, h, sq] float32 (float64 for float64). head_offset: the global
+    index of the first query head here when the heads are split (``mask_fn`` / ``score_fn``), or None."""
+    return _forward(cfg, gather, qs, kv, bias, head_offset)
 
 
-def _attend_fwd(cfg, gather, qs, kv, bias):
-    o, lse = _forward(cfg, gather, qs, kv, bias)
-    return (o, lse), (qs, kv, bias, o, lse)  # local inputs only: K/V are gathered again below
+def _attend_fwd(cfg, gather, qs, kv, bias, head_offset=None):
+    o, lse = _forward(cfg, gather, qs, kv, bias, head_offset)
+    return (o, lse), (qs, kv, bias, o, lse, head_offset)  # local inputs only: K/V are gathered again below
 
 
 def _attend_bwd(cfg, gather, res, cotangents):
-    qs, kv, bias, o, lse = res
+    qs, kv, bias, o, lse, head_offset = res
     do, dlse = cotangents
     acc = acc_dtype(qs.q.dtype)
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(acc), o.astype(acc))  # FA-2's D, as backward.py
     delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(acc), 0.0)  # d lse / d S = P
     g = kernels_for(cfg.impl).hop_bwd(qs, whole_kv(cfg, gather, kv, bias), cfg.hop, do=do, lse=lse, delta=delta,
-                                      **_tiles(cfg))
+                                      **_extras(cfg, head_offset))
     dk, dv = (_scatter(x, cfg, 1) if gather else x for x in (g.dk, g.dv))
     dbias_kv = g.dbias if cfg.bias_mode == "travel" else None
     dbias_kv = _scatter(dbias_kv, cfg, 3) if gather else dbias_kv
     cast = lambda x, like: None if like is None else x.astype(like.dtype)  # noqa: E731
     return (QShard(cast(g.dq, qs.q), None, None),
             KVShard(cast(dk, kv.k), cast(dv, kv.v), None, None, cast(dbias_kv, kv.bias)),
-            None if bias is None else cast(g.dbias, bias))
+            None if bias is None else cast(g.dbias, bias), None)
 
 
 attend_whole.defvjp(_attend_fwd, _attend_bwd)
@@ -122,7 +124,7 @@ attend_whole.defvjp(_attend_fwd, _attend_bwd)
 
 def attend(inp):
     """One host's all-gather attention on validated :class:`~ringattn_fast.front.HostInputs`: ``(o, lse)``."""
-    return attend_whole(inp.cfg, True, inp.qs, inp.kv, inp.bias)
+    return attend_whole(inp.cfg, True, inp.qs, inp.kv, inp.bias, inp.head_offset)
 
 
 ALLGATHER = Strategy("allgather_attention", attend, kv_whole=True, comm=True)

@@ -42,7 +42,7 @@ def _add_hop(cfg, hop_grads, *, grads, dq, dbias, kv_idx):
     return KVGrads(grads.dk + hop_grads.dk, grads.dv + hop_grads.dv, dbias_t), dq + hop_grads.dq, dbias
 
 
-def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None):
+def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None, head_offset=None):
     """The backward ring on this host: ``(dq, KVGrads, dbias)`` in float32/64, dK/dV home.
 
     - qs, kv, bias: as given to ``ring.ring_forward``; o [b, sq, h, d] and lse [b, h, sq]: its
@@ -50,7 +50,8 @@ def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None):
     - do: the output cotangent; dlse: the cotangent of lse or None (``d lse / d S = P``, so it only
       shifts FA-2's D: ``dS = P (dP - (D - dlse))``).
 
-    drop: the forward's ``schedule.Dropout`` or None (the hops recompute the same mask).
+    drop: the forward's ``schedule.Dropout`` or None (the hops recompute the same mask); head_offset: as
+    in ``ring.ring_forward``.
     dbias: the gradient of the non-travelling bias (or None). The gradients of a key that held a
     nan/inf are those of its marked K and V (unspecified: NaN where it was seen).
     """
@@ -74,9 +75,8 @@ def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None):
         kv_idx, kv = kv_index(my_idx, step, n), comm.decode(kv, kv_dtype)  # K/V travel as the forward's did
 
         def backward(grads, dq, dbias):
-            tiles = block_mask.hop_tiles(cfg.block_mask, my_idx, kv_idx)
             hop_grads = hop_bwd(qs, hop_kv(cfg, kv, bias, kv_idx), cfg.hop, do=do, lse=lse, delta=delta,
-                                **({} if tiles is None else {"tiles": tiles}))
+                                **block_mask.hop_extras(cfg, my_idx, kv_idx, head_offset))
             return _add_hop(cfg, hop_grads, grads=grads, dq=dq, dbias=dbias, kv_idx=kv_idx)
 
         if skip:

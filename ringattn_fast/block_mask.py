@@ -33,7 +33,7 @@ from ringattn_ref.layouts import layout_permutation
 
 from . import masks
 
-__all__ = ["BlockMaskSpec", "combine", "hop_is_empty", "hop_live", "hop_tiles", "spec_for", "tables"]
+__all__ = ["BlockMaskSpec", "combine", "hop_extras", "hop_is_empty", "hop_live", "hop_tiles", "spec_for", "tables"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +96,16 @@ def hop_tiles(spec, my_idx, kv_idx=0):
     if spec is None:
         return None
     return jnp.asarray(tables(spec).tiles)[my_idx, kv_idx]
+
+
+def hop_extras(cfg, my_idx, kv_idx=0, head_offset=None):
+    """The XLA hop's optional keywords for this hop: ``tiles`` (:func:`hop_tiles`) and ``head_offset``
+    (the global index of the first query head here), each only when there is one (the Pallas kernels
+    take neither: the front door sends them no ``mask_fn`` whose heads are split)."""
+    fns = cfg.hop.mask_fn is not None or cfg.hop.score_fn is not None
+    extras = {"head_offset": head_offset} if fns and head_offset is not None else {}
+    tiles = hop_tiles(cfg.block_mask, my_idx, kv_idx)
+    return extras if tiles is None else extras | {"tiles": tiles}
 
 
 def hop_is_empty(cfg, qs, kv, my_idx, step):

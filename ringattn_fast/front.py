@@ -83,12 +83,14 @@ class Settings:
 class HostInputs(NamedTuple):
     """One host's validated inputs: what stays (``qs``), its K/V shard (``kv``, with a key-only bias),
     the non-travelling bias or None (``cfg.bias_mode`` says which is which), the static config, and the
-    traced half of attention dropout (``schedule.Dropout``) or None."""
+    traced half of attention dropout (``schedule.Dropout``) or None, and the global index of the host's
+    first query head where a mesh axis splits the heads (``mask_fn`` / ``score_fn`` see global heads)."""
     qs: QShard
     kv: KVShard
     bias: jax.Array | None
     cfg: RingConfig
     drop: Dropout | None = None
+    head_offset: jax.Array | None = None
 
 
 def bias_mode(bias, batch, heads, sq, n, sk=None):
@@ -142,12 +144,14 @@ def dropout_seed(key):
 def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, window_seq, scale, layout,
                    block_q, block_kv, impl, device, bias_mode, padding_segment, has_positions=False,
                    comm_dtype=None, grad_comm_dtype=None, dropout_rate=0.0, dropout_key=None, logit_softcap=None,
-                   mask_fn=None, score_fn=None, sinks=None, kv_local=None, q_offset=0, has_segments=False):
+                   mask_fn=None, score_fn=None, sinks=None, kv_local=None, q_offset=0, has_segments=False,
+                   heads_split=False):
     """The checks both doors share, on a host's view (``s_local`` tokens of ``N * s_local``): a :class:`Settings`.
 
     ``kv_local``: the keys' tokens per host when they differ from the queries' (cross-attention);
     ``q_offset``: :attr:`Settings.q_offset`; ``has_segments``: the caller gives segment ids (a ``mask_fn``
-    may read them, so no static block mask: ``block_mask.py``).
+    may read them, so no static block mask: ``block_mask.py``); ``heads_split``: a mesh axis splits the
+    heads (``head_axis``), so user functions need the host's head offset (the XLA hop adds it).
 
     ``window_seq``: the length that bounds a window (a bound of at least ``window_seq - 1`` is
     unbounded); None when the caller gives positions. ``bias_mode`` is already classified. ``device``:
@@ -159,9 +163,12 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
     logit_softcap = val.check_softcap(logit_softcap)
     val.check_sinks(sinks, q.shape[2])  # not a setting: sinks join after the strategy (``finish``)
     check_user_fns(mask_fn, score_fn, q.shape[2])
-    if strategy.check_heads is not None and (mask_fn is not None or score_fn is not None):
-        raise ValueError(f"{strategy.name} splits the heads over the hosts, and mask_fn / score_fn would see "
-                         f"local head indices: not supported yet; use ring_attention or allgather_attention")
+    split = heads_split or strategy.check_heads is not None
+    if split and (mask_fn is not None or score_fn is not None) and impl != "xla":
+        if impl != "auto":  # a kernel numbers the heads it holds: it cannot give the functions global ones
+            raise ValueError(f"impl={impl!r}: {strategy.name} splits the heads over hosts here, and the Pallas "
+                             f"kernels give mask_fn / score_fn local head indices; use impl='xla' or 'auto'")
+        impl = "xla"
     if not strategy.comm and (comm_dtype is not None or grad_comm_dtype is not None):
         raise ValueError(f"{strategy.name} takes no comm_dtype / grad_comm_dtype (its collectives move whole "
                          f"q, k, v in their own dtype); got {comm_dtype!r}, {grad_comm_dtype!r}")
@@ -309,7 +316,7 @@ def int32_positions(positions, q, axis_name):
 
 
 def host_inputs(settings, q, k, v, *, segment_ids=None, bias=None, positions=None, drop=None, kv_segment_ids=None,
-                kv_positions=None):
+                kv_positions=None, head_offset=None):
     """One host's :class:`HostInputs` from validated ``settings`` and its shards (no checks here).
 
     Positions are the caller's or the layout's (``schedule.local_positions``; the queries' shifted by
@@ -338,7 +345,7 @@ def host_inputs(settings, q, k, v, *, segment_ids=None, bias=None, positions=Non
     k = padding.reserved_keys_bad(k, kv_seg, settings.padding_segment)  # a traced NO_KEY id: NaN, not seen silently
     qs = QShard(q, pos, None if seg is None else padding.padding_queries(seg, settings.padding_segment))
     kv = KVShard(k, v, kv_pos, kv_seg, bias if travels else None)
-    return HostInputs(qs, kv, None if travels else bias, cfg, drop)
+    return HostInputs(qs, kv, None if travels else bias, cfg, drop, head_offset)
 
 
 _MAPPED = {}  # key of the static arguments -> the jitted shard_map (at most _MAPPED_MAX, oldest dropped)
@@ -419,9 +426,6 @@ def on_mesh(strategy, q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
     axes = check_mesh_axes(mesh, axis_name, batch=b, heads=h, kv_heads=hk, batch_axes=batch_axes,
                            head_axis=head_axis)
     tp = 1 if head_axis is None else mesh.shape[head_axis]
-    if tp > 1 and (mask_fn is not None or score_fn is not None):
-        raise ValueError(f"head_axis={head_axis!r} splits the heads, and mask_fn / score_fn would see local head "
-                         f"indices: not supported yet; leave the heads unsplit (head_axis=None)")
     if strategy.check_heads is not None:
         strategy.check_heads(h // tp, hk // tp, axes.n, axis_name)
     n, t_ring, s_ring = axes.n, padding.ring_length(t, axes.n, layout), padding.ring_length(s, axes.n, layout)
@@ -435,7 +439,7 @@ def on_mesh(strategy, q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
                               padding_segment=padding_segment, comm_dtype=comm_dtype,
                               grad_comm_dtype=grad_comm_dtype, dropout_rate=dropout_rate, dropout_key=dropout_key,
                               logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn, sinks=sinks,
-                              has_segments=segment_ids is not None)
+                              has_segments=segment_ids is not None, heads_split=tp > 1)
     seed = dropout_seed(dropout_key) if settings.cfg.hop.dropout_rate > 0 else None
     run = partial(_run, _Call(strategy, settings, auto_mesh(mesh), axes, return_lse))
     qb, qseq, qh, _ = spec_of(q, 4)
@@ -493,7 +497,10 @@ def _run(call, arrays):
                 b_local, h_local = kw["q"].shape[0], kw["q"].shape[2]
                 offsets = (_first_index(axes.batch, b_local), _first_index(axes.heads, h_local))
                 drop = Dropout(seed_, *(jnp.asarray(x).astype(jnp.uint32) for x in offsets))
-            return strategy.attend(host_inputs(settings, **kw, drop=drop))
+            first_head = None
+            if axes.heads and (settings.cfg.hop.mask_fn is not None or settings.cfg.hop.score_fn is not None):
+                first_head = jnp.asarray(_first_index(axes.heads, kw["q"].shape[2]), jnp.int32)
+            return strategy.attend(host_inputs(settings, **kw, drop=drop, head_offset=first_head))
 
         return jax.jit(jax.shard_map(per_host, mesh=mesh, in_specs=tuple(specs[k_] for k_ in names),
                                      out_specs=(specs["q"], axes.spec("batch", "heads", "seq"))))

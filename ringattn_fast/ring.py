@@ -35,12 +35,13 @@ from .schedule import Dropout, KVShard, QShard, hop_kv, kv_index, ring_loop, sen
 from .softmax import acc_dtype, merge
 
 
-def ring_forward(cfg, qs, kv, bias, drop=None):
+def ring_forward(cfg, qs, kv, bias, drop=None, head_offset=None):
     """The forward ring on this host: ``(o, lse)``, o ``[b, sq, h, d_v]``, lse ``[b, h, sq]`` in float32/64.
 
     qs: this host's queries; kv: this host's own K/V shard (it starts the ring); bias: the host's
     non-travelling bias (``cfg.bias_mode`` "columns" or "static") or None; drop: a
-    ``schedule.Dropout`` or None. A key holding a nan/inf is marked first (``masks.mark_bad_keys``),
+    ``schedule.Dropout`` or None; head_offset: the global index of the first query head here when the
+    heads are split over a mesh axis (``mask_fn`` / ``score_fn`` see global heads), or None. A key holding a nan/inf is marked first (``masks.mark_bad_keys``),
     so no hop meets ``0 * nan``.
     """
     hop_fwd = kernels_for(cfg.impl).hop_fwd
@@ -57,9 +58,8 @@ def ring_forward(cfg, qs, kv, bias, drop=None):
         kv_idx = kv_index(my_idx, step, n)
 
         def attend_hop(o, lse):
-            tiles = block_mask.hop_tiles(cfg.block_mask, my_idx, kv_idx)
             o_hop, lse_hop = hop_fwd(qs, hop_kv(cfg, kv, bias, kv_idx), cfg.hop,
-                                     **({} if tiles is None else {"tiles": tiles}))
+                                     **block_mask.hop_extras(cfg, my_idx, kv_idx, head_offset))
             return merge(o, lse, o_hop.astype(acc), lse_hop.astype(acc))
 
         if skip:
@@ -80,28 +80,29 @@ def ring_forward(cfg, qs, kv, bias, drop=None):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(cfg, qs, kv, bias, drop=None):
+def _ring(cfg, qs, kv, bias, drop=None, head_offset=None):
     """Ring attention on this host: ``(o, lse)``, o ``[b, sq, h, d]`` in q's dtype, lse ``[b, h, sq]``
     float32 (float64 for float64); differentiable in q, k, v, bias (and through lse)."""
-    o, lse = ring_forward(cfg, qs, kv, bias, drop)
+    o, lse = ring_forward(cfg, qs, kv, bias, drop, head_offset)
     return o.astype(qs.q.dtype), lse
 
 
-def _ring_fwd(cfg, qs, kv, bias, drop=None):
+def _ring_fwd(cfg, qs, kv, bias, drop=None, head_offset=None):
     """The forward saves only its inputs, ``o`` and ``lse``: ``O(S/N)`` per host."""
-    o, lse = ring_forward(cfg, qs, kv, bias, drop)
+    o, lse = ring_forward(cfg, qs, kv, bias, drop, head_offset)
     o = o.astype(qs.q.dtype)
-    return (o, lse), (qs, kv, bias, o, lse, drop)
+    return (o, lse), (qs, kv, bias, o, lse, drop, head_offset)
 
 
 def _ring_bwd(cfg, res, cotangents):
-    qs, kv, bias, o, lse, drop = res
+    qs, kv, bias, o, lse, drop, head_offset = res
     do, dlse = cotangents
-    dq, dkv, dbias = ring_backward(cfg, qs, kv, bias, o=o, lse=lse, do=do, dlse=dlse, drop=drop)
+    dq, dkv, dbias = ring_backward(cfg, qs, kv, bias, o=o, lse=lse, do=do, dlse=dlse, drop=drop,
+                                   head_offset=head_offset)
     cast = lambda g, x: None if x is None else g.astype(x.dtype)  # noqa: E731
     return (QShard(cast(dq, qs.q), None, None),
             KVShard(cast(dkv.dk, kv.k), cast(dkv.dv, kv.v), None, None, cast(dkv.dbias, kv.bias)),
-            cast(dbias, bias), None if drop is None else Dropout(None, None, None))
+            cast(dbias, bias), None if drop is None else Dropout(None, None, None), None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -117,7 +118,7 @@ def attend(inp):
     if cfg.impl == "pallas_tpu_fused":
         return kernels_for(cfg.impl).ring(inp.qs, masks.mark_bad_keys_of(inp.kv), cfg.hop, axis_name=cfg.axis_name,
                                           return_lse=True)
-    return _ring(cfg, inp.qs, inp.kv, inp.bias, inp.drop)
+    return _ring(cfg, inp.qs, inp.kv, inp.bias, inp.drop, inp.head_offset)
 
 
 RING = Strategy("ring_attention", attend, fused_ok=True, dropout=True, comm=True)
@@ -148,6 +149,10 @@ def ring_attention_shard(q, k, v, *, axis_name="sp", causal=False, segment_ids=N
     with a per-block scale; rounded once at home, accumulated in float32); grad_comm_dtype: dK/dV
     travel in it (``comm.py``). sinks: float [heads] of this host, a learnable logit per query head
     that joins every row's softmax denominator and brings no value (gpt-oss; ``softmax.add_sinks``).
+    Cross-attention: k, v [batch, sk_local, kv_heads, dim] of their own length (the keys' shard of
+    ``N * sk_local``, laid out with ``layout`` on their own; queries at the last positions), with
+    kv_segment_ids / kv_positions [batch, sk_local] for the keys. Inside your own shard_map a
+    ``mask_fn`` / ``score_fn`` sees this host's head indices (add your head offset in the function).
     """
     return_lse = val.check_bool(return_lse, "return_lse")
     settings, drop = check_shard_call(
@@ -172,6 +177,10 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
 
     - q: [batch, seq, heads, dim]; k, v: [batch, seq, kv_heads, dim] (heads % kv_heads == 0);
       dtypes: see ``impl``; any ``seq`` (padded inside to a length the ring splits: ``padding.py``);
+      v may be [batch, seq, kv_heads, dim_v] (MLA; o is then ``dim_v`` wide); k, v may hold another
+      length ``S`` than q's ``T`` (cross-attention: each side laid out and sharded on its own, queries
+      at the last T of the S positions, so causal means key ``j`` <= query ``i + S - T``; with segment
+      ids pass the keys' as ``kv_segment_ids`` [batch, S]; a bias is [b|1, h|1, T|1, S|1]);
     - segment_ids: int [batch, seq] (values beyond int32 and the reserved ``-2**31``, ``-2**31 + 1``
       are rejected; traced ids are ranked, so none can wrap or collide: ``padding.py``);
     - padding_segment: a segment id whose keys no query sees and whose queries return 0 (MaxText's
@@ -189,9 +198,12 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
     - logit_softcap: ``c``: the scaled logits become ``c * tanh(s / c)`` before bias and mask (Gemma 2);
       the XLA hop (``impl="auto"`` picks it; a Pallas impl is an error, for now);
     - mask_fn(q_pos, k_pos, q_seg, k_seg, head) -> bool / score_fn(s, q_pos, k_pos, head) -> s: user
-      functions of true positions (``ringattn_ref.variants``), evaluated per tile in the XLA hop (a
-      pair attends iff the built-in mask and ``mask_fn`` allow it; ``score_fn`` after the softcap,
-      before the bias; its gradient by autodiff per tile).
+      functions of true positions (``ringattn_ref.variants``) and global head indices, evaluated per
+      tile (a pair attends iff the built-in mask and ``mask_fn`` allow it; ``score_fn`` after the
+      softcap, before the bias; its gradient by autodiff per tile). With layout positions and no
+      segment ids, ``mask_fn``'s block mask is computed once per configuration
+      (``ringattn_fast.block_mask``): the ring skips the hops it leaves empty, the XLA hop the empty
+      tiles, and full tiles run without a mask.
 
     The sequence is sharded on ``axis_name``, the batch on ``batch_axes`` (default ``"data"`` if the
     mesh has it; one name or a tuple), the heads on ``head_axis`` (default: not split); q, k, v are

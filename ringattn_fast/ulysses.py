@@ -88,7 +88,9 @@ def attend(inp):
     qs = QShard(_seq_to_heads(q, axis_name), pos, gather(q_seg, axis_name, 1))
     kv = KVShard(_seq_to_heads(k, axis_name), _seq_to_heads(v, axis_name), k_pos, gather(k_seg, axis_name, 1), bias)
     cfg = dataclasses.replace(inp.cfg, bias_mode=None if bias is None else "travel")  # the bias is in kv
-    o, lse = attend_whole(cfg, False, qs, kv, None)  # (b, seq, h/N, d), (b, h/N, seq)
+    first = lax.axis_index(axis_name) * qs.q.shape[2]  # this host's first query head after the all-to-all
+    first = first if inp.head_offset is None else inp.head_offset + first
+    o, lse = attend_whole(cfg, False, qs, kv, None, first.astype(jnp.int32))  # (b, seq, h/N, d), (b, h/N, seq)
     o = lax.all_to_all(o, axis_name, split_axis=1, concat_axis=2, tiled=True)  # (b, s_local, h, d)
     lse = lax.all_to_all(lse, axis_name, split_axis=2, concat_axis=1, tiled=True)  # (b, h, s_local)
     return o, lse

@@ -33,9 +33,8 @@ def test_every_combination_equals_the_oracle_and_its_gradients(data):
     layout = data.draw(st.sampled_from(["contiguous", "striped", "zigzag"]), "layout")
     causal, segments, use_sinks = (data.draw(st.booleans(), x) for x in ("causal", "segments", "sinks"))
     cap = data.draw(st.sampled_from([None, 4.0]), "logit_softcap")
-    fns = name != "ulysses"  # Ulysses splits the heads: no user functions there (a ValueError)
-    mask_fn = MASKS[data.draw(st.sampled_from(sorted(MASKS)), "mask_fn")] if fns else None
-    score_fn = variants.alibi(variants.alibi_slopes(h)) if fns and data.draw(st.booleans(), "alibi") else None
+    mask_fn = MASKS[data.draw(st.sampled_from(sorted(MASKS)), "mask_fn")]
+    score_fn = variants.alibi(variants.alibi_slopes(h)) if data.draw(st.booleans(), "alibi") else None
     rng = np.random.default_rng(data.draw(st.integers(0, 99), "seed"))
     q = 2 * rng.standard_normal((2, t, h, 8))
     k = 2 * rng.standard_normal((2, s, hk, 8))

@@ -13,7 +13,7 @@ import ringattn_fast as rf
 import ringattn_ref as ref
 from ringattn_ref import variants
 
-from helpers import assert_close, examples
+from helpers import assert_close, dense_attention, examples
 
 pytestmark = pytest.mark.slow  # hypothesis over strategies x devices x masks, fwd + grads in float64: ~2 min
 
@@ -298,7 +298,23 @@ def test_bad_user_functions_are_value_errors(kw, match):
         rf.ring_attention(q, k, v, mesh=rf.make_mesh(2), **kw)
 
 
-def test_user_functions_where_heads_are_split_are_refused():
-    q, k, v = (np.zeros((1, 8, 4, 8), np.float32) for _ in range(3))
-    with pytest.raises(ValueError, match="ulysses_attention splits the heads"):
-        rf.ulysses_attention(q, k, v, mesh=rf.make_mesh(2), mask_fn=variants.causal)
+def test_user_functions_see_global_heads_where_heads_are_split():
+    """Ulysses and a ``head_axis`` split the heads over hosts; ``score_fn`` / ``mask_fn`` still see global
+    head indices (a per-head ALiBi slope and a mask that differs per head), forward and grads, in the XLA
+    hop; a Pallas impl asked for explicitly is a ValueError (its kernels number local heads)."""
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((2, 16, 8, 8)) for _ in range(3))
+    kw = dict(score_fn=variants.alibi(variants.alibi_slopes(8)),
+              mask_fn=lambda qp, kp, qs, ks, h: (kp <= qp) | (h % 3 == 0), causal=False)
+    mesh3 = jax.make_mesh((2, 2, 2), ("data", "sp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    runs = {"ulysses": lambda q: rf.ulysses_attention(q, k, v, mesh=rf.make_mesh(4), **kw),
+            "ring, head_axis": lambda q: rf.ring_attention(q, k, v, mesh=mesh3, head_axis="tp", **kw)}
+    with jax.enable_x64(True):
+        want = ref.attention(q, k, v, **kw)
+        want_dq = jax.grad(lambda q: (dense_attention(q, k, v, **kw) ** 2).sum())(q)
+        for what, run in runs.items():
+            assert_close(run(q), want, what, tol=1e-10)
+            assert_close(jax.grad(lambda q: (run(q) ** 2).sum())(q), want_dq, f"{what} dq", tol=1e-9)
+    q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
+    with pytest.raises(ValueError, match="kernels give mask_fn / score_fn local head indices"):
+        rf.ulysses_attention(q32, k32, v32, mesh=rf.make_mesh(2), mask_fn=variants.causal, impl="pallas_gpu")

@@ -113,9 +113,10 @@ class _UserFns(NamedTuple):
     grid: tuple
 
 
-def _user_fns(cfg, q_pos, k_pos, q_seg, k_seg, heads, masked=True):
+def _user_fns(cfg, q_pos, k_pos, q_seg, k_seg, heads, masked=True, head_offset=None):
     """The tile's :class:`_UserFns`, or None when the config has neither function (``mask_fn`` only on a
-    ``masked`` tile: a full one needs no mask at all)."""
+    ``masked`` tile: a full one needs no mask at all). head_offset: the global index of this host's first
+    query head where the heads are split over hosts (Ulysses, ``head_axis``), else None (0)."""
     mask_fn = cfg.mask_fn if masked else None
     if mask_fn is None and cfg.score_fn is None:
         return None
@@ -123,6 +124,7 @@ def _user_fns(cfg, q_pos, k_pos, q_seg, k_seg, heads, masked=True):
     qs = jnp.zeros_like(qp) if q_seg is None else q_seg[:, None, :, None]
     ks = jnp.zeros_like(kp) if k_seg is None else k_seg[:, None, None, :]
     head = jnp.arange(heads, dtype=jnp.int32)[None, :, None, None]
+    head = head if head_offset is None else head + head_offset.astype(jnp.int32)
     return _UserFns(mask_fn, cfg.score_fn, (qp, kp, qs, ks, head))
 
 
@@ -245,17 +247,18 @@ def _whole_hop(run, qs, kv, cfg, tiles=None):
     return lax.cond(full, lambda: run(per_tile=False), lambda: run(per_tile=True))
 
 
-def hop_fwd(qs, kv, cfg, drop=None, tiles=None):
+def hop_fwd(qs, kv, cfg, drop=None, tiles=None, head_offset=None):
     """Attention of ``qs.q`` against one K/V shard: ``(o, lse)``, o 0 and lse -inf where a row saw nothing.
 
     drop: a ``schedule.Dropout`` when ``cfg.dropout_rate > 0``: ``P V`` uses ``P * M / (1 - rate)``
     (``ringattn_ref.dropout``), lse is that of the undropped ``P``. tiles: int8 [sq / block_q, sk / block_kv],
-    the kinds of this hop's tiles in ``cfg.mask_fn``'s block mask (``ringattn_fast.block_mask``), or None."""
+    the kinds of this hop's tiles in ``cfg.mask_fn``'s block mask (``ringattn_fast.block_mask``), or None;
+    head_offset: int32 scalar, the global index of the first query head here (heads split), or None."""
     cfg = cfg.resolve(qs.q.shape[-1], qs.q.shape[1], kv.k.shape[1])
-    return _whole_hop(partial(_hop_fwd, qs, kv, cfg, drop, tiles), qs, kv, cfg, tiles)
+    return _whole_hop(partial(_hop_fwd, qs, kv, cfg, drop, tiles, head_offset), qs, kv, cfg, tiles)
 
 
-def _hop_fwd(qs, kv, cfg, drop, tiles, *, per_tile):
+def _hop_fwd(qs, kv, cfg, drop, tiles, head_offset, *, per_tile):
     (q, q_pos, q_seg), (k, v, k_pos, k_seg, bias) = qs, kv
     block_q, block_kv = cfg.block_q, cfg.block_kv
     b, sq, h, d = q.shape
@@ -278,7 +281,7 @@ def _hop_fwd(qs, kv, cfg, drop, tiles, *, per_tile):
                 o, m, l = carry  # (b, hk, group*bq, d), (b, hk, group*bq), (b, hk, group*bq)
                 mask = masks.allowed(q_pos_i[:, :, None], k_pos_j[:, None, :], *_seg_pair(q_seg_i, k_seg_j),
                                      causal=cfg.causal, window=cfg.window) if masked else None
-                fns = _user_fns(cfg, q_pos_i, k_pos_j, q_seg_i, k_seg_j, h, masked)
+                fns = _user_fns(cfg, q_pos_i, k_pos_j, q_seg_i, k_seg_j, h, masked, head_offset)
                 s = _logits(q_i, k_j, _rows(bias_i, j * block_kv, block_kv, 3), mask, group, acc,
                             softcap=cfg.logit_softcap, fns=fns)
                 m_new = jnp.maximum(m, s.max(axis=-1))
@@ -318,7 +321,7 @@ def _sum_to(x, shape):
     return x.sum(axis=axes, keepdims=True) if axes else x
 
 
-def hop_bwd(qs, kv, cfg, *, do, lse, delta, drop=None, tiles=None):
+def hop_bwd(qs, kv, cfg, *, do, lse, delta, drop=None, tiles=None, head_offset=None):
     """FlashAttention-2 backward (Algorithm 2) of one hop, recomputing each tile from ``q, k, lse``.
 
     Outer loop over K/V chunks (dK_j, dV_j accumulate over the query chunks), inner loop over query
@@ -333,14 +336,15 @@ def hop_bwd(qs, kv, cfg, *, do, lse, delta, drop=None, tiles=None):
 
     do: [b, sq, h, d]; lse, delta: [b, h, sq] over all hops (delta = rowsum(do * o_final)); drop: as
     in :func:`hop_fwd` (with the keep multiplier ``keep``: ``dV += (P keep)^T dO``, ``dP = (dO V^T) keep``; D is
-    unchanged); tiles: as in :func:`hop_fwd`. Returns :class:`HopGrads` in float32 (float64 for float64).
+    unchanged); tiles, head_offset: as in :func:`hop_fwd`. Returns :class:`HopGrads` in float32 (float64 for float64).
     """
     cfg = cfg.resolve(qs.q.shape[-1], qs.q.shape[1], kv.k.shape[1])
-    run = partial(_hop_bwd, qs, kv, cfg, do=do, lse=lse, delta=delta, drop=drop, tiles=tiles)
+    run = partial(_hop_bwd, qs, kv, cfg, do=do, lse=lse, delta=delta, drop=drop, tiles=tiles,
+                  head_offset=head_offset)
     return HopGrads(*_whole_hop(run, qs, kv, cfg, tiles))
 
 
-def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, tiles, per_tile):
+def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, tiles, head_offset, per_tile):
     (q, q_pos, q_seg), (k, v, k_pos, k_seg, bias) = qs, kv
     scale, block_q, block_kv = cfg.scale, cfg.block_q, cfg.block_kv
     b, sq, h, d = q.shape
@@ -372,7 +376,7 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, tiles, per_tile):
                 dk_j, dv_j, db_j, dqt = carry
                 mask = masks.allowed(q_pos_i[:, :, None], k_pos_j[:, None, :], *_seg_pair(q_seg_i, k_seg_j),
                                      causal=cfg.causal, window=cfg.window) if masked else None
-                fns = _user_fns(cfg, q_pos_i, k_pos_j, q_seg_i, k_seg_j, h, masked)
+                fns = _user_fns(cfg, q_pos_i, k_pos_j, q_seg_i, k_seg_j, h, masked, head_offset)
                 st, dcap, score_vjp = _logits_t(k_j, qt_i, bias_ij, mask, group, acc, softcap=cfg.logit_softcap,
                                                 fns=fns)  # S^T: (b, hk, bkv, group*bq)
                 pt = jnp.exp(st - lse_i[:, :, None])  # P^T; masked -> 0
