@@ -1,4 +1,4 @@
-"""Self-checks for the exercises of the notebook course (``notebooks/NN_*.md``, 00-13).
+"""Self-checks for the exercises of the notebook course (``notebooks/NN_*.md``, 00-14).
 
 Each ``check_*`` takes the learner's answer (a number or a function). While the answer is still the
 placeholder ``None`` it prints a reminder and returns ``False``, so a notebook runs top to bottom
@@ -7,11 +7,12 @@ prints ``Correct`` and returns ``True``. The expected values come from the libra
 ``attention``, the ring simulation, the cost model, the kernels' tile predicate, the fused kernel's
 ring rules), never from a hard-coded result, so the checks stay true if the library's numbers change.
 
-The checks are grouped by notebook: 00-06 use ``ringattn_ref`` (numpy), 07-13 ``ringattn_fast``
+The checks are grouped by notebook: 00-06 use ``ringattn_ref`` (numpy), 07-14 ``ringattn_fast``
 (JAX; imported inside those checks, so the numpy notebooks' checks never load a kernel). The
-predict-then-measure checks (05-13, each notebook's last exercise) measure what they compare with:
-a ring's gradients, a kernel's own tile counter, the scratch a ``pallas_call`` declares, or the
-collectives of a compiled program (``ringattn_course.hlo.collective_messages``).
+predict-then-measure checks (05-14, each notebook's last exercise) measure what they compare with:
+a ring's gradients, a kernel's own tile counter, the scratch a ``pallas_call`` declares, the
+collectives of a compiled program (``ringattn_course.hlo.collective_messages``), or the hops a mask
+function's block mask leaves empty (``ringattn_ref.ring_block_mask``).
 
 ``tests/test_exercises.py`` runs every check against the hidden answer written in the notebook and
 against a wrong answer.
@@ -960,3 +961,87 @@ def check_ulysses_messages(ulysses_messages):
                                  f"devices={n}: the compiled all-to-alls take {want} bytes, you predict {got} "
                                  f"(hint: each takes a device's whole local buffer of q, k, v or o)")
     return _correct("q, k, v and o, each a device's local buffer; (N - 1) / N of each leaves the device")
+
+
+# ---- 14 programming attention ----------------------------------------------------------------------
+
+def check_sink_as_key(sink_as_key):
+    """14, exercise 1: ``sink_as_key(q, k, v, sinks)``: attention with sinks from the oracle *without* them
+    (one more key and a bias), against ``attention(q, k, v, sinks=sinks)``; GQA and ``t != s`` included."""
+    if _pending(sink_as_key, "sink_as_key(q, k, v, sinks)"):
+        return False
+    for seed, (t, s, h, hk, d, d_v) in enumerate(((16, 16, 2, 2, 4, 4), (8, 24, 4, 2, 8, 3), (5, 7, 3, 1, 4, 6))):
+        rng = np.random.default_rng(140 + seed)
+        q, k = rng.standard_normal((1, t, h, d)), rng.standard_normal((1, s, hk, d))
+        v, sinks = rng.standard_normal((1, s, hk, d_v)), 2 * rng.standard_normal(h)
+        want = attention(q, k, v, sinks=sinks)
+        got = np.asarray(sink_as_key(q, k, v, sinks))
+        if got.shape != want.shape or not np.abs(got - want).max() < 1e-12:
+            raise AssertionError(f"t={t}, s={s}, heads={h}, kv_heads={hk}: your output (shape {got.shape}) differs "
+                                 f"from attention(q, k, v, sinks=sinks) (shape {want.shape}) (hint: a key whose "
+                                 f"logit is exactly the sink and whose value is 0; what logit does a zero key give, "
+                                 f"and which keyword adds a per-head number to one column?)")
+    return _correct("a sink is one more key: logit sigma_h, value 0, seen by every query")
+
+
+def _dilated_rule(window, dilation, q_pos, k_pos):
+    """The dilated window pair by pair: keys at distances 0, dilation, ..., (window - 1) dilation before."""
+    return np.array([[0 <= i - j < window * dilation and (i - j) % dilation == 0 for j in k_pos] for i in q_pos])
+
+
+def check_dilated(dilated):
+    """14, exercise 2: ``dilated(window, dilation)`` -> a ``mask_fn``, checked in the oracle against the rule
+    written pair by pair (self- and cross-attention, true positions), and in ``jax.numpy`` under ``jax.jit``
+    (the ring calls it per tile there)."""
+    if _pending(dilated, "dilated(window, dilation)"):
+        return False
+    import jax
+    import jax.numpy as jnp
+
+    for seed, (window, dilation, t, s) in enumerate(((4, 2, 32, 32), (3, 5, 40, 40), (8, 1, 24, 24),
+                                                    (2, 3, 12, 36))):
+        q_pos, k_pos = np.arange(s - t, s), np.arange(s)  # queries: the last t positions
+        args = (q_pos[None, None, :, None], k_pos[None, None, None, :], np.zeros((1, 1, t, 1), np.int64),
+                np.zeros((1, 1, 1, s), np.int64), np.zeros((1, 1, 1, 1), np.int64))
+        try:
+            mask_fn = dilated(window, dilation)
+            got = np.asarray(mask_fn(*args))
+        except Exception as e:  # noqa: BLE001 - the learner's code: report it as a wrong answer
+            raise AssertionError(f"dilated({window}, {dilation}) and then its mask_fn(q_pos, k_pos, q_seg, k_seg, head) "
+                                 f"on arrays of shapes {[a.shape for a in args]} raised {type(e).__name__}: {e}") from e
+        if got.dtype != np.bool_:
+            raise AssertionError(f"mask_fn must return bools (comparisons joined with & and |); got {got.dtype}")
+        want = _dilated_rule(window, dilation, q_pos, k_pos)
+        if not np.array_equal(np.broadcast_to(got, (1, 1, t, s))[0, 0], want):
+            raise AssertionError(f"window={window}, dilation={dilation}, {t} queries at positions {s - t}..{s - 1}: "
+                                 f"your mask differs from the rule (hint: the distance q - k is >= 0, a multiple of "
+                                 f"the dilation and below window * dilation)")
+        traced = np.asarray(jax.jit(mask_fn)(*(jnp.asarray(a, jnp.int32) for a in args)))
+        if not np.array_equal(np.broadcast_to(traced, (1, 1, t, s))[0, 0], want):
+            raise AssertionError("under jax.jit with jax.numpy arrays your mask_fn gives another mask: use only "
+                                 "elementwise operators (the ring evaluates it per tile in JAX)")
+        rng = np.random.default_rng(150 + seed)
+        q, k, v = (rng.standard_normal((1, n, 2, 4)) for n in (t, s, s))
+        o = attention(q, k, v, mask_fn=mask_fn)
+        assert np.abs(o - attention(q, k, v, bias=np.where(want, 0.0, -np.inf)[None, None])).max() < 1e-12, "the oracle"
+    return _correct("the oracle with your mask_fn equals the rule; it traces in jax.numpy, so the ring runs it too")
+
+
+def check_chunked_empty_hops(chunked_empty_hops):
+    """14, exercise 3: ``chunked_empty_hops(seq, n_hosts, chunk)``: how many of the ``n_hosts**2`` hops of a
+    contiguous ring ``variants.chunked_local(chunk)`` leaves empty, measured by ``ring_block_mask``."""
+    if _pending(chunked_empty_hops, "chunked_empty_hops(seq, n_hosts, chunk)"):
+        return False
+    from ringattn_ref import variants
+    from ringattn_ref.block_mask import ring_block_mask
+
+    for seq, n, chunk in ((256, 8, 64), (256, 8, 16), (256, 8, 48), (96, 4, 40), (64, 8, 64), (128, 4, 256)):
+        shard = seq // n
+        bm = ring_block_mask(variants.chunked_local(chunk), seq, n, block_q=shard, block_kv=shard)
+        want = int((~bm.hops).sum())
+        got = _as_int(chunked_empty_hops(seq, n, chunk), "the number of empty hops")
+        if got != want:
+            raise AssertionError(f"seq={seq}, n_hosts={n}, chunk={chunk}: the block mask finds {want} empty hops of "
+                                 f"{n * n}, you predict {got} (hint: host i sees shard j iff j <= i and some key "
+                                 f"of shard j shares a chunk with some query of host i)")
+    return _correct("a hop is live iff the shards share a chunk (and the keys come first)")
