@@ -13,7 +13,9 @@ a proof of emptiness or fullness of the user's part.
 When it applies: a ``mask_fn``, positions from the layout (not the caller's: traced), and no segment
 ids of the caller (the function may read them, and traced ids are unknown here); padding added by
 ``ring_attention`` is fine (its keys are masked by the built-in segments, which still run per tile).
-Otherwise every tile evaluates ``mask_fn`` (correct, not skipped).
+Otherwise every tile evaluates ``mask_fn`` (correct, not skipped). The Pallas per-hop kernels use the
+hop half (the ring skips empty hops around them) and evaluate ``mask_fn`` in every tile they run; the
+fused TPU ring schedules its own hops and takes no block mask.
 
 Cost: numpy evaluates ``T x S x heads`` pairs once per configuration (``ringattn_ref.block_mask``'s
 docstring has the timings), cached here (:func:`tables`, LRU of 32); the table is an int8 constant of
@@ -104,7 +106,7 @@ def hop_extras(cfg, my_idx, kv_idx=0, head_offset=None):
     take neither: the front door sends them no ``mask_fn`` whose heads are split)."""
     fns = cfg.hop.mask_fn is not None or cfg.hop.score_fn is not None
     extras = {"head_offset": head_offset} if fns and head_offset is not None else {}
-    tiles = hop_tiles(cfg.block_mask, my_idx, kv_idx)
+    tiles = hop_tiles(cfg.block_mask, my_idx, kv_idx) if cfg.impl == "xla" else None
     return extras if tiles is None else extras | {"tiles": tiles}
 
 

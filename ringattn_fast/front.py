@@ -200,7 +200,8 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
     block_kv = val.check_block(block_kv, kv_len, "block_kv")
     hop = HopConfig(scale=scale, causal=causal, window=window, block_q=block_q, block_kv=block_kv,
                     dropout_rate=dropout_rate, logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn)
-    static = impl == "xla" and not has_positions and not has_segments and not strategy.q_whole
+    # the fused ring schedules its own hops; the per-hop kernels skip the hops, the XLA hop the tiles too
+    static = impl != "pallas_tpu_fused" and not has_positions and not has_segments and not strategy.q_whole
     spec = block_mask.spec_for(mask_fn=mask_fn if static else None, layout=layout, n=n, t=s_local * n,
                                s=kv_local * n, q_offset=q_offset, block_q=block_q, block_kv=block_kv,
                                heads=q.shape[2], causal=causal, window=window, whole_kv=strategy.kv_whole)
