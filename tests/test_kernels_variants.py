@@ -6,7 +6,8 @@ with race detection). One call per kernel applies all four at once, in the XLA h
 soft-cap, ``score_fn``, then the masks), with GQA so the user functions see every query head: the
 forward against the float64 oracle (``ringattn_ref.attention``), the gradients against a dense jnp
 float64 autodiff of the same attention. Interpreting is slow (compiling the interpreted kernels is
-most of it): one case per kernel.
+most of it): one case per kernel. Beside them, which impl ``"auto"`` picks for these calls
+(``dispatch.check_impl``) and where a user function that cannot lower is refused.
 """
 import jax
 import jax.numpy as jnp
@@ -15,11 +16,10 @@ import pytest
 
 import ringattn_fast as rf
 import ringattn_ref as ref
+from ringattn_fast.dispatch import check_impl
 from ringattn_fast.kernels.races import races_found
 from ringattn_ref import variants
 from helpers import assert_close
-
-pytestmark = pytest.mark.slow  # three interpreted kernels, fwd + bwd: ~1.5 min on two cores
 
 H, HK, SEQ = 4, 2, 32  # GQA groups of 2; 16 tokens per device, 2 x 2 tiles of 8 per hop
 SOFTCAP, MASK_FN, SCORE_FN = 2.0, variants.chunked_local(8), variants.alibi(variants.alibi_slopes(H))
@@ -39,6 +39,7 @@ def dense(q, k, v):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), vv)
 
 
+@pytest.mark.slow  # three interpreted kernels, fwd + bwd: ~1.5 min of CPU time
 @pytest.mark.parametrize("impl", list(WIDTHS))
 def test_softcap_value_width_mask_and_score_functions(impl):
     d, d_v = WIDTHS[impl]
@@ -64,3 +65,21 @@ def test_softcap_value_width_mask_and_score_functions(impl):
         assert_close(g, wg, what, tol=5e-5)
     if impl != "pallas_gpu":
         assert not races_found()
+
+
+def test_auto_picks_the_kernels_for_them_unless_a_function_gathers():
+    """On a GPU or TPU mesh ``"auto"`` picks the platform's kernel for a soft-cap, d_v != d, a mask and a
+    score function; a function that indexes an array by head (``variants.alibi``: a gather, which
+    neither Mosaic nor Triton lowers) goes to the XLA hop, and asking a compiled kernel for it is a
+    ValueError; interpreted (CPU) the kernels take it."""
+    q, k = np.zeros((2, 1, 8, H, 16), np.float32)
+    v = np.zeros((1, 8, H, 8), np.float32)
+    arith = lambda s, qp, kp, head: s - (head + 1).astype(s.dtype) * jnp.abs(qp - kp).astype(s.dtype)  # noqa: E731
+    kw = dict(logit_softcap=SOFTCAP, mask_fn=MASK_FN, score_fn=arith)
+    assert [check_impl("auto", p, q, k, v, **kw) for p in ("cpu", "gpu", "tpu")] == ["xla", "pallas_gpu",
+                                                                                    "pallas_tpu_fused"]
+    assert [check_impl("auto", p, q, k, v, score_fn=SCORE_FN) for p in ("gpu", "tpu")] == ["xla", "xla"]
+    for impl, platform in (("pallas_gpu", "gpu"), ("pallas_tpu", "tpu"), ("pallas_tpu_fused", "tpu")):
+        with pytest.raises(ValueError, match=rf"impl='{impl}': score_fn indexes an array \(a gather"):
+            check_impl(impl, platform, q, k, v, score_fn=SCORE_FN)
+        assert check_impl(impl, "cpu", q, k, v, logit_softcap=SOFTCAP, mask_fn=MASK_FN, score_fn=SCORE_FN) == impl

@@ -13,7 +13,9 @@ The matrix: impl x chip x dtype x mask configuration, each case one forward+back
 of 1K-8K tokens and the default tiles; the three configurations are causal + GQA (d = 128);
 window + segment ids + MQA + zigzag (d = 64); causal + segment ids (d = 256). Forward-only programs
 per impl x dtype, and ``ring_attention`` on global arrays per impl, beside it. The kernels take no
-bias: a key-only bias makes ``impl="auto"`` lower the XLA hop.
+bias: a key-only bias makes ``impl="auto"`` lower the XLA hop. Programmable attention (soft-cap,
+``mask_fn``, ``score_fn``, d_v != d) lowers in every kernel, once per impl; a user function that indexes
+an array (a gather) does not, and ``impl="auto"`` lowers the XLA hop for it.
 """
 import re
 
@@ -26,6 +28,7 @@ from ringattn_fast import ring_attention, ring_attention_shard
 from ringattn_fast.kernels import budgets
 from ringattn_fast.kernels import pallas_tpu_fused as fused
 from ringattn_fast.schedule import HopConfig
+from ringattn_ref import variants
 
 pytestmark = pytest.mark.slow  # 126 cross-lowerings, ~1 min: CI runs them, the quick loop does not
 
@@ -49,15 +52,16 @@ def abstract_mesh(kind, n, axis="sp"):
     return AbstractMesh((n,), (axis,), (AxisType.Explicit,), abstract_device=device)
 
 
-def structs(mesh, b, s, h, hk, d, dtype, seg):
-    """Global ShapeDtypeStructs sharded like the ring's inputs (Explicit axes need the sharding)."""
+def structs(mesh, b, s, h, hk, d, dtype, seg, d_v=None):
+    """Global ShapeDtypeStructs sharded like the ring's inputs (Explicit axes need the sharding); v is
+    ``d_v`` wide (None: d)."""
     sharding = jax.NamedSharding(mesh, jax.P(None, "sp"))
     shard = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
-    out = [shard((b, s, h, d), dtype), shard((b, s, hk, d), dtype), shard((b, s, hk, d), dtype)]
+    out = [shard((b, s, h, d), dtype), shard((b, s, hk, d), dtype), shard((b, s, hk, d if d_v is None else d_v), dtype)]
     return out + ([shard((b, s), jnp.int32)] if seg else [])
 
 
-def lower_shard(kind, impl, dtype, *, n, s, h, hk, d, mask, seg=False, backward=True, **kw):
+def lower_shard(kind, impl, dtype, *, n, s, h, hk, d, mask, seg=False, backward=True, d_v=None, **kw):
     """The text of ``ring_attention_shard`` in a shard_map over an abstract mesh of ``kind``, lowered
     (forward, or forward+backward through ``value_and_grad``)."""
     mesh = abstract_mesh(kind, n)
@@ -71,7 +75,7 @@ def lower_shard(kind, impl, dtype, *, n, s, h, hk, d, mask, seg=False, backward=
     loss = lambda q, k, v, *rest: ring(q, k, v, *rest).astype(jnp.float32).sum()  # noqa: E731
     fn = jax.value_and_grad(loss, argnums=(0, 1, 2)) if backward else ring
     with use_abstract_mesh(mesh):
-        return jax.jit(fn).trace(*structs(mesh, 1, n * s, h, hk, d, jnp.dtype(dtype), seg)).lower().as_text()
+        return jax.jit(fn).trace(*structs(mesh, 1, n * s, h, hk, d, jnp.dtype(dtype), seg, d_v)).lower().as_text()
 
 
 def kernels_in(text):
@@ -124,6 +128,36 @@ def test_global_arrays_lower_every_explicit_impl(impl):
     with use_abstract_mesh(mesh):
         text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower().as_text()
     assert_real_kernels(text, impl)
+
+
+def alibi_from_head(heads):
+    """ALiBi with each head's slope computed from ``head``, ``2 ** (-8 (head + 1) / heads)``: what a compiled
+    kernel lowers (``variants.alibi`` reads it from a table, ``slopes[head]``: a gather)."""
+    def score_fn(s, q_pos, k_pos, head):
+        slope = jnp.exp2(-8.0 * (head + 1).astype(s.dtype) / heads)
+        return s - slope * jnp.abs(q_pos - k_pos).astype(s.dtype)
+    return score_fn
+
+
+PROGRAMMED = dict(logit_softcap=30.0, mask_fn=variants.chunked_local(512), score_fn=alibi_from_head(8))
+
+
+@pytest.mark.parametrize("impl", list(FORWARD_CHIP))
+def test_programmable_attention_lowers(impl):
+    """Soft-cap, a chunked-local ``mask_fn``, ALiBi as a ``score_fn`` and v of width 64 beside q, k of
+    width 128, causal + GQA: every kernel of the impl lowers, forward and backward."""
+    text = lower_shard(FORWARD_CHIP[impl], impl, "bfloat16", d_v=64, **dict(CONFIGS[0], s=1024), **PROGRAMMED)
+    assert_real_kernels(text, impl)
+
+
+def test_a_gathering_score_fn_lowers_the_xla_hop_under_auto():
+    """``variants.alibi`` indexes its slopes by head (a gather, which Mosaic and Triton do not lower): on a
+    TPU mesh ``impl="auto"`` lowers the XLA hop for it, an explicit Pallas impl is a ValueError saying so."""
+    alibi = dict(score_fn=variants.alibi(variants.alibi_slopes(8)))
+    text = lower_shard(TPU["v5e"], "auto", "bfloat16", **dict(CONFIGS[0], s=1024), **alibi)
+    assert not kernels_in(text) and "tpu_custom_call" not in text
+    with pytest.raises(ValueError, match=r"impl='pallas_tpu': score_fn indexes an array \(a gather"):
+        lower_shard(TPU["v5e"], "pallas_tpu", "bfloat16", **dict(CONFIGS[0], s=1024), **alibi)
 
 
 @pytest.mark.parametrize("kind", ["NVIDIA L4", "TPU v9"])
