@@ -9,7 +9,8 @@ validated once and becomes a ``HostInputs``; global arrays are padded, laid out 
 (the backward ring). Beside the ring: ``mesh``, ``layouts``, ``feedforward``, ``padding`` (any sequence
 length), ``packing`` (``cu_seqlens``), ``comm`` (``comm_dtype``: K/V in bfloat16/float8 on the wire).
 The two other strategies, on the same front door and hop code: ``allgather`` (``allgather_attention``)
-and ``ulysses`` (``ulysses_attention``). In a model:
+and ``ulysses`` (``ulysses_attention``), and ``hybrid`` (``hybrid_attention``: Ulysses inside groups, the
+ring across them, on a 2-D mesh). In a model:
 ``jax_nn.dot_product_attention`` (``jax.nn``'s twin) and ``flax_adapter.flax_attention_fn`` (an
 ``attention_fn`` for Flax's attention modules).
 Serving: ``inference`` (a sequence-sharded KV cache, ring prefill, decode with an all-reduce merge).
@@ -26,9 +27,11 @@ from .ring import ring_attention, ring_attention_shard
 from .softmax import merge
 from .allgather import allgather_attention, allgather_attention_shard
 from .ulysses import ulysses_attention, ulysses_attention_shard
+from .hybrid import hybrid_attention, hybrid_attention_shard
 
 __all__ = ["blockwise_feedforward", "dot_product_attention", "flax_attention_fn", "from_layout", "make_mesh",
            "merge", "pad_for_ring", "positions_from_segment_ids", "ring_attention", "ring_attention_shard",
            "segment_ids_from_cu_seqlens", "to_layout"]
 __all__ += ["KVCache", "decode_step", "init_cache", "prefill"]
 __all__ += ["allgather_attention", "allgather_attention_shard", "ulysses_attention", "ulysses_attention_shard"]
+__all__ += ["hybrid_attention", "hybrid_attention_shard"]

@@ -51,7 +51,9 @@ class Strategy:
       rather than the host's shard;
     - fused_ok: the whole-ring kernel ``pallas_tpu_fused`` may serve it;
     - dropout, comm: it takes ``dropout_rate`` / ``comm_dtype``;
-    - check_heads: ``check_heads(heads, kv_heads, n, axis_name)`` raises if the heads cannot be split.
+    - check_heads: ``check_heads(heads, kv_heads, n, axis_name)`` raises if the heads cannot be split;
+    - hop_factor: a hop holds ``hop_factor`` hosts' tokens (the hybrid's Ulysses group), not one host's;
+    - splits_heads: the heads are split over hosts inside the strategy (user functions need the offset).
     """
     name: str
     attend: Callable
@@ -61,6 +63,8 @@ class Strategy:
     dropout: bool = False
     comm: bool = False
     check_heads: Callable | None = None
+    hop_factor: int = 1
+    splits_heads: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +167,7 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
     logit_softcap = val.check_softcap(logit_softcap)
     val.check_sinks(sinks, q.shape[2])  # not a setting: sinks join after the strategy (``finish``)
     check_user_fns(mask_fn, score_fn, q.shape[2])
-    split = heads_split or strategy.check_heads is not None
+    split = heads_split or strategy.check_heads is not None or strategy.splits_heads
     if split and (mask_fn is not None or score_fn is not None) and impl != "xla":
         if impl != "auto":  # a kernel numbers the heads it holds: it cannot give the functions global ones
             raise ValueError(f"impl={impl!r}: {strategy.name} splits the heads over hosts here, and the Pallas "
@@ -179,8 +183,8 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
         raise ValueError(f"{strategy.name} takes no dropout_rate (attention dropout runs in the ring); got "
                          f"{dropout_rate!r}")
     kv_local = s_local if kv_local is None else kv_local
-    q_len, kv_len = (size * n if whole else size for whole, size in ((strategy.q_whole, s_local),
-                                                                     (strategy.kv_whole, kv_local)))
+    q_len, kv_len = (size * n if whole else size * strategy.hop_factor
+                     for whole, size in ((strategy.q_whole, s_local), (strategy.kv_whole, kv_local)))
     # the fused ring's kernel holds one shard length for queries and keys
     fused_ok = strategy.fused_ok and comm_dtype is None and grad_comm_dtype is None and kv_local == s_local
     impl = check_impl(impl, device.platform, q, k, v, has_bias=bias_mode is not None,
@@ -201,7 +205,8 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
     hop = HopConfig(scale=scale, causal=causal, window=window, block_q=block_q, block_kv=block_kv,
                     dropout_rate=dropout_rate, logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn)
     # the fused ring schedules its own hops; the per-hop kernels skip the hops, the XLA hop the tiles too
-    static = impl != "pallas_tpu_fused" and not has_positions and not has_segments and not strategy.q_whole
+    static = (impl != "pallas_tpu_fused" and not has_positions and not has_segments and not strategy.q_whole
+              and strategy.hop_factor == 1)  # the hybrid's hops hold a group's tokens: no table for them
     spec = block_mask.spec_for(mask_fn=mask_fn if static else None, layout=layout, n=n, t=s_local * n,
                                s=kv_local * n, q_offset=q_offset, block_q=block_q, block_kv=block_kv,
                                heads=q.shape[2], causal=causal, window=window, whole_kv=strategy.kv_whole)
@@ -340,7 +345,8 @@ def host_inputs(settings, q, k, v, *, segment_ids=None, bias=None, positions=Non
         kv_pos = local_positions(settings.layout, sk, cfg.axis_name, b)
     seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
     kv_seg = seg if kv_segment_ids is None else kv_segment_ids.astype(jnp.int32)
-    axes = tuple(sorted(set(varying_axes(q, k, v, seg, kv_seg, bias, pos, kv_pos) + (cfg.axis_name,))))
+    names = (cfg.axis_name,) if isinstance(cfg.axis_name, str) else tuple(cfg.axis_name)  # the hybrid: two
+    axes = tuple(sorted(set(varying_axes(q, k, v, seg, kv_seg, bias, pos, kv_pos) + names)))
     q, k, v, pos, kv_pos, seg, kv_seg, bias = vary_like((q, k, v, pos, kv_pos, seg, kv_seg, bias), axes)
     travels = cfg.bias_mode == "travel"
     k = padding.reserved_keys_bad(k, kv_seg, settings.padding_segment)  # a traced NO_KEY id: NaN, not seen silently

@@ -133,7 +133,7 @@ class MeshAxes(NamedTuple):
     """Where a ring call's arrays live on the mesh: the ring ``axis`` (size ``n``), the mesh axes the
     batch is split over (``batch``: None, one name or a tuple) and the one the heads are split over
     (``heads``: None or a name; tensor parallelism). q/k/v are ``P(batch, axis, heads, None)``."""
-    axis: str
+    axis: str | tuple
     n: int
     batch: object
     heads: str | None
@@ -158,11 +158,13 @@ def check_mesh_axes(mesh, axis_name, *, batch, heads, kv_heads, batch_axes=None,
     gather of q, k or v.
     """
     names = tuple(mesh.axis_names)
-    if axis_name not in names:
-        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh; the mesh has axes {names}")
+    seq_axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)  # the hybrid's are two
+    for a in seq_axes:
+        if a not in names:
+            raise ValueError(f"axis_name {a!r} is not an axis of the mesh; the mesh has axes {names}")
     if batch_axes is None:
-        batch_axes = DATA_AXIS if DATA_AXIS in names and axis_name != DATA_AXIS else None
-    used = ([batch_axes] if isinstance(batch_axes, str) else list(batch_axes or ())) + [axis_name]
+        batch_axes = DATA_AXIS if DATA_AXIS in names and DATA_AXIS not in seq_axes else None
+    used = ([batch_axes] if isinstance(batch_axes, str) else list(batch_axes or ())) + list(seq_axes)
     used += [head_axis] if head_axis is not None else []
     for a in used:
         if not isinstance(a, str) or a not in names:
@@ -175,7 +177,7 @@ def check_mesh_axes(mesh, axis_name, *, batch, heads, kv_heads, batch_axes=None,
     if head_axis is not None and (heads % mesh.shape[head_axis] or kv_heads % mesh.shape[head_axis]):
         raise ValueError(f"heads ({heads}) and kv_heads ({kv_heads}) must be divisible by the size of mesh "
                          f"axis {head_axis!r} ({mesh.shape[head_axis]})")
-    return MeshAxes(axis_name, int(mesh.shape[axis_name]), batch_axes, head_axis)
+    return MeshAxes(axis_name, _axes_size(mesh, seq_axes), batch_axes, head_axis)
 
 
 def _vma(x):

@@ -50,11 +50,11 @@ def examples(n):
 
 
 def dense_attention(q, k, v, *, causal=False, segment_ids=None, kv_segment_ids=None, logit_softcap=None,
-                    sinks=None, mask_fn=None, score_fn=None, scale=None):
+                    sinks=None, mask_fn=None, score_fn=None, scale=None, window=None):
     """The oracle's attention written densely in ``jax.numpy`` (differentiable: gradients by autodiff).
 
     q [b, t, h, d], k [b, s, hk, d], v [b, s, hk, dv]; the oracle's positions (keys ``0..s-1``, queries the
-    last t); softcap, score_fn, mask (causal, segments, mask_fn), sinks as ``ringattn_ref.attention``.
+    last t); softcap, score_fn, mask (causal, window, segments, mask_fn), sinks as ``ringattn_ref.attention``.
     A row that sees no key gives 0 (its probabilities are set to 0, not NaN)."""
     import jax
     import jax.numpy as jnp
@@ -73,6 +73,10 @@ def dense_attention(q, k, v, *, causal=False, segment_ids=None, kv_segment_ids=N
     ok = jnp.ones((1, 1, t, s), bool)
     if causal:
         ok = ok & (k_pos <= q_pos)
+    if window is not None and window[0] >= 0:
+        ok = ok & (q_pos - k_pos <= window[0])
+    if window is not None and window[1] >= 0:
+        ok = ok & (k_pos - q_pos <= window[1])
     zeros_q, zeros_k = jnp.zeros((1, 1, t, 1), jnp.int32), jnp.zeros((1, 1, 1, s), jnp.int32)
     q_seg, k_seg = zeros_q, zeros_k
     if segment_ids is not None:
