@@ -196,7 +196,7 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
     - sinks: float [heads], a learnable logit per query head that joins every row's softmax
       denominator and brings no value (gpt-oss); lse includes it; every impl (``softmax.add_sinks``);
     - logit_softcap: ``c``: the scaled logits become ``c * tanh(s / c)`` before bias and mask (Gemma 2);
-      the XLA hop (``impl="auto"`` picks it; a Pallas impl is an error, for now);
+      every impl (the XLA hop and the Pallas kernels, forward and backward);
     - mask_fn(q_pos, k_pos, q_seg, k_seg, head) -> bool / score_fn(s, q_pos, k_pos, head) -> s: user
       functions of true positions (``ringattn_ref.variants``) and global head indices, evaluated per
       tile (a pair attends iff the built-in mask and ``mask_fn`` allow it; ``score_fn`` after the
