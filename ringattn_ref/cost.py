@@ -27,10 +27,25 @@ SEQ_PER_BLOCK = 6  # the paper's rule of thumb (Table 2): s = 6c tokens per host
 
 @dataclass(frozen=True)
 class Hardware:
-    """One host of a ring: peak FLOP/s ``F`` and unidirectional link bandwidth ``B`` (bytes/s)."""
+    """One host of a ring: peak FLOP/s ``F`` and unidirectional link bandwidth ``B`` (bytes/s).
+
+    Two tiers of links (optional, used by ``strategy_cost``): devices come in groups of ``group_size``
+    (a node's GPUs on NVLink, the chips of a TPU host), devices ``0 .. group_size - 1`` in the first,
+    linked at ``bandwidth_bytes_per_s``; a device reaches other groups at ``inter_bandwidth_bytes_per_s``
+    (its share of the network, e.g. one 100 Gb/s InfiniBand port per GPU: 12.5e9). Both None (the
+    default, every row of :data:`HARDWARE`): one tier, every link at ``B``. Example, two nodes of 4
+    A100s: ``Hardware("A100 4-GPU nodes", 312e12, 300e9, group_size=4, inter_bandwidth_bytes_per_s=12.5e9)``.
+    """
     name: str
     flops_per_s: float
     bandwidth_bytes_per_s: float
+    group_size: int | None = None
+    inter_bandwidth_bytes_per_s: float | None = None
+
+    @property
+    def two_tier(self):
+        """Whether the links have two tiers (``group_size`` set)."""
+        return self.group_size is not None
 
 
 # Table 2 of arXiv:2310.01889 (bf16 peak TFLOP/s; GB/s, 1 GB = 1e9 bytes).

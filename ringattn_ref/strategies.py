@@ -34,13 +34,15 @@ from .softmax import finalize, init_state
 class StrategyTrace:
     """What each host sent and held at each step of a sequence-parallel strategy.
 
-    - strategy: ``"allgather"`` or ``"ulysses"``; steps: one name per step (``"gather 1"``, ...,
-      ``"attend"``; ``"all-to-all qkv"``, ``"attend"``, ``"all-to-all o"``);
+    - strategy: ``"allgather"``, ``"ulysses"`` or ``"hybrid"``; steps: one name per step (``"gather 1"``,
+      ..., ``"attend"``; ``"all-to-all qkv"``, ``"attend"``, ``"all-to-all o"``; ``"all-to-all qkv"``,
+      ``"ring 1"``, ..., ``"ring R"``, ``"all-to-all o"``);
     - bytes_sent (int) ``[n_hosts, n_steps]``: float bytes (q/k/v/o) each host sent at that step
       (positions and segment ids are not counted, as in ``RingTrace.bytes_sent``);
     - flops (float) ``[n_hosts, n_steps]``: ``4 * batch * heads * block_q * block_kv * dim`` per
       computed tile;
-    - peak_bytes (int) ``[n_hosts]``: peak live float bytes (see each strategy for what is counted).
+    - peak_bytes (int) ``[n_hosts]``: peak live float bytes (see each strategy for what is counted);
+    - ulysses_size, ring_size: the split of ``"hybrid"`` (``hybrid.hybrid_attention``), else None.
     """
     strategy: str
     n_hosts: int
@@ -48,6 +50,8 @@ class StrategyTrace:
     bytes_sent: np.ndarray
     flops: np.ndarray
     peak_bytes: np.ndarray
+    ulysses_size: int | None = None
+    ring_size: int | None = None
 
     @property
     def n_steps(self):
