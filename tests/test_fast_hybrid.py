@@ -87,3 +87,20 @@ def test_a_ulysses_axis_larger_than_the_heads_is_a_value_error():
     q = np.zeros((1, 16, 6, 8), np.float32)
     with pytest.raises(ValueError, match=r"its size \(4\) must divide heads \(6\)"):
         rf.hybrid_attention(q, q, q, mesh=mesh2(2, 4))
+
+
+@pytest.mark.parametrize("ring, ulysses, kv_heads", [(2, 4, 2), (4, 2, 4)])
+def test_the_compiled_program_sends_what_the_model_says(ring, ulysses, kv_heads):
+    """The forward's float bytes per device, by collective, counted in the compiled program
+    (``benchmarks.strategies.collective_bytes``: all-to-alls over the Ulysses axis of size U, the ring's
+    permutes R - 1 times) equal ``ringattn_ref.hybrid_bytes_sent``: q, k, v (kv heads repeated as
+    needed) and o over the all-to-alls, K/V shards of S/R tokens and heads/U heads around the ring."""
+    from benchmarks.strategies import collective_bytes
+    b, s, h, d = 1, 256, 4, 16
+    q, k = jnp.zeros((b, s, h, d), jnp.float32), jnp.zeros((b, s, kv_heads, d), jnp.float32)
+    f = jax.jit(lambda q, k, v: rf.hybrid_attention(q, k, v, mesh=mesh2(ring, ulysses), causal=True))
+    sent = collective_bytes(f.lower(q, k, k).compile().as_text(), ulysses, loop_trips=ring - 1, by_shape=True)
+    measured = {kind: sum(x for (kd, dtype, _), x in sent.items() if kd == kind and dtype == "f32")
+                for kind in ("all-to-all", "collective-permute")}
+    assert measured == ref.hybrid_bytes_sent(seq=s, heads=h, kv_heads=kv_heads, dim=d, ulysses_size=ulysses,
+                                             ring_size=ring, batch=b, dtype_bytes=4)
