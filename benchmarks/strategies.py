@@ -3,8 +3,9 @@
     python -m benchmarks.bench --mode strategies                  # 8 devices, S=8192, h=4, d=64, fp32
     python -m benchmarks.bench --mode strategies --seqs 2048,4096,8192,16384,32768 --out s.jsonl --plot s.png
 
-For ``ring`` (``ring_attention``), ``allgather`` (``allgather_attention``) and ``ulysses``
-(``ulysses_attention``, skipped when the heads do not split over the devices), at each sequence
+For ``ring`` (``ring_attention``), ``allgather`` (``allgather_attention``), ``ulysses``
+(``ulysses_attention``, skipped when the heads do not split over the devices) and ``hybrid``
+(``hybrid_attention`` on a ``ring x ulysses`` mesh of the same devices, ``--ulysses-size``), at each sequence
 length: the median wall time of the jitted forward+backward (round-robin, compilation excluded), XLA's
 per-device temp bytes (``memory_analysis().temp_size_in_bytes``), the bytes each device sends,
 **measured from the compiled program** (:func:`collective_bytes`), and the bytes a simple model
@@ -27,7 +28,7 @@ import numpy as np
 from . import report
 from .timing import Progress, time_interleaved
 
-STRATEGIES = ("ring", "allgather", "ulysses")
+STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
 ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                  "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 KINDS = ("collective-permute", "all-gather", "all-to-all", "reduce-scatter", "all-reduce")
@@ -82,7 +83,7 @@ def collective_bytes(hlo_text, n, *, loop_trips=1, by_shape=False):
     return dict(sent) if by_shape else float(sum(sent.values()))
 
 
-def predicted_bytes(strategy, *, n, batch, seq, heads, kv_heads, dim, dtype_bytes, acc_bytes=4):
+def predicted_bytes(strategy, *, n, batch, seq, heads, kv_heads, dim, dtype_bytes, acc_bytes=4, ulysses=None):
     """Bytes one device sends in one forward+backward, from the algorithms (K/V, q, o and gradients
     only; positions and segment ids left out).
 
@@ -90,8 +91,18 @@ def predicted_bytes(strategy, *, n, batch, seq, heads, kv_heads, dim, dtype_byte
     allgather: K/V gathered once (``N - 1`` shards: with forward and backward in one program XLA
     reuses the forward's gather instead of gathering again, measured) and dK/dV reduce-scattered
     (``N - 1`` float32 shards); ulysses: ``(N-1)/N`` of q, o, dO, dQ and of K, V, dK, dV (kv heads
-    repeated ``N / gcd(kv_heads, N)`` times).
+    repeated ``N / gcd(kv_heads, N)`` times); hybrid (``ulysses`` = U of the ``n`` devices): Ulysses's
+    bytes over U, then the ring's over ``R = n / U`` on ``S/R`` tokens of ``heads/U`` heads (kv heads
+    repeated ``U / gcd(kv_heads, U)`` times first).
     """
+    if strategy == "hybrid":
+        u, r = ulysses, n // ulysses
+        rep = u // np.gcd(kv_heads, u)
+        a2a = predicted_bytes("ulysses", n=u, batch=batch, seq=seq * u // n, heads=heads, kv_heads=kv_heads,
+                              dim=dim, dtype_bytes=dtype_bytes, acc_bytes=acc_bytes)
+        ring = predicted_bytes("ring", n=r, batch=batch, seq=seq, heads=heads // u, kv_heads=kv_heads * rep // u,
+                               dim=dim, dtype_bytes=dtype_bytes, acc_bytes=acc_bytes) if r > 1 else 0
+        return a2a + ring
     local = batch * seq // n * dim  # elements per head of one host's shard
     kv = 2 * local * kv_heads * dtype_bytes
     grads = 2 * local * kv_heads * acc_bytes
@@ -103,13 +114,14 @@ def predicted_bytes(strategy, *, n, batch, seq, heads, kv_heads, dim, dtype_byte
     return (n - 1) / n * (4 * local * heads * dtype_bytes + 2 * r * kv)
 
 
-def reference_model(strategy, *, n, batch, seq, heads, kv_heads, dim, dtype_bytes):
+def reference_model(strategy, *, n, batch, seq, heads, kv_heads, dim, dtype_bytes, ulysses=None):
     """``(bytes sent, peak bytes)`` per device of one **forward** from ``ringattn_ref``'s cost model of
     the three strategies (``strategy_cost.strategy_costs``), or None where it has none (Ulysses
     with heads not divisible by the devices)."""
     from ringattn_ref.strategy_cost import strategy_costs
+    split = dict(ulysses_size=ulysses) if strategy == "hybrid" else {}
     cost = strategy_costs(seq=seq, heads=heads, kv_heads=kv_heads, dim=dim, devices=n, hardware="A100 NVLink",
-                          batch=batch, dtype_bytes=dtype_bytes)[strategy]
+                          batch=batch, dtype_bytes=dtype_bytes, **split)[strategy]
     return (float(cost.bytes_sent), float(cost.peak_bytes)) if cost.feasible else None
 
 
@@ -126,6 +138,9 @@ def parse_args(argv=None):
     p.add_argument("--causal", default="false", choices=["true", "false"], help="causal mask")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the median is kept")
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma list of " + ", ".join(STRATEGIES))
+    p.add_argument("--ulysses-size", type=int, default=None,
+                   help="the hybrid's Ulysses degree U (omitted: the largest divisor of --heads and --devices "
+                        "below --devices, so the ring has >= 2 groups)")
     p.add_argument("--out", help="write the JSON lines here instead of stdout")
     p.add_argument("--plot", help="save a figure (time, memory, bytes vs seq) to this image file")
     return p.parse_args(argv)
@@ -198,11 +213,15 @@ def main(argv=None):
 
     import ringattn_fast as rf
 
-    fns = {"ring": rf.ring_attention, "allgather": rf.allgather_attention, "ulysses": rf.ulysses_attention}
     names = args.strategies.split(",")
     seqs = [int(s) for s in args.seqs.split(",")]
     kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     mesh, n, causal = rf.make_mesh(args.devices), args.devices, args.causal == "true"
+    u = args.ulysses_size or max([d for d in range(1, n) if n % d == 0 and args.heads % d == 0] or [1])
+    mesh2 = jax.make_mesh((n // u, u), ("ring", "ulysses"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    fns = {"ring": partial(rf.ring_attention, mesh=mesh), "allgather": partial(rf.allgather_attention, mesh=mesh),
+           "ulysses": partial(rf.ulysses_attention, mesh=mesh), "hybrid": partial(rf.hybrid_attention, mesh=mesh2)}
+    group = {"hybrid": (u, n // u - 1)}  # collectives' group size and the ring loop's trips, if not (n, n - 1)
     sharded = jax.sharding.NamedSharding(mesh, jax.P(None, "sp"))
     progress = Progress(len(seqs) * (len(names) + 1))
     out = report.open_rows(args.out)
@@ -219,22 +238,25 @@ def main(argv=None):
                 rows.append(dict(base, skipped=f"heads {args.heads} % devices {n} != 0"))
                 progress.step(f"S={seq} {name} skipped")
                 continue
+            if name == "hybrid":
+                base["split"] = f"{n // u} ring x {u} ulysses"
 
             def fwd_bwd(q, k, v, do, fn=fns[name]):
-                o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, mesh=mesh, causal=causal), q, k, v)
+                o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, causal=causal), q, k, v)
                 return o, vjp(do)
 
             shape = dict(n=n, batch=args.batch, seq=seq, heads=args.heads, kv_heads=kv_heads, dim=args.dim,
-                         dtype_bytes=jnp.dtype(args.dtype).itemsize)
-            fwd = jax.jit(lambda q, k, v, fn=fns[name]: fn(q, k, v, mesh=mesh, causal=causal)).lower(q, k, v).compile()
+                         dtype_bytes=jnp.dtype(args.dtype).itemsize, **({"ulysses": u} if name == "hybrid" else {}))
+            fwd = jax.jit(lambda q, k, v, fn=fns[name]: fn(q, k, v, causal=causal)).lower(q, k, v).compile()
             compiled = jax.jit(fwd_bwd).lower(q, k, v, do).compile()
             ref_sent, ref_peak = reference_model(name, **shape)
+            coll, trips = group.get(name, (n, n - 1))
             outputs[name] = np.asarray(compiled(q, k, v, do)[0], np.float64)  # also the warm-up run
             found[name] = dict(base, temp_fwd_bytes=int(fwd.memory_analysis().temp_size_in_bytes),
                                temp_fwd_bwd_bytes=int(compiled.memory_analysis().temp_size_in_bytes),
-                               fwd_sent_bytes=collective_bytes(fwd.as_text(), n, loop_trips=n - 1),
+                               fwd_sent_bytes=collective_bytes(fwd.as_text(), coll, loop_trips=trips),
                                fwd_predicted_bytes=ref_sent, fwd_predicted_peak_bytes=ref_peak,
-                               sent_bytes=collective_bytes(compiled.as_text(), n, loop_trips=n - 1),
+                               sent_bytes=collective_bytes(compiled.as_text(), coll, loop_trips=trips),
                                predicted_bytes=float(predicted_bytes(name, **shape)))
             jobs.append(partial(compiled, q, k, v, do))
             progress.step(f"S={seq} {name} compiled")
