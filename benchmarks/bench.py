@@ -4,6 +4,7 @@
     python -m benchmarks.bench --seq 2048 --causal true --out runs.jsonl --plot bench.png
     python -m benchmarks.bench --mode decode            # decoding against a sharded KV cache (decode.py)
     python -m benchmarks.bench --mode=strategies        # ring vs all-gather vs Ulysses (strategies.py)
+    python -m benchmarks.bench --mode balance           # packed documents: zigzag vs the balance solver (balance.py)
     python -m benchmarks.bench --gpu-kernel [--quick]   # on a GPU: the Pallas Triton kernel vs cuDNN
     python -m benchmarks.bench --mode decode --help     # a mode's own options
 
@@ -18,12 +19,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench_gpu, decode, report, strategies, train
+from . import balance, bench_gpu, decode, report, strategies, train
 
 PROG = "python -m benchmarks.bench"
 MODES = {"train": (train, "forward and forward+backward of ours, dense and the authors' package (the default)"),
          "decode": (decode, "one token per step against a sequence-sharded KV cache vs a dense one"),
-         "strategies": (strategies, "ring vs all-gather vs Ulysses: time, memory, bytes sent")}
+         "strategies": (strategies, "ring vs all-gather vs Ulysses: time, memory, bytes sent"),
+         "balance": (balance, "packed documents: imbalance and time of zigzag, per-document zigzag, the solver")}
 
 
 def add_mode_arguments(p):

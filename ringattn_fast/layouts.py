@@ -9,13 +9,19 @@ those into an all-to-all on a sharded array instead of a gather).
 ``to_layout(x, positions=pos)[b, p] = x[b, pos[b, p]]``, i.e. ``pos[b, p]`` is the true position of
 the token placed at layout position ``p`` -- exactly what ``ring_attention_shard(positions=...)``
 expects, sharded like the tokens.
+
+Balanced layouts for packed documents and any mask (``ringattn_ref.balance``) are built in numpy, once per
+configuration, and re-exported here: ``per_document_zigzag`` and ``balanced_layout`` return a ``Layout``
+whose ``perm`` is ``ring_attention``'s ``layout=`` (``to_layout`` / ``from_layout`` take the ``Layout``
+itself too).
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
 
-from ringattn_ref.layouts import layout_permutation
+from ringattn_ref.balance import balanced_layout
+from ringattn_ref.layouts import Layout, layout_permutation, per_document_zigzag
 from ringattn_ref.validation import check_layout, check_n_hosts
 
 
@@ -56,13 +62,14 @@ def permute_axis(x, layout, n_hosts, axis=1, inverse=False):
 def to_layout(x, layout="contiguous", n_hosts=None, *, positions=None):
     """Reorder axis 1 (the sequence) of ``x`` from true order into layout order.
 
-    x: [batch, seq, ...]; layout: ``"contiguous" | "striped" | "zigzag"`` or an int permutation of
-    ``range(seq)``; n_hosts: ring size. With ``positions`` (int [batch, seq]) each row is permuted by
+    x: [batch, seq, ...]; layout: ``"contiguous" | "striped" | "zigzag"``, an int permutation of
+    ``range(seq)`` or a ``Layout``; n_hosts: ring size. With ``positions`` (int [batch, seq]) each row is permuted by
     its own ``positions[b]`` instead, and ``layout``/``n_hosts`` are not used.
     """
     if positions is not None:
         _check_positions(x, positions)
         return _take_rows(x, positions)
+    layout = layout.perm if isinstance(layout, Layout) else layout
     layout = check_layout(layout, x.shape[1])
     n_hosts = check_n_hosts(n_hosts, x.shape[1], layout)
     return permute_axis(x, layout, n_hosts, axis=1)
@@ -73,6 +80,10 @@ def from_layout(x, layout="contiguous", n_hosts=None, *, positions=None):
     if positions is not None:
         _check_positions(x, positions)
         return _take_rows(x, jnp.argsort(positions, axis=1))
+    layout = layout.perm if isinstance(layout, Layout) else layout
     layout = check_layout(layout, x.shape[1])
     n_hosts = check_n_hosts(n_hosts, x.shape[1], layout)
     return permute_axis(x, layout, n_hosts, axis=1, inverse=True)
+
+
+__all__ = ["Layout", "balanced_layout", "from_layout", "per_document_zigzag", "permute_axis", "to_layout"]

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .balance import balance as work_balance
 from .block_mask import block_mask, check_function
 from .blockwise import attend_kv_shard, bias_tile
 from .dropout import check_dropout
@@ -130,6 +131,17 @@ class RingTrace:
     def work_per_host(self):
         """Flops per host summed over steps, [n_hosts]."""
         return self.flops.sum(axis=1)
+
+    def balance(self):
+        """The load balance of this run (``balance.py``): a :class:`~ringattn_ref.balance.Balance` of the
+        tiles each host computed at each step (``tiles_computed``: the block mask's non-empty tiles with a
+        ``mask_fn``, else those the position bounds could not prove empty)."""
+        return work_balance(self.tiles_computed)
+
+    def imbalance(self):
+        """The slowest host's computed tiles over the mean host's (1.0: perfect); ``balance()`` has the
+        step-synchronous figure (critical path / mean) too."""
+        return self.balance().imbalance
 
 
 @dataclass(frozen=True)
