@@ -21,7 +21,7 @@ from jax import lax
 from ringattn_ref.shards import HopConfig, HopGrads, KVGrads, KVShard, QShard
 
 __all__ = ["Dropout", "HopConfig", "HopGrads", "KVGrads", "KVShard", "QShard", "RingConfig", "hop_kv", "kv_index",
-           "local_positions", "ring_loop", "ring_perm", "send_to_next"]
+           "local_positions", "ring_balance", "ring_loop", "ring_perm", "send_to_next"]
 
 
 class Dropout(NamedTuple):
@@ -118,3 +118,22 @@ def hop_kv(cfg, kv, bias, kv_idx):
     if cfg.bias_mode == "static":
         return kv._replace(bias=bias)
     return kv  # "travel" (already there) or no bias
+
+
+def ring_balance(seq_len, n_hosts, *, layout="contiguous", causal=False, window=None, mask_fn=None, segment_ids=None,
+                 block_q=None, block_kv=None, heads=1):
+    """How evenly this ring's schedule spreads the work: a ``ringattn_ref.balance.Balance``.
+
+    For the static settings of a ``ring_attention`` call (self-attention over ``seq_len`` tokens on
+    ``n_hosts``, ``layout`` a name, a permutation or a ``Layout``, the masks, segment ids in true order,
+    the XLA hop's tiles): the visible tiles of host ``my_idx`` at each ``step`` (the tiles this ring
+    computes: empty tiles and hops are skipped), ``critical_path`` (each step waits for its slowest
+    host), ``imbalance`` (slowest host / mean) and ``step_imbalance`` (critical path / mean), from the
+    block mask (``ringattn_ref.balance.layout_block_mask``). Host ``i``'s row is its ``kv_idx = (i - step)
+    % N`` order. Cost: one dense evaluation of the mask in numpy (``ringattn_ref.block_mask``).
+    """
+    from ringattn_ref import balance  # numpy only, but not needed by the ring itself
+
+    bm = balance.layout_block_mask(layout, seq_len, n_hosts, mask_fn=mask_fn, segment_ids=segment_ids, causal=causal,
+                                   window=window, block_q=block_q, block_kv=block_kv, heads=heads)
+    return balance.balance(bm)
