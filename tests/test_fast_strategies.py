@@ -195,14 +195,19 @@ def test_float8_scale_keeps_the_error_relative():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["allgather", "ulysses"])
+@pytest.mark.parametrize("name", ["allgather", "ulysses", "hybrid"])
 def test_strategies_run_the_pallas_hop(name):
     """The strategies' one hop through a Pallas kernel (Triton, in its interpreter on CPU): a query
-    shard against all keys (sq != sk), as the ring's XLA hop computes it."""
+    shard against all keys (sq != sk), as the ring's XLA hop computes it; the hybrid's ring of two
+    groups (a 2 x 2 mesh) runs its hops through it too."""
     q, k, v, do = _qkv((1, 32, 4, 8), kv_heads=2, seed=3)
     want = _fwd_bwd(rf.ring_attention, 2)(q, k, v, do)
     mesh = rf.make_mesh(2)
-    got = jax.jit(lambda q, k, v, do: (lambda o, vjp: (o,) + vjp(do))(*jax.vjp(lambda q, k, v: STRATEGIES[name](
+    fn = STRATEGIES.get(name)
+    if name == "hybrid":
+        grid = jax.make_mesh((2, 2), ("ring", "ulysses"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        fn, mesh = rf.hybrid_attention, grid
+    got = jax.jit(lambda q, k, v, do: (lambda o, vjp: (o,) + vjp(do))(*jax.vjp(lambda q, k, v: fn(
         q, k, v, mesh=mesh, causal=True, block_q=8, block_kv=8, impl="pallas_gpu"), q, k, v)))(q, k, v, do)
     for g, w in zip(got, want):
         assert max_err(np.asarray(g), np.asarray(w)) <= 2e-5
