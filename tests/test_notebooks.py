@@ -129,7 +129,7 @@ def _ends_in_check(tree: ast.Module) -> bool:
 
 # Notebooks 00..SECOND_EDITION_LAST follow the course's second edition (issue 13): learning objectives,
 # prerequisites, an inline quiz, "What to take away", at least three exercises.
-SECOND_EDITION_LAST = 14
+SECOND_EDITION_LAST = 15
 
 PLOTTING_MODULES = {"viz": "ringattn_ref", "viz_blocks": "ringattn_ref", "figures": "ringattn_course"}
 

@@ -1,4 +1,4 @@
-"""Self-checks for the exercises of the notebook course (``notebooks/NN_*.md``, 00-14).
+"""Self-checks for the exercises of the notebook course (``notebooks/NN_*.md``, 00-15).
 
 Each ``check_*`` takes the learner's answer (a number or a function). While the answer is still the
 placeholder ``None`` it prints a reminder and returns ``False``, so a notebook runs top to bottom
@@ -7,12 +7,13 @@ prints ``Correct`` and returns ``True``. The expected values come from the libra
 ``attention``, the ring simulation, the cost model, the kernels' tile predicate, the fused kernel's
 ring rules), never from a hard-coded result, so the checks stay true if the library's numbers change.
 
-The checks are grouped by notebook: 00-06 use ``ringattn_ref`` (numpy), 07-14 ``ringattn_fast``
+The checks are grouped by notebook: 00-06 and 15 use ``ringattn_ref`` (numpy), 07-14 ``ringattn_fast``
 (JAX; imported inside those checks, so the numpy notebooks' checks never load a kernel). The
-predict-then-measure checks (05-14, each notebook's last exercise) measure what they compare with:
+predict-then-measure checks (05-15, each notebook's last exercise) measure what they compare with:
 a ring's gradients, a kernel's own tile counter, the scratch a ``pallas_call`` declares, the
-collectives of a compiled program (``ringattn_course.hlo.collective_messages``), or the hops a mask
-function's block mask leaves empty (``ringattn_ref.ring_block_mask``).
+collectives of a compiled program (``ringattn_course.hlo.collective_messages``), the hops a mask
+function's block mask leaves empty (``ringattn_ref.ring_block_mask``), or a layout's critical path
+(``ringattn_ref.balance``).
 
 ``tests/test_exercises.py`` runs every check against the hidden answer written in the notebook and
 against a wrong answer.
@@ -1045,3 +1046,102 @@ def check_chunked_empty_hops(chunked_empty_hops):
                                  f"{n * n}, you predict {got} (hint: host i sees shard j iff j <= i and some key "
                                  f"of shard j shares a chunk with some query of host i)")
     return _correct("a hop is live iff the shards share a chunk (and the keys come first)")
+
+
+# ---- 15 two dimensions and balance -----------------------------------------------------------------
+
+def check_ulysses_degrees(ulysses_degrees):
+    """15, exercise 1: ``ulysses_degrees(heads, kv_heads, devices)`` -> ``[(U, R, kv_per_host), ...]`` sorted by
+    ``U``: every split of the hybrid (``ringattn_ref.hybrid_splits``) and the kv heads a device holds after
+    the all-to-all (``kv_heads * kv_repeat(kv_heads, U) / U``)."""
+    if _pending(ulysses_degrees, "ulysses_degrees(heads, kv_heads, devices)"):
+        return False
+    from ringattn_ref.hybrid import hybrid_splits, kv_repeat
+
+    for heads, kv_heads, devices in ((4, 4, 8), (4, 2, 8), (12, 3, 16), (8, 1, 8), (6, 6, 4), (32, 8, 64)):
+        want = [(float(u), float(r), float(kv_heads * kv_repeat(kv_heads, u) // u))
+                for u, r in hybrid_splits(heads, devices)]
+        try:
+            got = [tuple(float(x) for x in split) for split in ulysses_degrees(heads, kv_heads, devices)]
+        except (TypeError, ValueError) as err:
+            raise AssertionError(f"ulysses_degrees({heads}, {kv_heads}, {devices}) must return a list of "
+                                 f"(U, R, kv_per_host) tuples of numbers; got an error: {err}") from err
+        if got != want:
+            raise AssertionError(f"heads={heads}, kv_heads={kv_heads}, devices={devices}: expected {len(want)} "
+                                 f"splits {[tuple(int(x) for x in w) for w in want]}, got {got} (hint: U divides "
+                                 f"the devices and the heads; each kv head is repeated U / gcd(kv_heads, U) times, "
+                                 f"then split U ways)")
+    return _correct("U divides gcd(heads, devices); a device holds lcm(kv_heads, U) / U kv heads")
+
+
+def _permutation(perm, seq, what):
+    """``perm`` as an int64 permutation of ``range(seq)``, or AssertionError saying what is wrong."""
+    try:
+        arr = np.asarray(perm)
+    except Exception as err:  # noqa: BLE001 - the learner's value
+        raise AssertionError(f"{what} must be an int array; got {type(perm).__name__}") from err
+    if arr.shape != (seq,) or not (np.issubdtype(arr.dtype, np.integer) or
+                                   (np.issubdtype(arr.dtype, np.floating) and np.all(arr == np.round(arr)))):
+        raise AssertionError(f"{what} must be {seq} integer positions; got shape {arr.shape}, dtype {arr.dtype}")
+    arr = arr.astype(np.int64)
+    if not np.array_equal(np.sort(arr), np.arange(seq)):
+        raise AssertionError(f"{what} is not a permutation of range({seq}): every position exactly once")
+    return arr
+
+
+def check_two_doc_zigzag(two_doc_zigzag):
+    """15, exercise 2: ``two_doc_zigzag(len_a, len_b, n_hosts)``: each host's positions equal those of
+    ``ringattn_ref.per_document_zigzag([len_a, len_b], n_hosts)`` (any order inside a host), and the ring with
+    that layout equals the oracle (causal, the two documents as segment ids)."""
+    if _pending(two_doc_zigzag, "two_doc_zigzag(len_a, len_b, n_hosts)"):
+        return False
+    from ringattn_ref.layouts import per_document_zigzag
+
+    for seed, (len_a, len_b, n) in enumerate(((32, 64, 4), (48, 16, 2), (96, 32, 8), (16, 16, 8))):
+        seq = len_a + len_b
+        got = _permutation(two_doc_zigzag(len_a, len_b, n), seq, f"two_doc_zigzag({len_a}, {len_b}, {n})")
+        want = per_document_zigzag([len_a, len_b], n).perm
+        for r in range(n):
+            mine, theirs = (np.sort(x[r * seq // n:(r + 1) * seq // n]) for x in (got, want))
+            if not np.array_equal(mine, theirs):
+                raise AssertionError(f"len_a={len_a}, len_b={len_b}, n_hosts={n}: host {r} should own "
+                                     f"{theirs.tolist()}, yours owns {mine.tolist()} (hint: cut each document "
+                                     f"into 2N chunks; host r takes chunks r and 2N - 1 - r of each)")
+        q, k, v = _problem(160 + seed, seq=seq)
+        seg = np.repeat([[1, 2]], [len_a, len_b], axis=1)
+        o = ring_attention(q, k, v, n_hosts=n, causal=True, segment_ids=seg, layout=got)
+        assert np.abs(o - attention(q, k, v, causal=True, segment_ids=seg)).max() < 1e-12, "the ring vs the oracle"
+    return _correct("each document zigzagged on its own; the ring with layout=perm equals the oracle")
+
+
+def check_layout_critical_path(layout_critical_path):
+    """15, exercise 3: ``layout_critical_path(perm, doc_lengths, n_hosts, block)``: the ring's critical path in
+    tiles for packed causal documents, measured by ``balance.layout_block_mask`` + ``balance.critical_path``."""
+    if _pending(layout_critical_path, "layout_critical_path(perm, doc_lengths, n_hosts, block)"):
+        return False
+    from ringattn_ref import balance
+    from ringattn_ref.layouts import as_layout, per_document_zigzag
+
+    notebook_batch = [181, 93, 75, 56, 43, 31, 18, 15]
+    cases = []
+    for lengths, n, block in ((notebook_batch, 8, 16), ([40, 24, 16, 8, 8, 32], 4, 4), ([100, 28], 2, 8)):
+        seq = sum(lengths)
+        seg = np.repeat(np.arange(1, len(lengths) + 1), lengths)
+        rng = np.random.default_rng(seq)
+        chunks = rng.permutation(seq // block)
+        layouts = {"contiguous": "contiguous", "zigzag": "zigzag",
+                   "per-document zigzag": per_document_zigzag(lengths, n),
+                   "solver": balance.balanced_layout(None, seq, n, segment_ids=seg, causal=True, block_q=block,
+                                                     block_kv=block),
+                   "random chunks": (chunks[:, None] * block + np.arange(block)).ravel()}
+        for name, lay in layouts.items():
+            perm = as_layout(lay, seq, n).perm
+            bm = balance.layout_block_mask(perm, seq, n, segment_ids=seg, causal=True, block_q=block, block_kv=block)
+            cases.append((name, perm, lengths, n, block, balance.critical_path(bm)))
+    for name, perm, lengths, n, block, want in cases:
+        got = _as_int(layout_critical_path(perm.copy(), list(lengths), n, block), "the critical path in tiles")
+        if got != want:
+            raise AssertionError(f"{name} layout, documents {lengths}, {n} hosts, tiles of {block}: the block mask's "
+                                 f"critical path is {want:.0f} tiles, you predict {got} (hint: host i holds K/V shard "
+                                 f"(i - s) % N at step s; a step lasts as long as its busiest host)")
+    return _correct("the critical path: each ring step waits for its busiest host")
