@@ -4,6 +4,7 @@
     python -m benchmarks.bench --seq 2048 --causal true --out runs.jsonl --plot bench.png
     python -m benchmarks.bench --mode decode            # decoding against a sharded KV cache (decode.py)
     python -m benchmarks.bench --mode=strategies        # ring vs all-gather vs Ulysses (strategies.py)
+    python -m benchmarks.bench --mode masks             # mask / score functions vs built-ins and a bias (masks.py)
     python -m benchmarks.bench --mode balance           # packed documents: zigzag vs the balance solver (balance.py)
     python -m benchmarks.bench --gpu-kernel [--quick]   # on a GPU: the Pallas Triton kernel vs cuDNN
     python -m benchmarks.bench --mode decode --help     # a mode's own options
@@ -19,12 +20,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import balance, bench_gpu, decode, report, strategies, train
+from . import balance, bench_gpu, decode, masks, report, strategies, train
 
 PROG = "python -m benchmarks.bench"
 MODES = {"train": (train, "forward and forward+backward of ours, dense and the authors' package (the default)"),
          "decode": (decode, "one token per step against a sequence-sharded KV cache vs a dense one"),
          "strategies": (strategies, "ring vs all-gather vs Ulysses: time, memory, bytes sent"),
+         "masks": (masks, "mask_fn and its block mask vs the built-ins and a dense bias; soft-cap, sinks"),
          "balance": (balance, "packed documents: imbalance and time of zigzag, per-document zigzag, the solver")}
 
 
@@ -68,7 +70,7 @@ def split_mode(argv):
 
 
 def main(argv=None):
-    """Run the chosen benchmark: train mode's rows, decode's or strategies' rows, or bench_gpu's status."""
+    """Run the chosen benchmark: train mode's rows, another mode's rows, or bench_gpu's status."""
     mode, gpu_kernel, rest = split_mode(sys.argv[1:] if argv is None else list(argv))
     if gpu_kernel:
         return bench_gpu.main(rest)

@@ -47,6 +47,23 @@ def document(q_pos, k_pos, q_seg, k_seg, head):
     return q_seg == k_seg
 
 
+def documents(lengths, causal=True):
+    """Packed documents of static ``lengths`` as a function of positions alone: a query sees the keys of
+    its own document (and, ``causal``, only those at or before it). Document ``i`` covers positions
+    ``sum(lengths[:i]) .. sum(lengths[:i+1]) - 1``; e.g. ``documents([3, 2])``: position 4 sees 3 and 4,
+    position 2 sees 0, 1, 2. Unlike :func:`document` it needs no segment ids, so the ring can build a
+    static block mask from it (``ringattn_fast.block_mask``); positions past the end form one more document.
+    """
+    ends = np.cumsum(np.asarray(lengths, np.int64))  # document i ends before ends[i]
+
+    def mask_fn(q_pos, k_pos, q_seg, k_seg, head):
+        xp = q_pos.__array_namespace__()
+        bounds = xp.asarray(ends, dtype=q_pos.dtype)
+        same = xp.searchsorted(bounds, q_pos, side="right") == xp.searchsorted(bounds, k_pos, side="right")
+        return same & (k_pos <= q_pos) if causal else same
+    return mask_fn
+
+
 def prefix_lm(prefix):
     """Bidirectional over the first ``prefix`` positions, causal after them."""
     def mask_fn(q_pos, k_pos, q_seg, k_seg, head):

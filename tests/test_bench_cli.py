@@ -10,7 +10,7 @@ import sys
 import jax
 import pytest
 
-from benchmarks import bench, decode, report, strategies, timing, train
+from benchmarks import bench, decode, masks, report, strategies, timing, train
 
 TINY = ["--repeats", "1", "--dim", "8"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,8 +25,9 @@ def _help(capsys, argv):
 
 def test_help_lists_every_mode_and_option(capsys):
     text = _help(capsys, [])
-    assert "--mode {train,decode,strategies}" in text and "--gpu-kernel" in text
-    for mode in ("train", "decode", "strategies"):
+    assert "--mode {" + ",".join(bench.MODES) + "}" in text and "--gpu-kernel" in text
+    assert {"train", "decode", "strategies", "masks"} <= set(bench.MODES)
+    for mode in bench.MODES:
         assert re.search(rf"^  {mode} +\S", text, re.M), mode  # the epilog's line for the mode
     for flag in ("--devices", "--batch", "--seq", "--heads", "--dim", "--dtype", "--causal", "--block",
                  "--ours-block-q", "--ours-block-kv", "--repeats", "--impls", "--out", "--plot"):
@@ -39,11 +40,12 @@ def test_help_runs_as_docs_write_it():
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench", "--help"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 0, proc.stderr
-    assert "--mode {train,decode,strategies}" in proc.stdout and "--gpu-kernel" in proc.stdout
+    assert "--mode {" + ",".join(bench.MODES) + "}" in proc.stdout and "--gpu-kernel" in proc.stdout
 
 
 @pytest.mark.parametrize("argv, own", [(["--mode", "decode"], "--lengths"), (["--mode=decode"], "--kv-heads"),
                                        (["--mode=strategies"], "--strategies"), (["--mode", "train"], "--impls"),
+                                       (["--mode", "masks"], "--doc-lengths"),
                                        (["--gpu-kernel"], "--dry-run")])
 def test_each_mode_has_its_own_help(capsys, argv, own):
     text = _help(capsys, argv)
@@ -122,6 +124,22 @@ def test_strategies_mode_header_and_ratios(capsys):
     assert allgather.split(" | ")[9] != "1.00x"  # the all-gather sends less than the ring in fwd+bwd
 
 
+def test_masks_mode_block_mask_and_verdicts(capsys):
+    """The documents group only (3 programs): ratios over the bias row, the block mask's counts, the verdicts."""
+    rows = bench.main(["--mode", "masks", "--seq", "256", "--heads", "2", "--block", "16", "--groups", "documents"]
+                      + TINY)
+    err = capsys.readouterr().err
+    assert (_config(err)["mode"], _config(err)["docs"]) == ("masks", "48/16/32/8/40/64/24/24")
+    head, _, bias, mask_fn, segments = _table(err, "| group |")
+    assert "| ratio |" in head and bias.split(" | ")[4] == "1.00x"
+    by = {r["name"]: r for r in rows}
+    assert mask_fn.split(" | ")[4] == f"{by['mask_fn=documents']['ratio']:.2f}x"
+    assert by["mask_fn=documents"]["skipped_tiles"] > 0.6 and by["mask_fn=documents"]["max_diff_vs_base"] < 1e-5
+    assert by["segment_ids+causal"]["skipped_tiles"] is None and "of 2 expectations held" in err
+    assert re.search(r"^expectation (held|FAILED): documents: the block mask skips >= 60% of the tiles: 87\.9%", err,
+                     re.M)
+
+
 def test_length_labels():
     assert [report.length_label(n) for n in (8, 256, 1000, 1024, 1536, 8192, 131072)] == [
         "8", "256", "1000", "1K", "1536", "8K", "128K"]
@@ -136,5 +154,6 @@ def test_one_timing_loop_serves_every_benchmark():
     calls = []
     medians = timing.time_interleaved([lambda: calls.append("a"), lambda: calls.append("b")], repeats=2, warmup=1)
     assert calls == ["a", "b"] * 3 and len(medians) == 2 and min(medians) >= 0
-    assert train.time_interleaved is strategies.time_interleaved is decode.time_interleaved is timing.time_interleaved
+    assert (train.time_interleaved is strategies.time_interleaved is decode.time_interleaved is masks.time_interleaved
+            is timing.time_interleaved)
     assert train.Progress is strategies.Progress is decode.Progress is timing.Progress

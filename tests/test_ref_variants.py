@@ -178,3 +178,10 @@ def test_the_ref_ring_and_its_backward_take_a_value_width_of_their_own():
         grads = jax.grad(dense, argnums=(0, 1, 2))(q, k, v)
     for got, wg in zip(ring_attention_vjp(q, k, v, do, n_hosts=4, causal=True, layout="striped"), grads):
         np.testing.assert_allclose(got, wg, atol=1e-12)
+
+
+def test_documents_is_the_packed_mask_of_static_lengths():
+    p, doc = np.arange(8), np.repeat(np.arange(3), [3, 1, 4])  # documents of 3, 1 and 4 positions
+    same, causal = doc[:, None] == doc[None, :], p[None, :] <= p[:, None]
+    assert np.array_equal(variants.documents([3, 1, 4])(p[:, None], p[None, :], 0, 0, 0), same & causal)
+    assert np.array_equal(variants.documents([3, 1, 4], causal=False)(p[:, None], p[None, :], 0, 0, 0), same)
