@@ -15,10 +15,11 @@ node) and a ring axis of size ``R`` (across nodes) the sequence is split over bo
 The layout is applied over the ``P`` chunks (``layout="zigzag"`` over ``P`` hosts gives every ring group
 the chunks ``rU .. rU+U-1`` and their mirror images: exactly zigzag over ``R`` groups, so causal work is
 balanced across the ring); true positions travel with the tokens, so every mask and layout is exact.
-``mask_fn`` / ``score_fn`` see global heads (the group's first head is added). A bias is not taken
-(use ``ring_attention``); positions, segment ids and dropout are. Bytes per host: Ulysses's all-to-all
-share over ``U`` (``(U-1)/U`` of q, k, v, o) plus the ring's ``R - 1`` K/V shards of ``S/R`` tokens and
-``heads/U`` heads (``ringattn_ref.strategy_cost`` models both, on two bandwidths).
+``mask_fn`` / ``score_fn`` see global heads (the group's first head is added). A bias goes to the group as
+in Ulysses (its rows gathered, per-head blocks re-split by heads, a key-only bias's keys gathered) and
+then keeps the ring's mode (all key columns in layout order, or key-only: it travels). Bytes per host:
+Ulysses's all-to-all share over ``U`` (``(U-1)/U`` of q, k, v, o) plus the ring's ``R - 1`` K/V shards of
+``S/R`` tokens and ``heads/U`` heads (``ringattn_ref.strategy_cost`` models both, on two bandwidths).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from .front import Strategy, check_shard_call, finish, host_inputs, on_mesh
 from .mesh import resolve_mesh
 from .ring import _ring
 from .schedule import KVShard, QShard
-from .ulysses import _seq_to_heads
+from .ulysses import _bias_to_heads, _seq_to_heads
 
 
 def check_axes(ulysses_axis, ring_axis):
@@ -60,19 +61,21 @@ def check_split(heads, kv_heads, ulysses_size, ulysses_axis):
 def attend(inp):
     """One host's hybrid attention on validated :class:`~ringattn_fast.front.HostInputs`: ``(o, lse)``."""
     ring_axis, ulysses_axis = inp.cfg.axis_name
-    (q, pos, q_seg), (k, v, k_pos, k_seg, _) = inp.qs, inp.kv
+    (q, pos, q_seg), (k, v, k_pos, k_seg, kv_bias) = inp.qs, inp.kv
     u = lax.axis_size(ulysses_axis)
     rep = check_split(q.shape[2], k.shape[2], u, ulysses_axis)
     k, v = (jnp.repeat(x, rep, axis=2) if rep > 1 else x for x in (k, v))  # kv head i -> i*rep .. i*rep + rep-1
     qs = QShard(_seq_to_heads(q, ulysses_axis), gather(pos, ulysses_axis, 1), gather(q_seg, ulysses_axis, 1))
+    travels = inp.cfg.bias_mode == "travel"  # the ring's bias modes: rows and keys of the group, as Ulysses
+    bias = _bias_to_heads(kv_bias if travels else inp.bias, travels, ulysses_axis)
     kv = KVShard(_seq_to_heads(k, ulysses_axis), _seq_to_heads(v, ulysses_axis), gather(k_pos, ulysses_axis, 1),
-                 gather(k_seg, ulysses_axis, 1), None)
+                 gather(k_seg, ulysses_axis, 1), bias if travels else None)
     first = (lax.axis_index(ulysses_axis) * qs.q.shape[2]).astype(jnp.int32)  # the group's first global head
     first = first if inp.head_offset is None else inp.head_offset + first
     drop = inp.drop if inp.drop is None else inp.drop._replace(
         head_offset=inp.drop.head_offset + first.astype(jnp.uint32))
     cfg = dataclasses.replace(inp.cfg, axis_name=ring_axis)
-    o, lse = _ring(cfg, qs, kv, None, drop, first)  # (b, S/R, h/U, d_v), (b, h/U, S/R)
+    o, lse = _ring(cfg, qs, kv, None if travels else bias, drop, first)  # (b, S/R, h/U, d_v), (b, h/U, S/R)
     o = lax.all_to_all(o, ulysses_axis, split_axis=1, concat_axis=2, tiled=True)  # (b, S/P, h, d_v)
     lse = lax.all_to_all(lse, ulysses_axis, split_axis=2, concat_axis=1, tiled=True)  # (b, h, S/P)
     return o, lse
@@ -83,12 +86,6 @@ def strategy(ulysses_size):
     (a hop holds ``ulysses_size`` hosts' tokens)."""
     return Strategy("hybrid_attention", attend, dropout=True, comm=True, hop_factor=int(ulysses_size),
                     splits_heads=True)
-
-
-def _no_bias(bias):
-    if bias is not None:
-        raise ValueError(f"hybrid_attention takes no bias (got shape {tuple(bias.shape)}); use ring_attention, "
-                         f"or express it as mask_fn / score_fn")
 
 
 def hybrid_attention_shard(q, k, v, *, ulysses_axis="ulysses", ring_axis="ring", causal=False, segment_ids=None,
@@ -104,7 +101,6 @@ def hybrid_attention_shard(q, k, v, *, ulysses_axis="ulysses", ring_axis="ring",
     and results as ``ring_attention_shard``; ``h`` divisible by the Ulysses axis size ``U``; block_q /
     block_kv tile a group's ``U * s_local`` tokens.
     """
-    _no_bias(bias)
     axes = check_axes(ulysses_axis, ring_axis)
     return_lse = val.check_bool(return_lse, "return_lse")
     _, _, _, h, hk, _, _ = val.check_attention_shapes(q, k, v)
@@ -115,14 +111,14 @@ def hybrid_attention_shard(q, k, v, *, ulysses_axis="ulysses", ring_axis="ring",
                          f"call hybrid_attention_shard inside shard_map over a mesh with both axes") from None
     check_split(h, hk, u, ulysses_axis)
     settings, drop = check_shard_call(
-        strategy(u), q, k, v, axis_name=axes, segment_ids=segment_ids, positions=positions,
+        strategy(u), q, k, v, axis_name=axes, segment_ids=segment_ids, bias=bias, positions=positions,
         kv_segment_ids=kv_segment_ids, kv_positions=kv_positions, sinks=sinks, padding_segment=padding_segment,
         layout=layout, dropout_key=dropout_key, dropout_offsets=dropout_offsets, causal=causal, window=window,
         scale=scale, block_q=block_q, block_kv=block_kv, impl=impl, comm_dtype=comm_dtype,
         grad_comm_dtype=grad_comm_dtype, dropout_rate=dropout_rate, logit_softcap=logit_softcap, mask_fn=mask_fn,
         score_fn=score_fn)
-    o, lse = attend(host_inputs(settings, q, k, v, segment_ids=segment_ids, positions=positions, drop=drop,
-                                kv_segment_ids=kv_segment_ids, kv_positions=kv_positions))
+    o, lse = attend(host_inputs(settings, q, k, v, segment_ids=segment_ids, bias=bias, positions=positions,
+                                drop=drop, kv_segment_ids=kv_segment_ids, kv_positions=kv_positions))
     return finish(o, lse, sinks=sinks, return_lse=return_lse)
 
 
@@ -133,13 +129,12 @@ def hybrid_attention(q, k, v, *, mesh=None, ulysses_axis="ulysses", ring_axis="r
                      sinks=None, logit_softcap=None, mask_fn=None, score_fn=None, kv_segment_ids=None):
     """2-D sequence parallelism on global arrays: Ulysses over ``ulysses_axis``, the ring over ``ring_axis``.
 
-    The inputs, keywords and result of ``ring_attention`` (masks, layouts, GQA, cross-attention,
-    ``comm_dtype`` for the ring's K/V, dropout, sinks, soft-cap, user functions), except ``bias`` (not
-    taken); the sequence is split over both axes (``R * U`` chunks, ring-major), the heads must be
+    The inputs, keywords and result of ``ring_attention`` (masks, bias, layouts, GQA, cross-attention,
+    ``comm_dtype`` for the ring's K/V, dropout, sinks, soft-cap, user functions); the sequence is split
+    over both axes (``R * U`` chunks, ring-major), the heads must be
     divisible by the Ulysses axis size ``U`` (``U <= heads``). Returns [batch, seq, heads, dim_v] in q's
     dtype, in true order (and lse [batch, heads, seq] with ``return_lse``).
     """
-    _no_bias(bias)
     axes = check_axes(ulysses_axis, ring_axis)
     _, _, _, h, hk, _, _ = val.check_attention_shapes(q, k, v)
     m = resolve_mesh(mesh)  # needed before on_mesh: the Ulysses size
@@ -151,7 +146,7 @@ def hybrid_attention(q, k, v, *, mesh=None, ulysses_axis="ulysses", ring_axis="r
     if h % tp == 0 and hk % tp == 0:
         check_split(h // tp, hk // tp, u, ulysses_axis)
     return on_mesh(strategy(u), q, k, v, mesh=mesh, axis_name=axes, causal=causal, segment_ids=segment_ids,
-                   window=window, scale=scale, layout=layout, block_q=block_q, block_kv=block_kv, impl=impl,
+                   bias=bias, window=window, scale=scale, layout=layout, block_q=block_q, block_kv=block_kv, impl=impl,
                    padding_segment=padding_segment, return_lse=return_lse, batch_axes=batch_axes,
                    head_axis=head_axis, dropout_rate=dropout_rate, dropout_key=dropout_key, comm_dtype=comm_dtype,
                    grad_comm_dtype=grad_comm_dtype, sinks=sinks, logit_softcap=logit_softcap, mask_fn=mask_fn,

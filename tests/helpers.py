@@ -50,11 +50,11 @@ def examples(n):
 
 
 def dense_attention(q, k, v, *, causal=False, segment_ids=None, kv_segment_ids=None, logit_softcap=None,
-                    sinks=None, mask_fn=None, score_fn=None, scale=None, window=None):
+                    sinks=None, mask_fn=None, score_fn=None, scale=None, window=None, bias=None):
     """The oracle's attention written densely in ``jax.numpy`` (differentiable: gradients by autodiff).
 
     q [b, t, h, d], k [b, s, hk, d], v [b, s, hk, dv]; the oracle's positions (keys ``0..s-1``, queries the
-    last t); softcap, score_fn, mask (causal, window, segments, mask_fn), sinks as ``ringattn_ref.attention``.
+    last t); softcap, score_fn, bias, mask (causal, window, segments, mask_fn), sinks as ``ringattn_ref.attention``.
     A row that sees no key gives 0 (its probabilities are set to 0, not NaN)."""
     import jax
     import jax.numpy as jnp
@@ -70,6 +70,8 @@ def dense_attention(q, k, v, *, causal=False, segment_ids=None, kv_segment_ids=N
     head = jnp.arange(h)[None, :, None, None]
     if score_fn is not None:
         logits = score_fn(logits, q_pos, k_pos, head)
+    if bias is not None:
+        logits = logits + jnp.asarray(bias)
     ok = jnp.ones((1, 1, t, s), bool)
     if causal:
         ok = ok & (k_pos <= q_pos)

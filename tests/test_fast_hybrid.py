@@ -25,7 +25,9 @@ def mesh2(ring, ulysses):
 MASKS = {"none": {}, "causal": dict(causal=True), "window": dict(causal=True, window=(5, 0)),
          "segments": dict(causal=True, segment_ids=np.repeat([[0, 1, 1, 2]], 8, axis=1).repeat(2, 0)),
          "chunked_local": dict(mask_fn=variants.chunked_local(8)),
-         "alibi": dict(causal=True, score_fn=variants.alibi(variants.alibi_slopes(8)))}
+         "alibi": dict(causal=True, score_fn=variants.alibi(variants.alibi_slopes(8))),
+         "bias": dict(causal=True, bias=np.random.default_rng(1).standard_normal((2, 8, 32, 32))),
+         "key bias": dict(bias=np.random.default_rng(2).standard_normal((1, 8, 1, 32)))}
 
 
 @pytest.mark.slow  # ~8 s an example: a forward and a backward compile on a 2-D mesh
@@ -72,7 +74,6 @@ def test_the_shard_function_and_dropout_as_the_ring():
     (dict(ulysses_axis="ring"), "must be different mesh axes"),
     (dict(ulysses_axis="tp"), "ulysses_axis 'tp' is not an axis of the mesh"),
     (dict(ring_axis=3), "ring_axis must be the name of a mesh axis"),
-    (dict(bias=np.zeros((1, 1, 16, 16), np.float32)), "hybrid_attention takes no bias"),
 ])
 def test_bad_axes_are_value_errors(kw, match):
     q = np.zeros((1, 16, 4, 8), np.float32)
