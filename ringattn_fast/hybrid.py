@@ -138,9 +138,9 @@ def hybrid_attention(q, k, v, *, mesh=None, ulysses_axis="ulysses", ring_axis="r
     axes = check_axes(ulysses_axis, ring_axis)
     _, _, _, h, hk, _, _ = val.check_attention_shapes(q, k, v)
     m = resolve_mesh(mesh)  # needed before on_mesh: the Ulysses size
-    if ulysses_axis not in m.axis_names:
-        raise ValueError(f"ulysses_axis {ulysses_axis!r} is not an axis of the mesh; the mesh has axes "
-                         f"{tuple(m.axis_names)}")
+    for name, a in (("ulysses_axis", ulysses_axis), ("ring_axis", ring_axis)):
+        if a not in m.axis_names:
+            raise ValueError(f"{name} {a!r} is not an axis of the mesh; the mesh has axes {tuple(m.axis_names)}")
     u = int(m.shape[ulysses_axis])
     tp = int(m.shape[head_axis]) if head_axis in m.axis_names else 1  # (check_mesh_axes checks head_axis)
     if h % tp == 0 and hk % tp == 0:

@@ -73,6 +73,7 @@ def test_the_shard_function_and_dropout_as_the_ring():
 @pytest.mark.parametrize("kw, match", [
     (dict(ulysses_axis="ring"), "must be different mesh axes"),
     (dict(ulysses_axis="tp"), "ulysses_axis 'tp' is not an axis of the mesh"),
+    (dict(ring_axis="sp"), "ring_axis 'sp' is not an axis of the mesh"),
     (dict(ring_axis=3), "ring_axis must be the name of a mesh axis"),
 ])
 def test_bad_axes_are_value_errors(kw, match):
