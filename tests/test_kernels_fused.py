@@ -87,27 +87,34 @@ def assert_matches(got, want, tol=2e-5):
             assert err <= tol * size, f"{name}: max error {err:.3g} > {tol} * {size:.3g}"
 
 
-@pytest.mark.parametrize("n", [2, 4])
 @settings(max_examples=examples(5))
 @given(data=st.data())
-def test_matches_oracle(n, data):
+def test_matches_oracle(data):
     """Outputs, lse and gradients agree with float64 attention on drawn problems (causal, window,
-    segment ids, GQA, contiguous / striped / zigzag / permuted layouts); no race is reported."""
-    check_drawn_problem(n, data)
+    segment ids, GQA, contiguous / striped / zigzag / permuted layouts) on 2 devices; no race is reported."""
+    check_drawn_problem(2, data)
 
 
 @settings(max_examples=examples(3))
 @given(data=st.data())
+def test_matches_oracle_on_4_devices(data):
+    """As above on 4 devices, fewer examples (each costs the interpreter about 3x a 2-device one)."""
+    check_drawn_problem(4, data)
+
+
+@settings(max_examples=examples(2))
+@given(data=st.data())
 def test_matches_oracle_on_8_devices(data):
-    """As above on 8 devices, fewer examples: every tile moves by DMA, and the interpreter runs 8
+    """As above on 8 devices, fewer still: every tile moves by DMA, and the interpreter runs 8
     device threads on CI's 2 cores (the next test has everything at once on 8 devices)."""
     check_drawn_problem(8, data)
 
 
 def check_drawn_problem(n, data):
     """One drawn problem on ``n`` devices against the oracle."""
-    # The interpreter costs ~10 ms per tile and device thread: few heads, at most 2 x 2 tiles a hop.
-    p = data.draw(attention_problems(min_hosts=n, max_hosts=n, max_batch=2 if n < 8 else 1,
+    # The interpreter costs ~10 ms per tile and device thread: few heads, at most 2 x 2 tiles a hop, and
+    # a batch of 2 only on 2 devices (the batch axis is the kernels' grid axis whatever the ring size).
+    p = data.draw(attention_problems(min_hosts=n, max_hosts=n, max_batch=2 if n == 2 else 1,
                                      max_group=2, max_shard=8 if n < 8 else 4, bias=False,
                                      masked_rows=False, dtype=np.float32))
     b, s, h, _ = p.q.shape
