@@ -113,7 +113,7 @@ def check_impl(impl, platform, q, k, v, *, has_bias=False, has_dropout=False, lo
         raise ValueError(f"impl must be one of {impls}; got {impl!r}")
     if impl == "pallas_tpu_fused" and not fused_ok:
         raise ValueError("impl='pallas_tpu_fused' runs the whole ring in one kernel that moves K/V itself; "
-                         "comm_dtype, the all-gather and Ulysses need per-hop kernels: use impl='pallas_tpu'")
+                         "comm_dtype, the all-gather, Ulysses and the hybrid need per-hop kernels: use impl='pallas_tpu'")
     used = programs_used(v.shape[-1], q.shape[-1], logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn)
     if impl == "auto":
         impl = "xla" if has_bias or has_dropout else _AUTO.get(platform, "xla")
