@@ -8,18 +8,14 @@
 - :func:`random_qkv`: standard-normal q, k, v (and do) of given shapes;
 - :func:`examples`: a test's hypothesis example count, scaled by the loaded profile (``ci`` keeps the
   count written in the test; ``thorough`` multiplies it), so ``@settings(max_examples=...)`` never pins a
-  long run to the CI count;
-- :func:`fast_compile_env`: the environment for a subprocess whose time goes to XLA compiles, compiling
-  as little as the pytest process does (``tests/conftest.py``).
+  long run to the CI count.
 """
-import os
-
 import numpy as np
 from hypothesis import settings
 
 from ringattn_ref.testing import max_abs_error
 
-__all__ = ["assert_close", "examples", "fast_compile_env", "max_abs_error", "random_qkv", "rel_err"]
+__all__ = ["assert_close", "examples", "max_abs_error", "random_qkv", "rel_err"]
 
 CI_EXAMPLES = 40  # tests/conftest.py's "ci" profile: the counts written in the tests are for it
 
@@ -51,14 +47,6 @@ def random_qkv(b, s, h, hk, d, *, seed=0, dtype=np.float32, do=False):
 def examples(n):
     """``n`` examples under the ``ci`` profile, proportionally more (or fewer) under another."""
     return max(1, round(n * settings.default.max_examples / CI_EXAMPLES))
-
-
-def fast_compile_env(env=None, **extra):
-    """``env`` (default ``os.environ``) plus ``extra``, with ``JAX_DISABLE_MOST_OPTIMIZATIONS=1``: XLA:CPU's
-    LLVM at -O0 without its expensive passes, as ``tests/conftest.py`` sets for the pytest process (same
-    optimized HLO and memory analysis, compiles about twice as fast). Only for subprocesses the tests
-    start themselves; the notebooks' kernels keep the defaults."""
-    return dict(os.environ if env is None else env, JAX_DISABLE_MOST_OPTIMIZATIONS="1", **extra)
 
 
 def dense_attention(q, k, v, *, causal=False, segment_ids=None, kv_segment_ids=None, logit_softcap=None,
