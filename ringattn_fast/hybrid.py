@@ -70,10 +70,10 @@ def attend(inp):
     bias = _bias_to_heads(kv_bias if travels else inp.bias, travels, ulysses_axis)
     kv = KVShard(_seq_to_heads(k, ulysses_axis), _seq_to_heads(v, ulysses_axis), gather(k_pos, ulysses_axis, 1),
                  gather(k_seg, ulysses_axis, 1), bias if travels else None)
-    first = (lax.axis_index(ulysses_axis) * qs.q.shape[2]).astype(jnp.int32)  # the group's first global head
-    first = first if inp.head_offset is None else inp.head_offset + first
-    drop = inp.drop if inp.drop is None else inp.drop._replace(
-        head_offset=inp.drop.head_offset + first.astype(jnp.uint32))
+    within = (lax.axis_index(ulysses_axis) * qs.q.shape[2]).astype(jnp.int32)  # first head here, of the host's
+    first = within if inp.head_offset is None else inp.head_offset + within  # ... and of all (head_axis)
+    drop = inp.drop if inp.drop is None else inp.drop._replace(  # its offset already counts head_axis
+        head_offset=inp.drop.head_offset + within.astype(jnp.uint32))
     cfg = dataclasses.replace(inp.cfg, axis_name=ring_axis)
     o, lse = _ring(cfg, qs, kv, None if travels else bias, drop, first)  # (b, S/R, h/U, d_v), (b, h/U, S/R)
     o = lax.all_to_all(o, ulysses_axis, split_axis=1, concat_axis=2, tiled=True)  # (b, S/P, h, d_v)
