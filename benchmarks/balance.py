@@ -34,14 +34,7 @@ SOLVER_MAX, ZIGZAG_MIN = 1.1, 1.5  # issue 23's expectations
 
 def doc_lengths(args):
     """``--doc-lengths``, or :data:`DOC_WEIGHTS` scaled to ``--seq`` (the last document takes the rest)."""
-    if args.doc_lengths:
-        lengths = [int(x) for x in args.doc_lengths.split(",")]
-    else:
-        lengths = [w * args.seq // sum(DOC_WEIGHTS) for w in DOC_WEIGHTS[:-1]]
-        lengths.append(args.seq - sum(lengths))
-    if sum(lengths) != args.seq or min(lengths) < 1:
-        raise SystemExit(f"--doc-lengths must be positive and sum to --seq {args.seq}; got {lengths}")
-    return lengths
+    return report.doc_lengths(args.doc_lengths, args.seq, DOC_WEIGHTS)
 
 
 def layouts(args, lengths, seg):

@@ -57,15 +57,9 @@ class Case(NamedTuple):
 
 def doc_lengths(args):
     """The documents' lengths: ``--doc-lengths``, or :data:`DOC_WEIGHTS` 32nds of the sequence."""
-    if args.doc_lengths:
-        lengths = [int(x) for x in args.doc_lengths.split(",")]
-    elif args.seq % 32:
+    if not args.doc_lengths and args.seq % 32:
         raise SystemExit(f"--seq {args.seq}: the default documents are 32nds of it; pass --doc-lengths")
-    else:
-        lengths = [w * args.seq // 32 for w in DOC_WEIGHTS]
-    if sum(lengths) != args.seq or min(lengths) < 1:
-        raise SystemExit(f"--doc-lengths must be positive and sum to --seq {args.seq}; got {lengths}")
-    return lengths
+    return report.doc_lengths(args.doc_lengths, args.seq, DOC_WEIGHTS)  # 32nds: exact, none left over
 
 
 def documents_bias(lengths):

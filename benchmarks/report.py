@@ -27,6 +27,19 @@ def finish(rows, out, args, table, plot, config):
         print(f"plot saved to {args.plot}", file=sys.stderr)
 
 
+def doc_lengths(spec, seq, weights):
+    """Packed documents' lengths: ``spec`` (``--doc-lengths``, a comma list) or ``weights`` scaled to ``seq``
+    (the last document takes the rest); a SystemExit unless they are positive and sum to ``seq``."""
+    if spec:
+        lengths = [int(x) for x in spec.split(",")]
+    else:
+        lengths = [w * seq // sum(weights) for w in weights[:-1]]
+        lengths.append(seq - sum(lengths))
+    if sum(lengths) != seq or min(lengths) < 1:
+        raise SystemExit(f"--doc-lengths must be positive and sum to --seq {seq}; got {lengths}")
+    return lengths
+
+
 def config_line(config):
     """``config: devices=8; batch=1; ...; jax=0.12.0; backend=cpu``: what a table measured, so that a
     table pasted elsewhere still says it (the JAX version and backend are added here)."""
