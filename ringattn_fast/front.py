@@ -107,7 +107,7 @@ def bias_mode(bias, batch, heads, sq, n, sk=None):
     """
     if bias is None:
         return None
-    sq, sk = sq, sq if sk is None else sk
+    sk = sq if sk is None else sk
     shape = tuple(bias.shape)
     ok = len(shape) == 4 and shape[0] in (1, batch) and shape[1] in (1, heads) and shape[2] in (1, sq)
     if ok and shape[3] == 1:
