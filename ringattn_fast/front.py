@@ -185,10 +185,7 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
     kv_local = s_local if kv_local is None else kv_local
     q_len, kv_len = (size * n if whole else size * strategy.hop_factor
                      for whole, size in ((strategy.q_whole, s_local), (strategy.kv_whole, kv_local)))
-    if impl == "pallas_tpu_fused" and kv_local != s_local:  # its kernel holds one shard length for q and K/V
-        raise ValueError(f"impl='pallas_tpu_fused' holds one shard length for queries and keys; cross-attention "
-                         f"({s_local * n} queries, {kv_local * n} keys) needs per-hop kernels: use impl='pallas_tpu'")
-    fused_ok = strategy.fused_ok and comm_dtype is None and grad_comm_dtype is None and kv_local == s_local
+    fused_ok = strategy.fused_ok and comm_dtype is None and grad_comm_dtype is None
     impl = check_impl(impl, device.platform, q, k, v, has_bias=bias_mode is not None,
                       has_dropout=dropout_rate > 0, fused_ok=fused_ok,
                       logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn,

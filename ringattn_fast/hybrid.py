@@ -24,7 +24,6 @@ Ulysses's all-to-all share over ``U`` (``(U-1)/U`` of q, k, v, o) plus the ring'
 from __future__ import annotations
 
 import dataclasses
-from math import gcd
 
 import jax.numpy as jnp
 from jax import lax
@@ -36,7 +35,7 @@ from .front import Strategy, check_shard_call, finish, host_inputs, on_mesh
 from .mesh import resolve_mesh
 from .ring import _ring
 from .schedule import KVShard, QShard
-from .ulysses import _bias_to_heads, _seq_to_heads
+from .ulysses import _bias_to_heads, _seq_to_heads, check_heads
 
 
 def check_axes(ulysses_axis, ring_axis):
@@ -51,11 +50,8 @@ def check_axes(ulysses_axis, ring_axis):
 
 def check_split(heads, kv_heads, ulysses_size, ulysses_axis):
     """The Ulysses degree divides the heads (so it is at most ``heads``); returns the kv-head repeat."""
-    if heads % ulysses_size:
-        raise ValueError(f"hybrid_attention splits the heads over ulysses_axis {ulysses_axis!r}: its size "
-                         f"({ulysses_size}) must divide heads ({heads}) (a Ulysses degree of at most {heads}); "
-                         f"move devices to the ring axis")
-    return ulysses_size // gcd(kv_heads, ulysses_size)
+    return check_heads(heads, kv_heads, ulysses_size, ulysses_axis, who="hybrid_attention (its ulysses_axis)",
+                       fix="a Ulysses degree that divides {heads}: move devices to the ring axis")
 
 
 def attend(inp):

@@ -35,13 +35,15 @@ from .front import Strategy, check_shard_call, finish, host_inputs, on_mesh
 from .schedule import KVShard, QShard
 
 
-def check_heads(heads, kv_heads, n, axis_name="sp"):
-    """Ulysses splits whole heads over the axis: ``heads`` must be a multiple of its size ``n``."""
+def check_heads(heads, kv_heads, n, axis_name="sp", *, who="ulysses_attention",
+                fix="use ring_attention or allgather_attention, or a head count that is a multiple of {n}"):
+    """Ulysses splits whole heads over the axis: ``heads`` must be a multiple of its size ``n``. Returns how
+    often each kv head is repeated (GQA with fewer kv heads than ``n``). ``who`` / ``fix``: the caller's
+    name and advice in the error (the hybrid's Ulysses axis)."""
     if heads % n:
-        raise ValueError(f"ulysses_attention splits the heads over mesh axis {axis_name!r}: heads ({heads}) must "
-                         f"be divisible by its size ({n}); use ring_attention or allgather_attention, or "
-                         f"a head count that is a multiple of {n}")
-    return n // gcd(kv_heads, n)  # how often each kv head is repeated
+        raise ValueError(f"{who} splits the heads over mesh axis {axis_name!r}: heads ({heads}) must be "
+                         f"divisible by its size ({n}); " + fix.format(n=n, heads=heads))
+    return n // gcd(kv_heads, n)
 
 
 def _seq_to_heads(x, axis_name):

@@ -15,7 +15,7 @@ from hypothesis import settings
 
 from ringattn_ref.testing import max_abs_error
 
-__all__ = ["assert_close", "examples", "max_abs_error", "random_qkv", "rel_err"]
+__all__ = ["alibi_from_head", "assert_close", "dense_attention", "examples", "max_abs_error", "random_qkv", "rel_err"]
 
 CI_EXAMPLES = 40  # tests/conftest.py's "ci" profile: the counts written in the tests are for it
 
@@ -95,3 +95,14 @@ def dense_attention(q, k, v, *, causal=False, segment_ids=None, kv_segment_ids=N
     e = jnp.exp(logits - m)
     p = e / jnp.maximum(e.sum(-1, keepdims=True), jnp.finfo(e.dtype).tiny)
     return jnp.einsum("bhqk,bkhd->bqhd", p[..., :s], vv)
+
+
+def alibi_from_head(heads):
+    """ALiBi with each head's slope computed from ``head``, ``2 ** (-8 (head + 1) / heads)``: what a compiled
+    kernel lowers (``variants.alibi`` reads it from a table, ``slopes[head]``: a gather)."""
+    import jax.numpy as jnp
+
+    def score_fn(s, q_pos, k_pos, head):
+        slope = jnp.exp2(-8.0 * (head + 1).astype(s.dtype) / heads)
+        return s - slope * jnp.abs(q_pos - k_pos).astype(s.dtype)
+    return score_fn

@@ -79,7 +79,6 @@ def test_cross_attention_in_float32_through_the_shard_function():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(impl="pallas_tpu_fused"), "holds one shard length for queries and keys"),
     (dict(segment_ids=np.zeros((1, 8), np.int32)), "pass kv_segment_ids"),
     (dict(layout=np.arange(8)), "layout: a permutation orders one sequence"),
     (dict(kv_segment_ids=np.zeros((1, 16), np.int32)), "kv_segment_ids needs segment_ids")])

@@ -13,13 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ringattn_fast as rf
 import ringattn_ref as ref
 from ringattn_fast.dispatch import check_impl
 from ringattn_fast.kernels.races import races_found
 from ringattn_ref import variants
-from helpers import assert_close
+from helpers import alibi_from_head, assert_close, dense_attention, examples
 
 H, HK, SEQ = 4, 2, 32  # GQA groups of 2; 16 tokens per device, 2 x 2 tiles of 8 per hop
 SOFTCAP, MASK_FN, SCORE_FN = 2.0, variants.chunked_local(8), variants.alibi(variants.alibi_slopes(H))
@@ -62,6 +64,64 @@ def test_softcap_value_width_mask_and_score_functions(impl):
         want = jax.grad(loss, argnums=(0, 1, 2))(*(x.astype(np.float64) for x in (q, k, v)))
     for what, g, wg in zip(("dq", "dk", "dv"), got, want):
         assert g.shape == wg.shape, (what, g.shape, wg.shape)
+        assert_close(g, wg, what, tol=5e-5)
+    if impl != "pallas_gpu":
+        assert not races_found()
+
+
+# per kernel: (d, d_v) pairs it tiles (Triton wants d >= 16; the fused ring pads the narrower of q/k and v)
+KERNEL_WIDTHS = {"pallas_gpu": [(16, 16), (16, 12)], "pallas_tpu": [(16, 16), (16, 8)],
+                 "pallas_tpu_fused": [(8, 8), (8, 16)]}
+KERNEL_MASKS = {"none": None, "chunked_local": variants.chunked_local(8), "prefix_lm": variants.prefix_lm(5)}
+
+
+@pytest.mark.slow  # each example interprets a forward and a backward kernel: ~10-40 s
+@given(st.data())
+@settings(max_examples=examples(6), deadline=None)
+def test_kernels_in_any_combination_equal_the_oracle(data):
+    """Every Pallas kernel (interpreted) on 1, 2, 4 or 8 devices with soft-cap x sinks x d_v x T != S x
+    mask_fn x score_fn x layouts x GQA x segments, through the ring or the all-gather, in float32: the
+    forward against the float64 oracle (2e-5), the gradients (sinks' too) against a dense float64
+    autodiff (5e-5)."""
+    impl = data.draw(st.sampled_from(sorted(KERNEL_WIDTHS)), "impl")
+    name = data.draw(st.sampled_from(["ring", "allgather"]) if impl != "pallas_tpu_fused" else st.just("ring"),
+                     "strategy")
+    n = data.draw(st.sampled_from([1, 2, 4, 8]), "devices")
+    t, s = data.draw(st.sampled_from([(32, 32), (16, 32), (32, 16)]), "t, s")
+    hk = data.draw(st.sampled_from([4, 2, 1]), "kv heads")
+    d, d_v = data.draw(st.sampled_from(KERNEL_WIDTHS[impl]), "d, d_v")
+    layout = data.draw(st.sampled_from(["contiguous", "striped", "zigzag"]), "layout")
+    causal, segments, use_sinks = (data.draw(st.booleans(), x) for x in ("causal", "segments", "sinks"))
+    cap = data.draw(st.sampled_from([None, 4.0]), "logit_softcap")
+    mask_fn = KERNEL_MASKS[data.draw(st.sampled_from(sorted(KERNEL_MASKS)), "mask_fn")]
+    score_fn = alibi_from_head(H) if data.draw(st.booleans(), "alibi") else None
+    rng = np.random.default_rng(data.draw(st.integers(0, 99), "seed"))
+    q = rng.standard_normal((1, t, H, d)).astype(np.float32)
+    k = rng.standard_normal((1, s, hk, d)).astype(np.float32)
+    v = rng.standard_normal((1, s, hk, d_v)).astype(np.float32)
+    do = rng.standard_normal((1, t, H, d_v)).astype(np.float32)
+    seg = dict(segment_ids=np.sort(rng.integers(0, 3, (1, t)), axis=1).astype(np.int32),
+               kv_segment_ids=np.sort(rng.integers(0, 3, (1, s)), axis=1).astype(np.int32)) if segments else {}
+    if segments and t == s:
+        seg["kv_segment_ids"] = None
+    sinks = rng.standard_normal(H).astype(np.float32) if use_sinks else None
+    kw = dict(causal=causal, logit_softcap=cap, mask_fn=mask_fn, score_fn=score_fn, **seg)
+    fn = {"ring": rf.ring_attention, "allgather": rf.allgather_attention}[name]
+    run = lambda q, k, v, sk: fn(q, k, v, mesh=rf.make_mesh(n), layout=layout, impl=impl, sinks=sk,  # noqa: E731
+                                 block_q=min(8, t // n), block_kv=min(8, s if name == "allgather" else s // n),
+                                 **kw)
+    sk = None if sinks is None else jnp.asarray(sinks)
+    o, pull = jax.vjp(run, q, k, v, sk)  # sinks None: no leaf, no gradient
+    got = [g for g in pull(jnp.asarray(do)) if g is not None]
+    x64 = [x.astype(np.float64) for x in (q, k, v)]
+    s64 = None if sinks is None else sinks.astype(np.float64)
+    with jax.enable_x64(True):  # the oracle too: the score function computes its slope with jnp
+        assert_close(o, ref.attention(*x64, sinks=s64, **kw), "o", tol=2e-5)
+        s64 = None if s64 is None else jnp.asarray(s64)
+        argnums = (0, 1, 2) if sinks is None else (0, 1, 2, 3)
+        want = jax.grad(lambda *a: (dense_attention(*a[:3], sinks=a[3], **kw) * do).sum(), argnums=argnums)(
+            *x64, s64)
+    for what, g, wg in zip(("dq", "dk", "dv", "dsinks"), got, want):
         assert_close(g, wg, what, tol=5e-5)
     if impl != "pallas_gpu":
         assert not races_found()

@@ -30,6 +30,8 @@ from ringattn_fast.kernels import pallas_tpu_fused as fused
 from ringattn_fast.schedule import HopConfig
 from ringattn_ref import variants
 
+from helpers import alibi_from_head
+
 pytestmark = pytest.mark.slow  # 126 cross-lowerings, ~1 min: CI runs them, the quick loop does not
 
 TPU = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite", "v5p": "TPU v5", "v4": "TPU v4"}
@@ -52,18 +54,20 @@ def abstract_mesh(kind, n, axis="sp"):
     return AbstractMesh((n,), (axis,), (AxisType.Explicit,), abstract_device=device)
 
 
-def structs(mesh, b, s, h, hk, d, dtype, seg, d_v=None):
+def structs(mesh, b, s, h, hk, d, dtype, seg, d_v=None, s_kv=None):
     """Global ShapeDtypeStructs sharded like the ring's inputs (Explicit axes need the sharding); v is
-    ``d_v`` wide (None: d)."""
+    ``d_v`` wide (None: d); k, v hold ``s_kv`` tokens (None: s, the queries')."""
     sharding = jax.NamedSharding(mesh, jax.P(None, "sp"))
     shard = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
-    out = [shard((b, s, h, d), dtype), shard((b, s, hk, d), dtype), shard((b, s, hk, d if d_v is None else d_v), dtype)]
+    sk = s if s_kv is None else s_kv
+    out = [shard((b, s, h, d), dtype), shard((b, sk, hk, d), dtype), shard((b, sk, hk, d if d_v is None else d_v), dtype)]
     return out + ([shard((b, s), jnp.int32)] if seg else [])
 
 
-def lower_shard(kind, impl, dtype, *, n, s, h, hk, d, mask, seg=False, backward=True, d_v=None, **kw):
+def lower_shard(kind, impl, dtype, *, n, s, h, hk, d, mask, seg=False, backward=True, d_v=None, s_kv=None, **kw):
     """The text of ``ring_attention_shard`` in a shard_map over an abstract mesh of ``kind``, lowered
-    (forward, or forward+backward through ``value_and_grad``)."""
+    (forward, or forward+backward through ``value_and_grad``); ``s_kv``: the keys' tokens per device
+    (cross-attention; None: s)."""
     mesh = abstract_mesh(kind, n)
 
     def per_host(q, k, v, *segment_ids):
@@ -75,7 +79,8 @@ def lower_shard(kind, impl, dtype, *, n, s, h, hk, d, mask, seg=False, backward=
     loss = lambda q, k, v, *rest: ring(q, k, v, *rest).astype(jnp.float32).sum()  # noqa: E731
     fn = jax.value_and_grad(loss, argnums=(0, 1, 2)) if backward else ring
     with use_abstract_mesh(mesh):
-        return jax.jit(fn).trace(*structs(mesh, 1, n * s, h, hk, d, jnp.dtype(dtype), seg, d_v)).lower().as_text()
+        return jax.jit(fn).trace(*structs(mesh, 1, n * s, h, hk, d, jnp.dtype(dtype), seg, d_v,
+                                                None if s_kv is None else n * s_kv)).lower().as_text()
 
 
 def kernels_in(text):
@@ -130,15 +135,6 @@ def test_global_arrays_lower_every_explicit_impl(impl):
     assert_real_kernels(text, impl)
 
 
-def alibi_from_head(heads):
-    """ALiBi with each head's slope computed from ``head``, ``2 ** (-8 (head + 1) / heads)``: what a compiled
-    kernel lowers (``variants.alibi`` reads it from a table, ``slopes[head]``: a gather)."""
-    def score_fn(s, q_pos, k_pos, head):
-        slope = jnp.exp2(-8.0 * (head + 1).astype(s.dtype) / heads)
-        return s - slope * jnp.abs(q_pos - k_pos).astype(s.dtype)
-    return score_fn
-
-
 PROGRAMMED = dict(logit_softcap=30.0, mask_fn=variants.chunked_local(512), score_fn=alibi_from_head(8))
 
 
@@ -147,6 +143,14 @@ def test_programmable_attention_lowers(impl):
     """Soft-cap, a chunked-local ``mask_fn``, ALiBi as a ``score_fn`` and v of width 64 beside q, k of
     width 128, causal + GQA: every kernel of the impl lowers, forward and backward."""
     text = lower_shard(FORWARD_CHIP[impl], impl, "bfloat16", d_v=64, **dict(CONFIGS[0], s=1024), **PROGRAMMED)
+    assert_real_kernels(text, impl)
+
+
+@pytest.mark.parametrize("impl", list(FORWARD_CHIP))
+def test_cross_attention_lowers(impl):
+    """Queries and keys of their own lengths (512 and 1024 tokens per device), causal: every kernel of
+    the impl lowers, forward and backward (the fused ring streams each at its own length)."""
+    text = lower_shard(FORWARD_CHIP[impl], impl, "bfloat16", **dict(CONFIGS[0], s=512), s_kv=1024)
     assert_real_kernels(text, impl)
 
 

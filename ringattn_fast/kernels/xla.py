@@ -21,8 +21,8 @@ nothing: the ``group`` query heads that share a kv head are folded into the tile
 repeated). The scale is folded into q (``O(s d)`` work instead of ``O(s^2)``). Accumulation is float32
 for 16/32-bit inputs and float64 for float64. ``kv.bias`` is ``[b|1, h|1, sq|1, sk|1]``, added to the
 scaled logits (mirrors ``ringattn_ref.blockwise``); a -inf bias masks its pair whatever the logit.
-``cfg.logit_softcap`` c: the scaled logits become ``c tanh(s / c)`` first (Gemma 2); the backward
-multiplies dS by ``1 - tanh(s / c)^2``.
+``cfg.logit_softcap`` c: the scaled logits become ``c tanh(s / c)`` first (Gemma 2); 1/c is folded into
+q's scale too (no O(s^2) division), and the backward multiplies dS by ``1 - tanh(s / c)^2`` and dK by c.
 Non-finite keys (``docs/design.md``): the ring hands the hop finite V and an all-NaN K for each key
 that held a nan/inf (``masks.mark_bad_keys``), so a mask hides such a key and exactly the rows that
 see it turn NaN; the hop only keeps K's NaN out of ``dQ = dS K`` where a mask hid the key.
@@ -97,11 +97,18 @@ def _rows(x, start, size, axis):
     return lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
+def _q_scale(cfg):
+    """What q is pre-multiplied by: the softmax scale, over c with a soft-cap c, so the logits arrive as
+    ``s / c`` and `_softcap` spends no O(s^2) division (the backward multiplies dK by c: `_hop_bwd`)."""
+    return cfg.scale if cfg.logit_softcap is None else cfg.scale / cfg.logit_softcap
+
+
 def _softcap(s, softcap):
-    """Gemma 2's soft-capping ``c * tanh(s / c)`` (None: s as it is) and its derivative ``1 - tanh^2``."""
+    """Gemma 2's soft-capping ``c * tanh(s / c)`` of logits that arrive as ``s / c`` (`_q_scale`; None: s
+    as it is) and its derivative ``1 - tanh^2`` (with respect to s)."""
     if softcap is None:
         return s, None
-    t = jnp.tanh(s / softcap)
+    t = jnp.tanh(s)
     return softcap * t, 1.0 - t * t
 
 
@@ -266,7 +273,7 @@ def _hop_fwd(qs, kv, cfg, drop, tiles, head_offset, *, per_tile):
     group, acc = h // hk, acc_dtype(q.dtype)
     axes = varying_axes(q, k, v, q_pos, k_pos, q_seg, k_seg, bias)
     nq, nk = sq // block_q, sk // block_kv
-    qc = _q_chunks(q.astype(acc) * cfg.scale, hk, block_q)  # (nq, b, hk, group*bq, d)
+    qc = _q_chunks(q.astype(acc) * _q_scale(cfg), hk, block_q)  # (nq, b, hk, group*bq, d); over c: `_softcap`
     kc, vc = _kv_chunks(k, block_kv), _kv_chunks(v, block_kv)  # (nk, b, hk, bkv, d)
     kv_xs = (jnp.arange(nk), kc, vc, _pos_chunks(k_pos, block_kv), _pos_chunks(k_seg, block_kv))
 
@@ -355,7 +362,7 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, tiles, head_offset, per_tile)
     bias_rows = bias is not None and bias.shape[2] > 1
     bias_cols = bias is not None and bias.shape[3] > 1
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that saw nothing: every p below is masked to 0
-    qt = jnp.swapaxes(_q_chunks(q.astype(acc) * scale, hk, block_q), -1, -2)  # Q^T: (nq, b, hk, d, group*bq)
+    qt = jnp.swapaxes(_q_chunks(q.astype(acc) * _q_scale(cfg), hk, block_q), -1, -2)  # Q^T: (nq, b, hk, d, group*bq)
     q_xs = (jnp.arange(nq), qt, _q_chunks(do.astype(acc), hk, block_q),
             _stat_chunks(lse, hk, block_q), _stat_chunks(delta, hk, block_q), _pos_chunks(q_pos, block_q),
             _pos_chunks(q_seg, block_q), _drop_rows(drop, q_pos, hk, group, block_q))
@@ -386,13 +393,14 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, tiles, head_offset, per_tile)
                 dv_j = dv_j + jnp.einsum("bksq,bkqd->bksd", pt_v, do_i)  # dV += P^T dO
                 dpt = jnp.einsum("bksd,bkqd->bksq", v_j, do_i)  # dP^T = V dO^T
                 dpt = dpt if keep_t is None else dpt * keep_t
-                dst = masks.masked_grad(pt, dpt, delta_i[:, :, None])  # dS^T; 0 where P is 0, even in a NaN row
-                if score_vjp is not None:  # back through score_fn (before the bias, after the softcap)
+                if score_vjp is None:  # dS^T, through c tanh(s / c) too; 0 where P is 0 (dcap is NaN for a bad key)
+                    dst = masks.masked_grad(pt, dpt, delta_i[:, :, None], dcap)
+                else:  # back through score_fn (before the bias, after the softcap)
+                    dst = masks.masked_grad(pt, dpt, delta_i[:, :, None])
                     dst = jnp.where(pt == 0, 0.0, score_vjp(dst))
-                if dcap is not None:  # through c tanh(s / c); still 0 where P is 0 (dcap is NaN for a bad key)
-                    dst = jnp.where(pt == 0, 0.0, dst * dcap)
+                    dst = dst if dcap is None else jnp.where(pt == 0, 0.0, dst * dcap)
                 dqt_i = jnp.einsum("bkds,bksq->bkdq", kt_j, dst) * scale  # dQ^T = K^T dS^T: (b, hk, d, group*bq)
-                dk_j = dk_j + jnp.einsum("bksq,bkdq->bksd", dst, qt_i)  # dK += dS^T Q (q carries the scale)
+                dk_j = dk_j + jnp.einsum("bksq,bkdq->bksd", dst, qt_i)  # dK += dS^T Q (q: scale / c; x c below)
                 db = None
                 if bias is not None:  # dS: (b, hk, bkv, group, bq) -> (b, h, bq, bkv)
                     ds = jnp.transpose(dst.reshape(b, hk, block_kv, group, block_q), (0, 1, 3, 4, 2))
@@ -425,4 +433,6 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, tiles, head_offset, per_tile)
         dbias = None
         if bias is not None:  # (nk, bb, bh, sq|1, bkv) -> (bb, bh, sq|1, sk)
             dbias = jnp.einsum("nbhqs->bhqns", db_blocks).reshape(db_blocks.shape[1:4] + (sk,))
+    if cfg.logit_softcap is not None:  # q carried scale / c: dK = dS^T Q scale = c (dS^T (Q scale / c))
+        dk = dk * cfg.logit_softcap
     return _q_unchunk(jnp.swapaxes(dq, -1, -2), group), _kv_unchunk(dk), _kv_unchunk(dv), dbias
