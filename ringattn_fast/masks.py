@@ -38,12 +38,10 @@ def finite_part(x):
     return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
 
 
-def masked_grad(p, dp, delta, factor=None):
-    """FA-2's ``dS = P * (dP - D)`` (times ``factor``, e.g. a soft-cap's derivative, when given), zeroed
-    with ``where`` where ``P`` is 0: a masked pair (and an underflowed one) has no gradient, even in a row
-    that a bad key made NaN (its D is NaN, and so may ``factor`` be)."""
-    ds = p * (dp - delta)
-    return jnp.where(p == 0, 0.0, ds if factor is None else ds * factor)
+def masked_grad(p, dp, delta):
+    """FA-2's ``dS = P * (dP - D)``, zeroed with ``where`` where ``P`` is 0: a masked pair (and an
+    underflowed one) has no gradient, even in a row that a bad key made NaN (its D is NaN)."""
+    return jnp.where(p == 0, 0.0, p * (dp - delta))
 
 
 def tile_is_full(q_pos, k_pos, q_seg=None, k_seg=None, *, causal=False, window=None):

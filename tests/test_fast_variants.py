@@ -322,3 +322,17 @@ def test_user_functions_see_global_heads_where_heads_are_split():
     q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
     with pytest.raises(ValueError, match="kernels give mask_fn / score_fn local head indices"):
         rf.ulysses_attention(q32, k32, v32, mesh=rf.make_mesh(2), mask_fn=variants.causal, impl="pallas_gpu")
+
+
+def test_the_bias_gradient_skips_the_softcap_and_score_fn():
+    """The bias is added after the soft-cap and ``score_fn``, so dbias is dS of the final logits, not
+    multiplied by the soft-cap's ``1 - t^2`` nor pulled back through ``score_fn`` (float64, vs dense autodiff)."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 16, 2, 8)) for _ in range(3))
+    bias = rng.standard_normal((1, 2, 16, 16))
+    kw = dict(logit_softcap=2.0, score_fn=variants.alibi(variants.alibi_slopes(2)), causal=True)
+    with jax.enable_x64(True):
+        got = jax.grad(lambda b: (rf.ring_attention(q, k, v, bias=b, mesh=rf.make_mesh(2), impl="xla", **kw) ** 2)
+                       .sum())(bias)
+        want = jax.grad(lambda b: (dense_attention(q, k, v, bias=b, **kw) ** 2).sum())(bias)
+    assert_close(got, want, "dbias", tol=1e-9)

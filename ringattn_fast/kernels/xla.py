@@ -393,17 +393,17 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, tiles, head_offset, per_tile)
                 dv_j = dv_j + jnp.einsum("bksq,bkqd->bksd", pt_v, do_i)  # dV += P^T dO
                 dpt = jnp.einsum("bksd,bkqd->bksq", v_j, do_i)  # dP^T = V dO^T
                 dpt = dpt if keep_t is None else dpt * keep_t
-                if score_vjp is None:  # dS^T, through c tanh(s / c) too; 0 where P is 0 (dcap is NaN for a bad key)
-                    dst = masks.masked_grad(pt, dpt, delta_i[:, :, None], dcap)
-                else:  # back through score_fn (before the bias, after the softcap)
-                    dst = masks.masked_grad(pt, dpt, delta_i[:, :, None])
+                dsb = masks.masked_grad(pt, dpt, delta_i[:, :, None])  # dS^T of the final logits: the bias's
+                dst = dsb  # 0 where P is 0, even in a NaN row
+                if score_vjp is not None:  # back through score_fn (before the bias, after the softcap)
                     dst = jnp.where(pt == 0, 0.0, score_vjp(dst))
-                    dst = dst if dcap is None else jnp.where(pt == 0, 0.0, dst * dcap)
+                if dcap is not None:  # through c tanh(s / c); still 0 where P is 0 (dcap is NaN for a bad key)
+                    dst = jnp.where(pt == 0, 0.0, dst * dcap)
                 dqt_i = jnp.einsum("bkds,bksq->bkdq", kt_j, dst) * scale  # dQ^T = K^T dS^T: (b, hk, d, group*bq)
                 dk_j = dk_j + jnp.einsum("bksq,bkdq->bksd", dst, qt_i)  # dK += dS^T Q (q: scale / c; x c below)
                 db = None
                 if bias is not None:  # dS: (b, hk, bkv, group, bq) -> (b, h, bq, bkv)
-                    ds = jnp.transpose(dst.reshape(b, hk, block_kv, group, block_q), (0, 1, 3, 4, 2))
+                    ds = jnp.transpose(dsb.reshape(b, hk, block_kv, group, block_q), (0, 1, 3, 4, 2))
                     db = _sum_to(ds.reshape(b, h, block_q, block_kv), bias_ij.shape)
                     db_j = db if bias_rows else db_j + db
                 dqt = lax.dynamic_update_index_in_dim(dqt, dqt[i] + dqt_i, i, 0)  # in place
