@@ -127,6 +127,29 @@ def test_kernels_in_any_combination_equal_the_oracle(data):
         assert not races_found()
 
 
+@pytest.mark.slow  # the fused ring interpreted, fwd + bwd, twice: ~30 s
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_fused_ring_cross_attention_with_x64_enabled(layout):
+    """The fused ring with 16 queries against 32 keys, causal (contiguous: hosts disagree on which hops
+    are empty), float32 inputs with jax_enable_x64 on: forward vs the float64 oracle, gradients vs dense
+    float64 autodiff."""
+    rng = np.random.default_rng(1)
+    q, do = (rng.standard_normal((1, 16, H, 8)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((1, 32, HK, 8)).astype(np.float32) for _ in range(2))
+    with jax.enable_x64(True):
+        run = lambda q, k, v: rf.ring_attention(q, k, v, mesh=rf.make_mesh(2), layout=layout, causal=True,  # noqa: E731
+                                                impl="pallas_tpu_fused", block_q=8, block_kv=8)
+        o, pull = jax.vjp(run, q, k, v)
+        got = pull(jnp.asarray(do))
+        x64 = [x.astype(np.float64) for x in (q, k, v)]
+        assert o.dtype == np.float32
+        assert_close(o, ref.attention(*x64, causal=True), "o", tol=2e-5)
+        want = jax.grad(lambda *a: (dense_attention(*a, causal=True) * do).sum(), argnums=(0, 1, 2))(*x64)
+    for what, g, wg in zip(("dq", "dk", "dv"), got, want):
+        assert_close(g, wg, what, tol=5e-5)
+    assert not races_found()
+
+
 def test_auto_picks_the_kernels_for_them_unless_a_function_gathers():
     """On a GPU or TPU mesh ``"auto"`` picks the platform's kernel for a soft-cap, d_v != d, a mask and a
     score function; a function that indexes an array by head (``variants.alibi``: a gather, which

@@ -146,11 +146,12 @@ def test_programmable_attention_lowers(impl):
     assert_real_kernels(text, impl)
 
 
-@pytest.mark.parametrize("impl", list(FORWARD_CHIP))
-def test_cross_attention_lowers(impl):
-    """Queries and keys of their own lengths (512 and 1024 tokens per device), causal: every kernel of
-    the impl lowers, forward and backward (the fused ring streams each at its own length)."""
-    text = lower_shard(FORWARD_CHIP[impl], impl, "bfloat16", **dict(CONFIGS[0], s=512), s_kv=1024)
+@pytest.mark.parametrize("impl, dtype", [(impl, dt) for impl in FORWARD_CHIP for dt in DTYPES])
+def test_cross_attention_lowers(impl, dtype):
+    """Queries and keys of their own lengths (512 and 1024 tokens per device), causal, in every dtype the
+    kernels take: every kernel of the impl lowers, forward and backward (the fused ring streams each at
+    its own length)."""
+    text = lower_shard(FORWARD_CHIP[impl], impl, dtype, **dict(CONFIGS[0], s=512), s_kv=1024)
     assert_real_kernels(text, impl)
 
 
