@@ -23,7 +23,7 @@ from jax import lax
 from . import block_mask, comm, masks
 from .dispatch import kernels_for
 from .mesh import varying_axes, vary_like
-from .schedule import KVGrads, hop_kv, kv_index, ring_loop, send_to_next
+from .schedule import KVGrads, hop_kv, kv_index, ring_loop, send_to_next, single_hop
 from .softmax import acc_dtype
 
 
@@ -64,9 +64,17 @@ def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None, head_o
     skip = cfg.skip_empty_hops and (masks.can_be_empty(cfg.hop.causal, cfg.hop.window, qs.seg is not None)
                                     or cfg.block_mask is not None)
     axes = varying_axes(*qs, *kv, bias, o, lse, do)
-    delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(acc), o.astype(acc))  # FA-2's D, (b, h, sq)
+    # FA-2's D, (b, h, sq): an elementwise product summed over d fuses into one pass over do and o (an
+    # einsum became a batched matmul with float32 copies of both on TPU)
+    delta = jnp.sum(do.astype(acc) * o.astype(acc), axis=-1).swapaxes(1, 2)
     if dlse is not None:
         delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(acc), 0.0)  # a row that saw nothing: no key
+    if n == 1:  # one hop: its gradients are the gradients (no accumulators, no loop, no send)
+        kv = comm.decode(comm.encode(kv, cfg.comm_dtype), kv_dtype)  # as the forward rounded it
+        g = hop_bwd(qs, hop_kv(cfg, kv, bias, 0), single_hop(cfg.hop, qs.q.dtype), do=do, lse=lse, delta=delta,
+                    **block_mask.hop_extras(cfg, my_idx, 0, head_offset))
+        travels = cfg.bias_mode == "travel"
+        return g.dq, KVGrads(g.dk, g.dv, g.dbias if travels else None), None if travels else g.dbias
     zeros = lambda x: None if x is None else jnp.zeros(x.shape, acc)  # noqa: E731
     grads = KVGrads(zeros(kv.k), zeros(kv.v), zeros(kv.bias))
     dq, dbias = zeros(qs.q), zeros(bias)  # both stay here

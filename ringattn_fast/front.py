@@ -190,6 +190,8 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
                       has_dropout=dropout_rate > 0, fused_ok=fused_ok,
                       logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn,
                       device_kind=getattr(device, "device_kind", None))
+    if impl == "pallas_tpu_fused" and n == 1:  # a ring of one moves nothing: the per-hop kernels are the ring
+        impl = "pallas_tpu"
     kernels = kernels_for(impl)
     tiles = None  # the kernels' own defaults for the chip they are compiled for (kernels/budgets.py)
     if (block_q is None or block_kv is None) and kernels.default_blocks is not None:

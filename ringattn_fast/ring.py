@@ -31,7 +31,7 @@ from .backward import ring_backward
 from .dispatch import kernels_for
 from .front import Strategy, check_shard_call, finish, host_inputs, on_mesh
 from .mesh import varying_axes, vary_like
-from .schedule import Dropout, KVShard, QShard, hop_kv, kv_index, ring_loop, send_to_next
+from .schedule import Dropout, KVShard, QShard, hop_kv, kv_index, ring_loop, send_to_next, single_hop
 from .softmax import acc_dtype, merge
 
 
@@ -72,6 +72,10 @@ def ring_forward(cfg, qs, kv, bias, drop=None, head_offset=None):
         o, lse = hop(step, kv, o, lse)
         return kv_next, o, lse
 
+    if n == 1:  # one hop: nothing to merge, so no float32 accumulator and no loop (memory at N = 1)
+        kv = comm.decode(comm.encode(kv, cfg.comm_dtype), kv_dtype)  # rounded as a ring of N would round it
+        return hop_fwd(qs, hop_kv(cfg, kv, bias, 0), single_hop(cfg.hop, qs.q.dtype),
+                       **block_mask.hop_extras(cfg, my_idx, 0, head_offset))
     o = jnp.zeros((b, sq, h, kv.v.shape[-1]), acc)  # as wide as v (MLA: d_v != d)
     lse = jnp.full((b, h, sq), -jnp.inf, acc)
     axes = varying_axes(*qs, *kv, bias)

@@ -21,7 +21,7 @@ from jax import lax
 from ringattn_ref.shards import HopConfig, HopGrads, KVGrads, KVShard, QShard
 
 __all__ = ["Dropout", "HopConfig", "HopGrads", "KVGrads", "KVShard", "QShard", "RingConfig", "hop_kv", "kv_index",
-           "local_positions", "ring_balance", "ring_loop", "ring_perm", "send_to_next"]
+           "local_positions", "ring_balance", "ring_loop", "ring_perm", "send_to_next", "single_hop"]
 
 
 class Dropout(NamedTuple):
@@ -76,6 +76,12 @@ def ring_loop(step_fn, carry, n):
     """
     trips = lax.optimization_barrier(jnp.int32(n - 1))
     return lax.fori_loop(0, trips, lambda step, c: step_fn(c, step), carry)
+
+
+def single_hop(hop, dtype):
+    """``hop`` for a ring of one host: the kernel may return o and the gradients in the inputs' ``dtype``
+    (``HopConfig.out_dtype``), since nothing is merged across hops; float64 keeps its accumulators."""
+    return hop if jnp.dtype(dtype) == jnp.float64 else dataclasses.replace(hop, out_dtype=jnp.dtype(dtype).name)
 
 
 def kv_index(my_idx, step, n):

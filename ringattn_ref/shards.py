@@ -81,7 +81,11 @@ class HopConfig:
     - logit_softcap: ``c`` or None: the scaled logits become ``c * tanh(s / c)`` before the bias and
       the mask (Gemma 2's soft-capping; ``validation.check_softcap``);
     - mask_fn / score_fn: user functions of true positions (``variants.py``), called per tile; a
-      config is hashable with them (functions hash by identity).
+      config is hashable with them (functions hash by identity);
+    - out_dtype: a dtype name the hop may return o and the gradients in (None: the float32 / float64
+      accumulators). The fast ring asks for q's dtype when it has one hop (N = 1: nothing is merged
+      or summed across hops), and the TPU kernel then writes that dtype directly (no float32 copy of
+      o, dq, dk, dv in HBM); other hops may ignore it (their caller casts).
     """
     scale: float | None = None
     causal: bool = False
@@ -92,6 +96,7 @@ class HopConfig:
     logit_softcap: float | None = None
     mask_fn: Any = None
     score_fn: Any = None
+    out_dtype: str | None = None
 
     def resolve(self, dim, sq, sk):
         """This config for a hop of ``sq`` queries against ``sk`` keys of width ``dim``: scale None ->

@@ -32,18 +32,29 @@ BlockSpec, as in ``jax/experimental/pallas/ops/tpu/flash_attention.py``.
 
 TPU tiling. Mosaic tiles the last two dims of every block in (8 sublanes x 128 lanes), so:
 
-* q, k, v, do are given to the kernels heads-major, ``[b, h, s, d]`` (one transpose outside):
-  a block is (block_q, d) or (block_kv, d), with d the full last dim (v, o and dO: d_v, which may
-  differ from q's d);
-* per-row statistics (m, l, lse, delta) and query positions are lane-replicated
-  ``(block_q, 128)`` columns; key positions are sublane-replicated ``(8, block_kv)`` rows;
+* q, k, v, do and the outputs stay as the caller holds them, ``[b, s, h, d]``, viewed as
+  ``[b, s, h * d]`` (a free reshape), when d and d_v are multiples of 128: a block is one head's
+  (block_q, d) slice, and no transposed copy is made (`_direct`); otherwise they are given
+  heads-major, ``[b, h, s, d]`` (one transpose outside), a block being (block_q, d) with d the full
+  last dim (v, o and dO: d_v, which may differ from q's d);
+* per-row statistics live in VMEM as lane-replicated ``(block_q, 128)`` columns (m, l); in HBM lse
+  and delta are lane-dense rows ``[b, h, 1, s]`` (a (1, block_q) block, read as a column with a
+  relayout, as splash attention's backward does) when block_q is a multiple of 128, else
+  lane-replicated ``[b, h, s, 128]`` (`_stat_rows`); query positions are ``(block_q, 128)`` columns,
+  key positions sublane-replicated ``(8, block_kv)`` rows;
 * on a TPU block_q must be a multiple of 8 and block_kv a multiple of 128, unless the block is
   the whole shard (a block equal to the full dim is always legal).
+
+Skipping and masking, per tile, from the prefetched bounds: an empty tile is skipped, a full one
+(`masks.bounds_full`: every pair visible) runs without computing a mask, and only a partial tile
+(on the diagonal of a causal hop, a window's or a segment's edge) pays for it (splash attention's
+mask info does the same). Outputs are float32, or ``cfg.out_dtype`` when the ring has one hop.
 
 Rule for small test shapes: in interpret mode (CPU) block_kv may also be a multiple of 8, so a
 64-token test shard still has several K/V tiles to skip; the kernels are otherwise unchanged.
 
-Inputs: float16, bfloat16 or float32, one dtype for q, k, v; compute and outputs in float32.
+Inputs: float16, bfloat16 or float32, one dtype for q, k, v; compute in float32; outputs in float32
+or ``cfg.out_dtype`` (`ringattn_ref.shards.HopConfig`).
 """
 import functools
 
@@ -56,7 +67,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ringattn_fast.kernels import budgets
 from ringattn_fast.kernels.tiles import (NEG_INF, Budget, const_specs, empty_tiles, finite_keys, hop_kernels,
                                          out_struct, program, programmed, resident_blocks, same_vma, tile_bounds)
-from ringattn_fast.masks import allowed, bounds_empty, masked_grad
+from ringattn_fast.masks import allowed, bounds_empty, bounds_full, masked_grad
 from ringattn_fast.schedule import HopConfig
 
 __all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts", "default_blocks", "footprints"]
@@ -82,6 +93,48 @@ def _tile_rule(cfg, sq, sk, interpret):
                          f"block_kv={cfg.block_kv}, sk={sk}")
 
 
+def _direct(d, d_v):
+    """True when the kernels read and write ``[b, s, h, d]`` in place (viewed ``[b, s, h * d]``): a block of
+    one head is then (rows, d), Mosaic-legal when d and d_v are multiples of 128; else heads-major."""
+    return d % LANES == 0 and d_v % LANES == 0
+
+
+def _view(x, direct):
+    """[b, s, h, w] -> the kernels' operand: ``[b, s, h * w]`` (a reshape, no copy) or ``[b, h, s, w]``."""
+    b, s, h, w = x.shape
+    return x.reshape(b, s, h * w) if direct else x.swapaxes(1, 2)
+
+
+def _unview(y, heads, direct):
+    """Inverse of `_view` for an output of ``heads`` heads: [b, s, h, w]."""
+    if direct:
+        b, s, hw = y.shape
+        return y.reshape(b, s, heads, hw // heads)
+    return y.swapaxes(1, 2)
+
+
+def _stat_rows(cfg):
+    """lse / delta in HBM as rows ``[b, h, 1, s]`` (True: block_q a multiple of 128, Mosaic's lane rule for a
+    (1, block_q) block) or lane-replicated ``[b, h, s, 128]`` columns, 128x the bytes (False)."""
+    return cfg.block_q % LANES == 0
+
+
+def _stats_in(x, rows):
+    """float32 [b, h, s] statistics as the backward kernels read them (`_stat_rows`)."""
+    b, h, s = x.shape
+    x = x.astype(jnp.float32)
+    return x[:, :, None, :] if rows else jnp.broadcast_to(x[..., None], (b, h, s, LANES))
+
+
+def _column(ref, rows):
+    """A statistic's (block_q, 1) column in a kernel, from its (1, block_q) row or (block_q, 128) block."""
+    return jnp.expand_dims(ref[0], -1) if rows else ref[:, :1]
+
+
+def _out_dtype(cfg):
+    return jnp.float32 if cfg.out_dtype is None else jnp.dtype(cfg.out_dtype)
+
+
 def _layout(qs, kv, cfg, *, transposed=False):
     """Scalar-prefetch tables (flat int32) and the lane/sublane-replicated position inputs.
 
@@ -101,31 +154,36 @@ def _layout(qs, kv, cfg, *, transposed=False):
     return prefetch, [cols(qs.pos), rows(kv.pos), cols(qs.seg), rows(kv.seg)]
 
 
-def _unless_empty(body, qb_ref, kb_ref, tile, cfg, segments):
-    """Run ``body`` in the kernel unless `bounds_empty` proves tile ``(bi, i, j)`` empty, from the
-    scalar-prefetched bounds of Q tile i and K/V tile j (``(lo, hi, seg_lo, seg_hi)`` each)."""
+def _by_kind(body, qb_ref, kb_ref, tile, cfg, segments):
+    """Run ``body(masked)`` in the kernel for tile ``(bi, i, j)``, from the scalar-prefetched bounds of Q
+    tile i and K/V tile j (``(lo, hi, seg_lo, seg_hi)`` each): not at all where `bounds_empty` proves it
+    empty, ``body(False)`` (no built-in mask computed) where `bounds_full` proves every pair visible,
+    ``body(True)`` on a partial tile. Without a built-in mask: ``body(False)`` always."""
     bi, i, j, n_q, n_kv = tile
     nb = 4 if segments else 2
     qb = tuple(qb_ref[(bi * n_q + i) * 4 + c] for c in range(nb))
     kb = tuple(kb_ref[(bi * n_kv + j) * 4 + c] for c in range(nb))
     empty = bounds_empty(qb, kb, causal=cfg.causal, window=cfg.window)
     if empty is None:
-        body()
-    else:
-        pl.when(jnp.logical_not(empty))(body)
+        body(False)
+        return
+    full = bounds_full(qb, kb, causal=cfg.causal, window=cfg.window)
+    pl.when(jnp.logical_not(empty) & full)(lambda: body(False))
+    pl.when(jnp.logical_not(empty | full))(lambda: body(True))
 
 
-def _logits(q, k, cfg, fn, *, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, grad=False):
+def _logits(q, k, cfg, fn, *, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, masked=True, grad=False):
     """fp32 [block_q, block_kv] ``scale * q k^T``, soft-capped, scored and masked (``fn``: the tile's
-    `tiles.Program`, its consts' refs and the query head), -inf where masked; positions from a (block_q,
-    128) query column and an (8, block_kv) key row. With ``grad``: ``(s, pullback)`` (`tiles.programmed`)."""
+    `tiles.Program`, its consts' refs and the query head), -inf where masked (the built-in mask only when
+    ``masked``: a full tile needs none); positions from a (block_q, 128) query column and an (8,
+    block_kv) key row. With ``grad``: ``(s, pullback)`` (`tiles.programmed`)."""
     s = cfg.scale * _dot(q, k, _NT)
     prog, const_refs, head = fn
     q_pos, k_pos = q_pos_ref[:, :1], k_pos_ref[:1, :]  # (block_q, 1), (1, block_kv)
     q_seg, k_seg = (None, None) if q_seg_ref is None else (q_seg_ref[:, :1], k_seg_ref[:1, :])
     s, pull = programmed(prog, [r[...] for r in const_refs], s, q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg,
                          head=head, grad=grad)
-    allow = allowed(q_pos, k_pos, q_seg, k_seg, causal=cfg.causal, window=cfg.window)
+    allow = allowed(q_pos, k_pos, q_seg, k_seg, causal=cfg.causal, window=cfg.window) if masked else None
     s = s if allow is None else jnp.where(allow, s, NEG_INF)
     return (s, pull) if grad else s
 
@@ -134,7 +192,7 @@ def _fwd_kernel(qb_ref, kb_ref, res_ref,                                    # SM
                 q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,        # inputs (segments: None)
                 const_refs,                                                 # the program's consts (a tuple)
                 o_ref, lse_ref, count_ref,                                  # outputs (count: None)
-                m_sc, l_sc, acc_sc, *, cfg, prog, n_q, n_kv):
+                m_sc, l_sc, acc_sc, *, cfg, prog, n_q, n_kv, rows):
     """Grid (batch, head, Q tile i, K/V tile j): fold tile (i, j) into (m, l, acc) (FA-2 Alg. 1)."""
     del res_ref  # read by the index maps only
     bi, hi, i, j = (pl.program_id(a) for a in range(4))
@@ -148,10 +206,10 @@ def _fwd_kernel(qb_ref, kb_ref, res_ref,                                    # SM
         if count_ref is not None:
             count_ref[counter] = 0
 
-    def _compute():
+    def _compute(masked):
         v = v_ref[...]  # (block_kv, d_v)
         s = _logits(q_ref[...], k_ref[...], cfg, (prog, const_refs, hi), q_pos_ref=q_pos_ref,  # (block_q, block_kv)
-                    k_pos_ref=k_pos_ref, q_seg_ref=q_seg_ref, k_seg_ref=k_seg_ref)
+                    k_pos_ref=k_pos_ref, q_seg_ref=q_seg_ref, k_seg_ref=k_seg_ref, masked=masked)
         m_prev = m_sc[...]  # (block_q, 128), lane-replicated
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row with nothing seen yet: exp(-inf) = 0
@@ -163,15 +221,31 @@ def _fwd_kernel(qb_ref, kb_ref, res_ref,                                    # SM
         if count_ref is not None:
             count_ref[counter] = count_ref[counter] + 1
 
-    _unless_empty(_compute, qb_ref, kb_ref, (bi, i, j, n_q, n_kv), cfg, q_seg_ref is not None)
+    _by_kind(_compute, qb_ref, kb_ref, (bi, i, j, n_q, n_kv), cfg, q_seg_ref is not None)
 
     @pl.when(j == n_kv - 1)
     def _finish():
         l, m = l_sc[...], m_sc[...]
         empty = l == 0.0  # saw nothing (a NaN l stays NaN)
         l_safe = jnp.where(empty, 1.0, l)
-        o_ref[...] = jnp.where(empty[:, :1], 0.0, acc_sc[...] / l_safe[:, :1])
-        lse_ref[...] = jnp.where(empty, NEG_INF, m + jnp.log(l_safe))
+        o_ref[...] = jnp.where(empty[:, :1], 0.0, acc_sc[...] / l_safe[:, :1]).astype(o_ref.dtype)
+        lse = jnp.where(empty, NEG_INF, m + jnp.log(l_safe))  # (block_q, 128), lane-replicated
+        lse_ref[...] = jnp.transpose(lse)[:1, :] if rows else lse  # a lane-dense (1, block_q) row
+
+
+def _block(direct, rows, width, at):
+    """The BlockSpec of one head's (rows, width) tile; ``at(*grid, *prefetch) -> (batch, head, tile)``, laid
+    out [b, s, h * width] (``direct``, `_direct`) or [b, h, s, width]."""
+    if direct:
+        return pl.BlockSpec((None, rows, width), lambda *a: (lambda bi, hd, t: (bi, t, hd))(*at(*a)))
+    return pl.BlockSpec((None, None, rows, width), lambda *a: (lambda bi, hd, t: (bi, hd, t, 0))(*at(*a)))
+
+
+def _stat_block(rows, bq, at):
+    """The BlockSpec of a Q tile's statistics (`_stat_rows`): a (1, bq) row or a (bq, 128) column block."""
+    if rows:
+        return pl.BlockSpec((None, None, 1, bq), lambda *a: (lambda bi, hd, t: (bi, hd, 0, t))(*at(*a)))
+    return pl.BlockSpec((None, None, bq, LANES), lambda *a: (lambda bi, hd, t: (bi, hd, t, 0))(*at(*a)))
 
 
 def _qmajor_specs(cfg, d, group, n_q, n_kv, d_v=None):
@@ -179,13 +253,14 @@ def _qmajor_specs(cfg, d, group, n_q, n_kv, d_v=None):
     scalar-prefetch refs ``(qb, kb, res)``; K/V-side blocks read the resident K/V tile from ``res``.
     ``q``, ``kv``: q and k tiles (d wide); ``o``, ``v``: o / dO and v tiles (``d_v`` wide; None: d)."""
     bq, bk, d_v = cfg.block_q, cfg.block_kv, d if d_v is None else d_v
+    direct = _direct(d, d_v)
     kv_tile = lambda bi, i, j, res: res[(bi * n_q + i) * n_kv + j]  # j, or the last computed tile
-    q_side = lambda bi, hi, i, j, *_: (bi, hi, i, 0)
-    kv_side = lambda bi, hi, i, j, qb, kb, res: (bi, hi // group, kv_tile(bi, i, j, res), 0)
+    q_at = lambda bi, hi, i, j, *_: (bi, hi, i)
+    kv_at = lambda bi, hi, i, j, qb, kb, res: (bi, hi // group, kv_tile(bi, i, j, res))
     return dict(
-        q=pl.BlockSpec((None, None, bq, d), q_side), o=pl.BlockSpec((None, None, bq, d_v), q_side),
-        kv=pl.BlockSpec((None, None, bk, d), kv_side), v=pl.BlockSpec((None, None, bk, d_v), kv_side),
-        stat=pl.BlockSpec((None, None, bq, LANES), q_side),
+        q=_block(direct, bq, d, q_at), o=_block(direct, bq, d_v, q_at),
+        kv=_block(direct, bk, d, kv_at), v=_block(direct, bk, d_v, kv_at),
+        stat=_stat_block(_stat_rows(cfg), bq, q_at),
         q_col=pl.BlockSpec((None, bq, LANES), lambda bi, hi, i, j, *_: (bi, i, 0)),
         k_row=pl.BlockSpec((None, SUBLANES, bk), lambda bi, hi, i, j, qb, kb, res: (bi, 0, kv_tile(bi, i, j, res))))
 
@@ -194,13 +269,14 @@ def _kvmajor_specs(cfg, d, group, n_q, n_kv, d_v=None):
     """BlockSpecs of grid (b, kv_head, j, member, i) (dK/dV): the Q-side blocks read the resident Q tile
     from ``res``; query head = ``kv_head * group + member``. Widths as in `_qmajor_specs`."""
     bq, bk, d_v = cfg.block_q, cfg.block_kv, d if d_v is None else d_v
+    direct = _direct(d, d_v)
     q_tile = lambda bi, j, i, res: res[(bi * n_kv + j) * n_q + i]  # i, or the last computed tile
-    q_side = lambda bi, kv_head, j, member, i, qb, kb, res: (bi, kv_head * group + member, q_tile(bi, j, i, res), 0)
-    kv_side = lambda bi, kv_head, j, member, i, *_: (bi, kv_head, j, 0)
+    q_at = lambda bi, kv_head, j, member, i, qb, kb, res: (bi, kv_head * group + member, q_tile(bi, j, i, res))
+    kv_at = lambda bi, kv_head, j, member, i, *_: (bi, kv_head, j)
     return dict(
-        q=pl.BlockSpec((None, None, bq, d), q_side), o=pl.BlockSpec((None, None, bq, d_v), q_side),
-        kv=pl.BlockSpec((None, None, bk, d), kv_side), v=pl.BlockSpec((None, None, bk, d_v), kv_side),
-        stat=pl.BlockSpec((None, None, bq, LANES), q_side),
+        q=_block(direct, bq, d, q_at), o=_block(direct, bq, d_v, q_at),
+        kv=_block(direct, bk, d, kv_at), v=_block(direct, bk, d_v, kv_at),
+        stat=_stat_block(_stat_rows(cfg), bq, q_at),
         q_col=pl.BlockSpec((None, bq, LANES), lambda bi, kv_head, j, member, i, qb, kb, res: (bi, q_tile(bi, j, i, res), 0)),
         k_row=pl.BlockSpec((None, SUBLANES, bk), lambda bi, kv_head, j, member, i, *_: (bi, 0, j)))
 
@@ -223,14 +299,14 @@ def _forward(qs, kv, *, cfg, interpret, count, vmem_limit):
     """pallas_call for the forward; returns (o, lse, computed K/V tiles per Q tile [b, h, nq] or None)."""
     (b, sq, h, d), (sk, hk), d_v = qs.q.shape, kv.k.shape[1:3], kv.v.shape[-1]
     n_q, n_kv, segments = sq // cfg.block_q, sk // cfg.block_kv, qs.seg is not None
-    prog = program(cfg, cfg.block_q, cfg.block_kv)
+    prog, direct, rows = program(cfg, cfg.block_q, cfg.block_kv), _direct(d, d_v), _stat_rows(cfg)
     prefetch, pos = _layout(qs, kv, cfg)
-    ops = same_vma(*prefetch, *(x.swapaxes(1, 2) for x in (qs.q, kv.k, kv.v)), *pos, *_consts(prog))  # heads-major
+    ops = same_vma(*prefetch, *(_view(x, direct) for x in (qs.q, kv.k, kv.v)), *pos, *_consts(prog))
     q, consts = ops[3], tuple(ops[len(ops) - len(_consts(prog)):])
     sp = _qmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v)
     counter = pl.BlockSpec(memory_space=pltpu.SMEM)  # debug output: one counter per (batch, head, Q tile)
     out = pl.pallas_call(
-        functools.partial(_fwd_kernel, cfg=cfg, prog=prog, n_q=n_q, n_kv=n_kv),
+        functools.partial(_fwd_kernel, cfg=cfg, prog=prog, n_q=n_q, n_kv=n_kv, rows=rows),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3, grid=(b, h, n_q, n_kv),
             in_specs=[sp["q"], sp["kv"], sp["v"]] + _pos_specs(sp, segments, prog),
@@ -238,7 +314,8 @@ def _forward(qs, kv, *, cfg, interpret, count, vmem_limit):
             scratch_shapes=[pltpu.VMEM((cfg.block_q, LANES), jnp.float32),
                             pltpu.VMEM((cfg.block_q, LANES), jnp.float32),
                             pltpu.VMEM((cfg.block_q, d_v), jnp.float32)]),
-        out_shape=[out_struct((b, h, sq, d_v), jnp.float32, q), out_struct((b, h, sq, LANES), jnp.float32, q),
+        out_shape=[out_struct((b, sq, h * d_v) if direct else (b, h, sq, d_v), _out_dtype(cfg), q),
+                   out_struct((b, h, 1, sq) if rows else (b, h, sq, LANES), jnp.float32, q),
                    out_struct((b * h * n_q,), jnp.int32, q) if count else None],
         compiler_params=pltpu.CompilerParams(  # the shared SMEM counter needs every axis in order
             dimension_semantics=("arbitrary",) * 4 if count else ("parallel",) * 3 + ("arbitrary",),
@@ -246,7 +323,7 @@ def _forward(qs, kv, *, cfg, interpret, count, vmem_limit):
         interpret=interpret, name="ring_hop_fwd_tpu",
     )(*ops[:len(ops) - len(consts)], consts)
     counts = out[2].reshape(b, h, n_q) if count else None
-    return out[0].swapaxes(1, 2), out[1][..., 0], counts
+    return _unview(out[0], h, direct), out[1][:, :, 0, :] if rows else out[1][..., 0], counts
 
 
 def _tile_grads(s, pull, do, v, lse, delta):
@@ -261,7 +338,7 @@ def _tile_grads(s, pull, do, v, lse, delta):
 
 def _dq_kernel(qb_ref, kb_ref, res_ref,
                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
-               const_refs, dq_ref, acc_sc, *, cfg, prog, n_q, n_kv):
+               const_refs, dq_ref, acc_sc, *, cfg, prog, n_q, n_kv, rows):
     """Grid (b, h, i, j): dQ_i += scale * dS_ij K_j over the K/V tiles j (in order)."""
     del res_ref
     bi, hi, i, j = (pl.program_id(a) for a in range(4))
@@ -270,23 +347,23 @@ def _dq_kernel(qb_ref, kb_ref, res_ref,
     def _init():
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-    def _compute():
+    def _compute(masked):
         k = k_ref[...]
         s, pull = _logits(q_ref[...], k, cfg, (prog, const_refs, hi), q_pos_ref=q_pos_ref, k_pos_ref=k_pos_ref,
-                          q_seg_ref=q_seg_ref, k_seg_ref=k_seg_ref, grad=True)
-        _, ds = _tile_grads(s, pull, do_ref[...], v_ref[...], lse_ref[...], delta_ref[...])
+                          q_seg_ref=q_seg_ref, k_seg_ref=k_seg_ref, masked=masked, grad=True)
+        _, ds = _tile_grads(s, pull, do_ref[...], v_ref[...], _column(lse_ref, rows), _column(delta_ref, rows))
         acc_sc[...] += cfg.scale * _dot(ds.astype(k.dtype), finite_keys(k), _NN)  # a masked NaN key stays out
 
-    _unless_empty(_compute, qb_ref, kb_ref, (bi, i, j, n_q, n_kv), cfg, q_seg_ref is not None)
+    _by_kind(_compute, qb_ref, kb_ref, (bi, i, j, n_q, n_kv), cfg, q_seg_ref is not None)
 
     @pl.when(j == n_kv - 1)
     def _finish():
-        dq_ref[...] = acc_sc[...]
+        dq_ref[...] = acc_sc[...].astype(dq_ref.dtype)
 
 
 def _dkv_kernel(qb_ref, kb_ref, res_ref,
                 q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
-                const_refs, dk_ref, dv_ref, dk_sc, dv_sc, *, cfg, prog, n_q, n_kv, group):
+                const_refs, dk_ref, dv_ref, dk_sc, dv_sc, *, cfg, prog, n_q, n_kv, group, rows):
     """Grid (b, kv_head, j, member, i): dK_j, dV_j summed over the group's heads and the Q tiles i."""
     del res_ref
     bi, kv_head, j, member, i = (pl.program_id(a) for a in range(5))
@@ -296,21 +373,21 @@ def _dkv_kernel(qb_ref, kb_ref, res_ref,
         dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
         dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
-    def _compute():
+    def _compute(masked):
         q, do = q_ref[...], do_ref[...]
         head = kv_head * group + member
         s, pull = _logits(q, k_ref[...], cfg, (prog, const_refs, head), q_pos_ref=q_pos_ref, k_pos_ref=k_pos_ref,
-                          q_seg_ref=q_seg_ref, k_seg_ref=k_seg_ref, grad=True)
-        p, ds = _tile_grads(s, pull, do, v_ref[...], lse_ref[...], delta_ref[...])
+                          q_seg_ref=q_seg_ref, k_seg_ref=k_seg_ref, masked=masked, grad=True)
+        p, ds = _tile_grads(s, pull, do, v_ref[...], _column(lse_ref, rows), _column(delta_ref, rows))
         dv_sc[...] += _dot(p.astype(do.dtype), do, _TN)  # dV_j += P_ij^T dO_i
         dk_sc[...] += cfg.scale * _dot(ds.astype(q.dtype), q, _TN)  # dK_j += dS_ij^T Q_i
 
-    _unless_empty(_compute, qb_ref, kb_ref, (bi, i, j, n_q, n_kv), cfg, q_seg_ref is not None)
+    _by_kind(_compute, qb_ref, kb_ref, (bi, i, j, n_q, n_kv), cfg, q_seg_ref is not None)
 
     @pl.when((member == group - 1) & (i == n_q - 1))
     def _finish():
-        dk_ref[...] = dk_sc[...]
-        dv_ref[...] = dv_sc[...]
+        dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
+        dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
 def _bwd_call(kernel, name, grid, *, specs, prefetch, args, out_specs, out_shape, scratch, interpret, vmem_limit):
@@ -331,23 +408,23 @@ def _backward(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit):
     """The two backward pallas_calls (dQ; dK and dV): (dq, dk, dv) float32."""
     (b, sq, h, d), (sk, hk), d_v = qs.q.shape, kv.k.shape[1:3], kv.v.shape[-1]
     group, n_q, n_kv, segments = h // hk, sq // cfg.block_q, sk // cfg.block_kv, qs.seg is not None
-    prog = program(cfg, cfg.block_q, cfg.block_kv)
+    prog, direct, rows, odt = program(cfg, cfg.block_q, cfg.block_kv), _direct(d, d_v), _stat_rows(cfg), _out_dtype(cfg)
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # a row that saw nothing: every p is masked to 0 anyway
-    stats = [jnp.broadcast_to(x.astype(jnp.float32)[..., None], (b, h, sq, LANES)) for x in (lse, delta)]
+    stats = [_stats_in(x, rows) for x in (lse, delta)]
     (prefetch_q, pos), (prefetch_kv, _) = _layout(qs, kv, cfg), _layout(qs, kv, cfg, transposed=True)
-    ops = same_vma(*prefetch_q, *prefetch_kv, *(x.swapaxes(1, 2) for x in (qs.q, kv.k, kv.v, do)), *stats, *pos,
+    ops = same_vma(*prefetch_q, *prefetch_kv, *(_view(x, direct) for x in (qs.q, kv.k, kv.v, do)), *stats, *pos,
                    *_consts(prog))
     n_args = len(ops) - len(_consts(prog))
     prefetch_q, prefetch_kv = ops[:3], ops[3:6]
     args = list(ops[6:n_args]) + [tuple(ops[n_args:])]  # q, k, v, do, lse, delta, positions, consts
-    q, static = args[0], dict(cfg=cfg, prog=prog, n_q=n_q, n_kv=n_kv)
+    q, static = args[0], dict(cfg=cfg, prog=prog, n_q=n_q, n_kv=n_kv, rows=rows)
 
     # dQ: grid (b, h, Q tiles, K/V tiles), K/V tiles last.
     sp = _qmajor_specs(cfg, d, group, n_q, n_kv, d_v)
     in_specs = [sp["q"], sp["kv"], sp["v"], sp["o"], sp["stat"], sp["stat"]] + _pos_specs(sp, segments, prog)
     dq = _bwd_call(functools.partial(_dq_kernel, **static), "ring_hop_bwd_dq_tpu", (b, h, n_q, n_kv),
                    specs=in_specs, prefetch=prefetch_q, args=args, out_specs=sp["q"],
-                   out_shape=out_struct((b, h, sq, d), jnp.float32, q),
+                   out_shape=out_struct((b, sq, h * d) if direct else (b, h, sq, d), odt, q),
                    scratch=[pltpu.VMEM((cfg.block_q, d), jnp.float32)], interpret=interpret, vmem_limit=vmem_limit)
 
     # dK, dV: grid (b, kv heads, K/V tiles, group heads, Q tiles); the last two accumulate in scratch.
@@ -356,10 +433,11 @@ def _backward(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit):
     dk, dv = _bwd_call(functools.partial(_dkv_kernel, group=group, **static), "ring_hop_bwd_dkv_tpu",
                        (b, hk, n_kv, group, n_q), specs=in_specs, prefetch=prefetch_kv, args=args,
                        out_specs=[sp["kv"], sp["v"]],
-                       out_shape=[out_struct((b, hk, sk, width), jnp.float32, q) for width in (d, d_v)],
+                       out_shape=[out_struct((b, sk, hk * width) if direct else (b, hk, sk, width), odt, q)
+                                  for width in (d, d_v)],
                        scratch=[pltpu.VMEM((cfg.block_kv, width), jnp.float32) for width in (d, d_v)],
                        interpret=interpret, vmem_limit=vmem_limit)
-    return dq.swapaxes(1, 2), dk.swapaxes(1, 2), dv.swapaxes(1, 2)
+    return _unview(dq, h, direct), _unview(dk, hk, direct), _unview(dv, hk, direct)
 
 
 def footprints(cfg, q_shape, k_shape, dtype, backward, d_v=None):
@@ -384,8 +462,9 @@ def footprints(cfg, q_shape, k_shape, dtype, backward, d_v=None):
         ins = [of(sp["q"], dtype), of(sp["kv"], dtype), of(sp["v"], dtype)]
         ins += [of(sp["o"], dtype), of(sp["stat"], f32), of(sp["stat"], f32)] if backward else []
         ins += [of(sp["q_col"], i32), of(sp["k_row"], i32)] * 2
-        outs = ([of(sp["o"], f32), of(sp["stat"], f32)] if not backward else
-                [of(sp["q"], f32)] if name.endswith("dq_tpu") else [of(sp["kv"], f32), of(sp["v"], f32)])
+        odt = _out_dtype(cfg)
+        outs = ([of(sp["o"], odt), of(sp["stat"], f32)] if not backward else
+                [of(sp["q"], odt)] if name.endswith("dq_tpu") else [of(sp["kv"], odt), of(sp["v"], odt)])
         temps = [((bq, bk), f32)] * (2 if not backward else 3)  # s, p (and dp / ds)
         out.append(budgets.Footprint(budgets.tpu_vmem_bytes(ins + outs, scratch, temps), smem, name))
     return out
