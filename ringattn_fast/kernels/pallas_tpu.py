@@ -135,13 +135,14 @@ def _out_dtype(cfg):
     return jnp.float32 if cfg.out_dtype is None else jnp.dtype(cfg.out_dtype)
 
 
-def _layout(qs, kv, cfg, *, transposed=False):
+def _layout(qs, kv, cfg, *, transposed=False, key_major=False):
     """Scalar-prefetch tables (flat int32) and the lane/sublane-replicated position inputs.
 
     Tables: Q and K/V tile bounds ``[b * n * 4]`` (`tiles.tile_bounds`) and the resident block of
     the inner grid axis per step (`tiles.resident_blocks`; K/V tiles per Q tile, or with
     ``transposed`` Q tiles per K/V tile, for the dK/dV kernel). Positions: q_pos, q_seg as
-    ``(b, sq, 128)`` columns, k_pos, k_seg as ``(b, 8, sk)`` rows; segments None when absent.
+    ``(b, sq, 128)`` columns, k_pos, k_seg as ``(b, 8, sk)`` rows, or with ``key_major`` (`_dkv_kernel_t`)
+    the other way round; segments None when absent.
     """
     (b, sq), sk = qs.pos.shape, kv.pos.shape[1]
     empty = empty_tiles(qs.pos, kv.pos, qs.seg, kv.seg, causal=cfg.causal, window=cfg.window,
@@ -149,8 +150,10 @@ def _layout(qs, kv, cfg, *, transposed=False):
     resident = resident_blocks(empty.swapaxes(1, 2) if transposed else empty)
     prefetch = [tile_bounds(qs.pos, qs.seg, cfg.block_q).reshape(-1),
                 tile_bounds(kv.pos, kv.seg, cfg.block_kv).reshape(-1), resident.reshape(-1)]
-    cols = lambda x: None if x is None else jnp.broadcast_to(x.astype(jnp.int32)[:, :, None], (b, sq, LANES))
-    rows = lambda x: None if x is None else jnp.broadcast_to(x.astype(jnp.int32)[:, None, :], (b, SUBLANES, sk))
+    cols = lambda x: None if x is None else jnp.broadcast_to(x.astype(jnp.int32)[:, :, None], x.shape + (LANES,))
+    rows = lambda x: None if x is None else jnp.broadcast_to(x.astype(jnp.int32)[:, None, :], (b, SUBLANES, x.shape[1]))
+    if key_major:
+        return prefetch, [rows(qs.pos), cols(kv.pos), rows(qs.seg), cols(kv.seg)]
     return prefetch, [cols(qs.pos), rows(kv.pos), cols(qs.seg), rows(kv.seg)]
 
 
@@ -265,9 +268,10 @@ def _qmajor_specs(cfg, d, group, n_q, n_kv, d_v=None):
         k_row=pl.BlockSpec((None, SUBLANES, bk), lambda bi, hi, i, j, qb, kb, res: (bi, 0, kv_tile(bi, i, j, res))))
 
 
-def _kvmajor_specs(cfg, d, group, n_q, n_kv, d_v=None):
+def _kvmajor_specs(cfg, d, group, n_q, n_kv, d_v=None, key_major=False):
     """BlockSpecs of grid (b, kv_head, j, member, i) (dK/dV): the Q-side blocks read the resident Q tile
-    from ``res``; query head = ``kv_head * group + member``. Widths as in `_qmajor_specs`."""
+    from ``res``; query head = ``kv_head * group + member``. Widths as in `_qmajor_specs`; ``key_major``:
+    positions as query rows and key columns (`_dkv_kernel_t`)."""
     bq, bk, d_v = cfg.block_q, cfg.block_kv, d if d_v is None else d_v
     direct = _direct(d, d_v)
     q_tile = lambda bi, j, i, res: res[(bi * n_kv + j) * n_q + i]  # i, or the last computed tile
@@ -277,8 +281,11 @@ def _kvmajor_specs(cfg, d, group, n_q, n_kv, d_v=None):
         q=_block(direct, bq, d, q_at), o=_block(direct, bq, d_v, q_at),
         kv=_block(direct, bk, d, kv_at), v=_block(direct, bk, d_v, kv_at),
         stat=_stat_block(_stat_rows(cfg), bq, q_at),
-        q_col=pl.BlockSpec((None, bq, LANES), lambda bi, kv_head, j, member, i, qb, kb, res: (bi, q_tile(bi, j, i, res), 0)),
-        k_row=pl.BlockSpec((None, SUBLANES, bk), lambda bi, kv_head, j, member, i, *_: (bi, 0, j)))
+        q_col=pl.BlockSpec((None, SUBLANES, bq), lambda bi, kv_head, j, member, i, qb, kb, res:
+                           (bi, 0, q_tile(bi, j, i, res))) if key_major else
+        pl.BlockSpec((None, bq, LANES), lambda bi, kv_head, j, member, i, qb, kb, res: (bi, q_tile(bi, j, i, res), 0)),
+        k_row=pl.BlockSpec((None, bk, LANES), lambda bi, kv_head, j, member, i, *_: (bi, j, 0)) if key_major else
+        pl.BlockSpec((None, SUBLANES, bk), lambda bi, kv_head, j, member, i, *_: (bi, 0, j)))
 
 
 def _pos_specs(sp, segments, prog):
@@ -390,6 +397,50 @@ def _dkv_kernel(qb_ref, kb_ref, res_ref,
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
+def _dkv_kernel_t(qb_ref, kb_ref, res_ref,
+                  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
+                  const_refs, dk_ref, dv_ref, dk_sc, dv_sc, *, cfg, prog, n_q, n_kv, group, rows):
+    """`_dkv_kernel` with the tile transposed (splash attention's dK/dV orientation): S^T = K_j Q_i^T is
+    (block_kv, block_q), so lse and delta are the lane-dense rows they are stored as, and dV_j += P^T dO,
+    dK_j += dS^T Q are plain matmuls (no transpose of a (block_q, block_kv) operand). Positions: query
+    rows (8, block_q), key columns (block_kv, 128). Only without a program and with `_stat_rows`."""
+    del res_ref, const_refs, prog, rows
+    bi, kv_head, j, member, i = (pl.program_id(a) for a in range(5))
+
+    @pl.when((member == 0) & (i == 0))
+    def _init():
+        dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+        dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+    def _compute(masked):
+        q, do = q_ref[...], do_ref[...]
+        st = cfg.scale * _dot(k_ref[...], q, _NT)  # (block_kv, block_q)
+        if masked:
+            seg = (None, None) if q_seg_ref is None else (q_seg_ref[:1, :], k_seg_ref[:, :1])
+            allow = allowed(q_pos_ref[:1, :], k_pos_ref[:, :1], *seg, causal=cfg.causal, window=cfg.window)
+            st = jnp.where(allow, st, NEG_INF)
+        pt = jnp.exp(st - lse_ref[...])  # P^T, lse a (1, block_q) row
+        dpt = _dot(v_ref[...], do, _NT)  # dP^T = V_j dO_i^T
+        dst = masked_grad(pt, dpt, delta_ref[...])
+        dv_sc[...] += _dot(pt.astype(do.dtype), do, _NN)  # dV_j += P^T dO_i
+        dk_sc[...] += cfg.scale * _dot(dst.astype(q.dtype), q, _NN)  # dK_j += dS^T Q_i
+
+    _by_kind(_compute, qb_ref, kb_ref, (bi, i, j, n_q, n_kv), cfg, q_seg_ref is not None)
+
+    @pl.when((member == group - 1) & (i == n_q - 1))
+    def _finish():
+        dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
+        dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+KEY_MAJOR_DKV = True  # `_dkv_kernel_t` where it applies (benchmarks/tune_tpu.py measures both)
+
+
+def _key_major(cfg, prog, enabled=None):
+    """Whether the dK/dV kernel runs transposed (`_dkv_kernel_t`): no program, lse/delta as rows."""
+    return (KEY_MAJOR_DKV if enabled is None else enabled) and prog is None and _stat_rows(cfg)
+
+
 def _bwd_call(kernel, name, grid, *, specs, prefetch, args, out_specs, out_shape, scratch, interpret, vmem_limit):
     """One backward pallas_call: batch, heads and the outer tile axis in parallel, the rest in order."""
     return pl.pallas_call(
@@ -403,9 +454,14 @@ def _bwd_call(kernel, name, grid, *, specs, prefetch, args, out_specs, out_shape
     )(*prefetch, *args)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
 def _backward(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit):
-    """The two backward pallas_calls (dQ; dK and dV): (dq, dk, dv) float32."""
+    """The two backward pallas_calls (dQ; dK and dV): (dq, dk, dv), float32 or ``cfg.out_dtype``."""
+    return _backward_jit(qs, kv, do, lse, delta, cfg=cfg, interpret=interpret, vmem_limit=vmem_limit,
+                         key_major_dkv=KEY_MAJOR_DKV)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("key_major_dkv",))
+def _backward_jit(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit, key_major_dkv):
     (b, sq, h, d), (sk, hk), d_v = qs.q.shape, kv.k.shape[1:3], kv.v.shape[-1]
     group, n_q, n_kv, segments = h // hk, sq // cfg.block_q, sk // cfg.block_kv, qs.seg is not None
     prog, direct, rows, odt = program(cfg, cfg.block_q, cfg.block_kv), _direct(d, d_v), _stat_rows(cfg), _out_dtype(cfg)
@@ -428,9 +484,13 @@ def _backward(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit):
                    scratch=[pltpu.VMEM((cfg.block_q, d), jnp.float32)], interpret=interpret, vmem_limit=vmem_limit)
 
     # dK, dV: grid (b, kv heads, K/V tiles, group heads, Q tiles); the last two accumulate in scratch.
-    sp = _kvmajor_specs(cfg, d, group, n_q, n_kv, d_v)
+    key_major = _key_major(cfg, prog, key_major_dkv)
+    sp = _kvmajor_specs(cfg, d, group, n_q, n_kv, d_v, key_major=key_major)
     in_specs = [sp["q"], sp["kv"], sp["v"], sp["o"], sp["stat"], sp["stat"]] + _pos_specs(sp, segments, prog)
-    dk, dv = _bwd_call(functools.partial(_dkv_kernel, group=group, **static), "ring_hop_bwd_dkv_tpu",
+    if key_major:  # the positions the other way round (`_layout`)
+        args[6:10] = same_vma(*_layout(qs, kv, cfg, transposed=True, key_major=True)[1], q)[:4]
+    kernel = _dkv_kernel_t if key_major else _dkv_kernel
+    dk, dv = _bwd_call(functools.partial(kernel, group=group, **static), "ring_hop_bwd_dkv_tpu",
                        (b, hk, n_kv, group, n_q), specs=in_specs, prefetch=prefetch_kv, args=args,
                        out_specs=[sp["kv"], sp["v"]],
                        out_shape=[out_struct((b, sk, hk * width) if direct else (b, hk, sk, width), odt, q)
@@ -456,7 +516,7 @@ def footprints(cfg, q_shape, k_shape, dtype, backward, d_v=None):
               [((bq, LANES), f32)] * 2 + [((bq, d_v), f32)])]
             if not backward else
             [("ring_hop_bwd_dq_tpu", _qmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v), [((bq, d), f32)]),
-             ("ring_hop_bwd_dkv_tpu", _kvmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v),
+             ("ring_hop_bwd_dkv_tpu", _kvmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v, key_major=_key_major(cfg, None)),
               [((bk, d), f32), ((bk, d_v), f32)])]):
         of = lambda spec, dt: budgets.block_of(spec, dt)  # noqa: E731
         ins = [of(sp["q"], dtype), of(sp["kv"], dtype), of(sp["v"], dtype)]

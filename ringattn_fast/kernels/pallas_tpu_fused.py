@@ -263,7 +263,9 @@ def _call(kernel, name, cfg, prog, *, out_shape, in_specs, out_specs, scratch):
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5, grid=(cfg.axis_size,), in_specs=in_specs, out_specs=out_specs,
             scratch_shapes=scratch),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), collective_id=_COLLECTIVE_ID,
+        # a ring of one has no barrier (`fused_ring.prologue`), and Mosaic refuses a collective id without one
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                                             collective_id=_COLLECTIVE_ID if cfg.axis_size > 1 else None,
                                              has_side_effects=True, vmem_limit_bytes=cfg.vmem_limit),
         interpret=cfg.interpret, name=name,
     )
