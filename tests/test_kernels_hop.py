@@ -466,16 +466,17 @@ def test_tpu_tiling_rule():
         pallas_tpu.hop_fwd(qs, kv, HopConfig(scale=0.1, block_q=8, block_kv=32))
 
 
-@pytest.mark.parametrize("key_major", [True, False])
+@pytest.mark.parametrize("backward", ["fused", "key_major", "query_major"])
 @pytest.mark.parametrize("mask", [dict(causal=True), dict(window=(200, 0)), dict(segments=True)])
-def test_tpu_kernel_in_place_layout_and_stat_rows(mask, key_major, monkeypatch):
+def test_tpu_kernel_in_place_layout_and_stat_rows(mask, backward, monkeypatch):
     """d = 128 and 128-token tiles: the TPU kernel reads and writes [b, s, h * d] in place and keeps lse /
     delta as lane-dense rows (`pallas_tpu._direct`, `_stat_rows`); a causal / window / segmented hop has
     empty, full (no mask computed) and partial tiles. Forward and backward vs the float64 oracle; with
     ``out_dtype`` the outputs come back in that dtype: o and lse equal to the float32 ones (rounded), the
-    gradients within bf16 rounding (their delta comes from the rounded o). The dK/dV kernel in both
-    orientations (``KEY_MAJOR_DKV``)."""
-    monkeypatch.setattr(pallas_tpu, "KEY_MAJOR_DKV", key_major)
+    gradients within bf16 rounding (their delta comes from the rounded o). The backward as one fused
+    kernel (``FUSED_BWD``) or as dQ and dK/dV kernels, the latter in both orientations (``KEY_MAJOR_DKV``)."""
+    monkeypatch.setattr(pallas_tpu, "FUSED_BWD", backward == "fused")
+    monkeypatch.setattr(pallas_tpu, "KEY_MAJOR_DKV", backward == "key_major")
     rng = np.random.default_rng(3)
     b, sq, sk, hk, group, d = 1, 256, 384, 1, 2, 128
     q_pos, k_pos = np.arange(sq)[None] + 128, np.arange(sk)[None]

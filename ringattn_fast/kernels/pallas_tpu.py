@@ -66,7 +66,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ringattn_fast.kernels import budgets
 from ringattn_fast.kernels.tiles import (NEG_INF, Budget, const_specs, empty_tiles, finite_keys, hop_kernels,
-                                         out_struct, program, programmed, resident_blocks, same_vma, tile_bounds)
+                                         out_struct, program, programmed, resident_blocks, same_vma, target_chip,
+                                         tile_bounds)
 from ringattn_fast.masks import allowed, bounds_empty, bounds_full, masked_grad
 from ringattn_fast.schedule import HopConfig
 
@@ -175,12 +176,19 @@ def _by_kind(body, qb_ref, kb_ref, tile, cfg, segments):
     pl.when(jnp.logical_not(empty | full))(lambda: body(True))
 
 
-def _logits(q, k, cfg, fn, *, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, masked=True, grad=False):
+def _scaled(x, scale):
+    """``x * scale`` in float32, back in x's dtype: a Q (or K) tile pre-scaled once, so the (block_q, block_kv)
+    logits need no multiply (splash attention asks its caller for a pre-scaled q; here the kernel does it)."""
+    return (x.astype(jnp.float32) * scale).astype(x.dtype)
+
+
+def _logits(q, k, cfg, fn, *, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, masked=True, grad=False, prescaled=False):
     """fp32 [block_q, block_kv] ``scale * q k^T``, soft-capped, scored and masked (``fn``: the tile's
     `tiles.Program`, its consts' refs and the query head), -inf where masked (the built-in mask only when
     ``masked``: a full tile needs none); positions from a (block_q, 128) query column and an (8,
-    block_kv) key row. With ``grad``: ``(s, pullback)`` (`tiles.programmed`)."""
-    s = cfg.scale * _dot(q, k, _NT)
+    block_kv) key row. With ``grad``: ``(s, pullback)`` (`tiles.programmed`). ``prescaled``: q is already
+    times the scale (`_scaled`)."""
+    s = _dot(q, k, _NT) if prescaled else cfg.scale * _dot(q, k, _NT)
     prog, const_refs, head = fn
     q_pos, k_pos = q_pos_ref[:, :1], k_pos_ref[:1, :]  # (block_q, 1), (1, block_kv)
     q_seg, k_seg = (None, None) if q_seg_ref is None else (q_seg_ref[:, :1], k_seg_ref[:1, :])
@@ -195,7 +203,7 @@ def _fwd_kernel(qb_ref, kb_ref, res_ref,                                    # SM
                 q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,        # inputs (segments: None)
                 const_refs,                                                 # the program's consts (a tuple)
                 o_ref, lse_ref, count_ref,                                  # outputs (count: None)
-                m_sc, l_sc, acc_sc, *, cfg, prog, n_q, n_kv, rows):
+                m_sc, l_sc, acc_sc, q_sc, *, cfg, prog, n_q, n_kv, rows):
     """Grid (batch, head, Q tile i, K/V tile j): fold tile (i, j) into (m, l, acc) (FA-2 Alg. 1)."""
     del res_ref  # read by the index maps only
     bi, hi, i, j = (pl.program_id(a) for a in range(4))
@@ -206,13 +214,14 @@ def _fwd_kernel(qb_ref, kb_ref, res_ref,                                    # SM
         m_sc[...] = jnp.full(m_sc.shape, NEG_INF, jnp.float32)
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+        q_sc[...] = _scaled(q_ref[...], cfg.scale)  # once per Q tile
         if count_ref is not None:
             count_ref[counter] = 0
 
     def _compute(masked):
         v = v_ref[...]  # (block_kv, d_v)
-        s = _logits(q_ref[...], k_ref[...], cfg, (prog, const_refs, hi), q_pos_ref=q_pos_ref,  # (block_q, block_kv)
-                    k_pos_ref=k_pos_ref, q_seg_ref=q_seg_ref, k_seg_ref=k_seg_ref, masked=masked)
+        s = _logits(q_sc[...], k_ref[...], cfg, (prog, const_refs, hi), q_pos_ref=q_pos_ref,  # (block_q, block_kv)
+                    k_pos_ref=k_pos_ref, q_seg_ref=q_seg_ref, k_seg_ref=k_seg_ref, masked=masked, prescaled=True)
         m_prev = m_sc[...]  # (block_q, 128), lane-replicated
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row with nothing seen yet: exp(-inf) = 0
@@ -320,7 +329,7 @@ def _forward(qs, kv, *, cfg, interpret, count, vmem_limit):
             out_specs=[sp["o"], sp["stat"], counter if count else None],
             scratch_shapes=[pltpu.VMEM((cfg.block_q, LANES), jnp.float32),
                             pltpu.VMEM((cfg.block_q, LANES), jnp.float32),
-                            pltpu.VMEM((cfg.block_q, d_v), jnp.float32)]),
+                            pltpu.VMEM((cfg.block_q, d_v), jnp.float32), pltpu.VMEM((cfg.block_q, d), qs.q.dtype)]),
         out_shape=[out_struct((b, sq, h * d_v) if direct else (b, h, sq, d_v), _out_dtype(cfg), q),
                    out_struct((b, h, 1, sq) if rows else (b, h, sq, LANES), jnp.float32, q),
                    out_struct((b * h * n_q,), jnp.int32, q) if count else None],
@@ -345,7 +354,7 @@ def _tile_grads(s, pull, do, v, lse, delta):
 
 def _dq_kernel(qb_ref, kb_ref, res_ref,
                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
-               const_refs, dq_ref, acc_sc, *, cfg, prog, n_q, n_kv, rows):
+               const_refs, dq_ref, acc_sc, q_sc, *, cfg, prog, n_q, n_kv, rows):
     """Grid (b, h, i, j): dQ_i += scale * dS_ij K_j over the K/V tiles j (in order)."""
     del res_ref
     bi, hi, i, j = (pl.program_id(a) for a in range(4))
@@ -353,19 +362,20 @@ def _dq_kernel(qb_ref, kb_ref, res_ref,
     @pl.when(j == 0)
     def _init():
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+        q_sc[...] = _scaled(q_ref[...], cfg.scale)
 
     def _compute(masked):
         k = k_ref[...]
-        s, pull = _logits(q_ref[...], k, cfg, (prog, const_refs, hi), q_pos_ref=q_pos_ref, k_pos_ref=k_pos_ref,
-                          q_seg_ref=q_seg_ref, k_seg_ref=k_seg_ref, masked=masked, grad=True)
+        s, pull = _logits(q_sc[...], k, cfg, (prog, const_refs, hi), q_pos_ref=q_pos_ref, k_pos_ref=k_pos_ref,
+                          q_seg_ref=q_seg_ref, k_seg_ref=k_seg_ref, masked=masked, grad=True, prescaled=True)
         _, ds = _tile_grads(s, pull, do_ref[...], v_ref[...], _column(lse_ref, rows), _column(delta_ref, rows))
-        acc_sc[...] += cfg.scale * _dot(ds.astype(k.dtype), finite_keys(k), _NN)  # a masked NaN key stays out
+        acc_sc[...] += _dot(ds.astype(k.dtype), finite_keys(k), _NN)  # a masked NaN key stays out
 
     _by_kind(_compute, qb_ref, kb_ref, (bi, i, j, n_q, n_kv), cfg, q_seg_ref is not None)
 
     @pl.when(j == n_kv - 1)
     def _finish():
-        dq_ref[...] = acc_sc[...].astype(dq_ref.dtype)
+        dq_ref[...] = (cfg.scale * acc_sc[...]).astype(dq_ref.dtype)  # dQ = scale dS K
 
 
 def _dkv_kernel(qb_ref, kb_ref, res_ref,
@@ -399,7 +409,7 @@ def _dkv_kernel(qb_ref, kb_ref, res_ref,
 
 def _dkv_kernel_t(qb_ref, kb_ref, res_ref,
                   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
-                  const_refs, dk_ref, dv_ref, dk_sc, dv_sc, *, cfg, prog, n_q, n_kv, group, rows):
+                  const_refs, dk_ref, dv_ref, dk_sc, dv_sc, k_sc, *, cfg, prog, n_q, n_kv, group, rows):
     """`_dkv_kernel` with the tile transposed (splash attention's dK/dV orientation): S^T = K_j Q_i^T is
     (block_kv, block_q), so lse and delta are the lane-dense rows they are stored as, and dV_j += P^T dO,
     dK_j += dS^T Q are plain matmuls (no transpose of a (block_q, block_kv) operand). Positions: query
@@ -411,10 +421,11 @@ def _dkv_kernel_t(qb_ref, kb_ref, res_ref,
     def _init():
         dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
         dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+        k_sc[...] = _scaled(k_ref[...], cfg.scale)  # once per K/V tile
 
     def _compute(masked):
         q, do = q_ref[...], do_ref[...]
-        st = cfg.scale * _dot(k_ref[...], q, _NT)  # (block_kv, block_q)
+        st = _dot(k_sc[...], q, _NT)  # (block_kv, block_q), scaled
         if masked:
             seg = (None, None) if q_seg_ref is None else (q_seg_ref[:1, :], k_seg_ref[:, :1])
             allow = allowed(q_pos_ref[:1, :], k_pos_ref[:, :1], *seg, causal=cfg.causal, window=cfg.window)
@@ -423,16 +434,105 @@ def _dkv_kernel_t(qb_ref, kb_ref, res_ref,
         dpt = _dot(v_ref[...], do, _NT)  # dP^T = V_j dO_i^T
         dst = masked_grad(pt, dpt, delta_ref[...])
         dv_sc[...] += _dot(pt.astype(do.dtype), do, _NN)  # dV_j += P^T dO_i
-        dk_sc[...] += cfg.scale * _dot(dst.astype(q.dtype), q, _NN)  # dK_j += dS^T Q_i
+        dk_sc[...] += _dot(dst.astype(q.dtype), q, _NN)  # dK_j += dS^T Q_i (times the scale at the end)
 
     _by_kind(_compute, qb_ref, kb_ref, (bi, i, j, n_q, n_kv), cfg, q_seg_ref is not None)
 
     @pl.when((member == group - 1) & (i == n_q - 1))
     def _finish():
+        dk_ref[...] = (cfg.scale * dk_sc[...]).astype(dk_ref.dtype)
+        dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+def _bwd_fused_kernel(qb_ref, kb_ref, res_ref,
+                      q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
+                      dq_ref, dk_ref, dv_ref, q_sc, dq_sc, dk_sc, dv_sc, *, cfg, n_q, n_kv, group):
+    """The whole backward in one kernel, 5 matmuls a tile instead of the two kernels' 7 (S and dP once):
+    grid (b, kv_head, member, i, j), K/V tiles innermost. dQ_i accumulates in VMEM over j (as in
+    `_dq_kernel`); dK and dV of the kv head's whole shard stay in VMEM scratch ([sk, d] float32) over the
+    group's heads and every Q tile, and are written once at the end. The tile is key-major
+    (`_dkv_kernel_t`): dV += P^T dO and dK += dS^T Q are plain matmuls; dQ += dS K takes dS^T transposed
+    (as splash attention's fused backward does). Used where no program applies, lse/delta are rows and
+    the shard's dK/dV fit VMEM (`_fused_bwd`)."""
+    del res_ref
+    bi, kv_head, member, i, j = (pl.program_id(a) for a in range(5))
+    bk = cfg.block_kv
+
+    @pl.when((member == 0) & (i == 0) & (j == 0))
+    def _init_kv():
+        dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+        dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+    @pl.when(j == 0)
+    def _init_q():
+        dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+        q_sc[...] = _scaled(q_ref[...], cfg.scale)
+
+    def _compute(masked):
+        q, do, k = q_sc[...], do_ref[...], k_ref[...]
+        st = _dot(k, q, _NT)  # (block_kv, block_q), scaled
+        if masked:
+            seg = (None, None) if q_seg_ref is None else (q_seg_ref[:1, :], k_seg_ref[:, :1])
+            st = jnp.where(allowed(q_pos_ref[:1, :], k_pos_ref[:, :1], *seg, causal=cfg.causal, window=cfg.window),
+                           st, NEG_INF)
+        pt = jnp.exp(st - lse_ref[...])  # P^T
+        dst = masked_grad(pt, _dot(v_ref[...], do, _NT), delta_ref[...])  # dS^T = P^T (dP^T - D)
+        rows = pl.ds(pl.multiple_of(j * bk, bk), bk)
+        dv_sc[rows, :] += _dot(pt.astype(do.dtype), do, _NN)  # dV_j += P^T dO_i
+        dk_sc[rows, :] += _dot(dst.astype(q.dtype), q, _NN)  # dK_j += dS^T (scale Q_i)
+        dq_sc[...] += _dot(dst.T.astype(k.dtype), finite_keys(k), _NN)  # dQ_i += dS K_j (scale at the end)
+
+    _by_kind(_compute, qb_ref, kb_ref, (bi, i, j, n_q, n_kv), cfg, q_seg_ref is not None)
+
+    @pl.when(j == n_kv - 1)
+    def _finish_q():
+        dq_ref[...] = (cfg.scale * dq_sc[...]).astype(dq_ref.dtype)
+
+    @pl.when((member == group - 1) & (i == n_q - 1) & (j == n_kv - 1))
+    def _finish_kv():
         dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
+def _fused_specs(cfg, d, d_v, sk, group, n_q, n_kv):
+    """BlockSpecs of `_bwd_fused_kernel`'s grid (b, kv_head, member, i, j): Q-side tiles of query head
+    ``kv_head * group + member``, the resident K/V tile (``res``, as `_qmajor_specs`), positions as query
+    rows and key columns, and dK/dV as the kv head's whole shard."""
+    bq, bk, direct = cfg.block_q, cfg.block_kv, _direct(d, d_v)
+    kv_tile = lambda bi, i, j, res: res[(bi * n_q + i) * n_kv + j]  # noqa: E731
+    q_at = lambda bi, kh, m, i, j, *_: (bi, kh * group + m, i)  # noqa: E731
+    kv_at = lambda bi, kh, m, i, j, qb, kb, res: (bi, kh, kv_tile(bi, i, j, res))  # noqa: E731
+    whole = lambda bi, kh, *_: (bi, kh, 0)  # noqa: E731
+    return dict(q=_block(direct, bq, d, q_at), o=_block(direct, bq, d_v, q_at), kv=_block(direct, bk, d, kv_at),
+                v=_block(direct, bk, d_v, kv_at), stat=_stat_block(True, bq, q_at),
+                q_col=pl.BlockSpec((None, SUBLANES, bq), lambda bi, kh, m, i, j, *_: (bi, 0, i)),
+                k_row=pl.BlockSpec((None, bk, LANES), lambda bi, kh, m, i, j, qb, kb, res: (bi, kv_tile(bi, i, j, res), 0)),
+                dk=_block(direct, sk, d, whole), dv=_block(direct, sk, d_v, whole))
+
+
+def _fused_scratch(cfg, d, d_v, sk, dtype):
+    """(shape, dtype) of `_bwd_fused_kernel`'s VMEM scratch: scaled Q, dQ, and the shard's dK, dV."""
+    return [((cfg.block_q, d), dtype), ((cfg.block_q, d), jnp.float32), ((sk, d), jnp.float32),
+            ((sk, d_v), jnp.float32)]
+
+
+def _fused_footprint(cfg, q_shape, k_shape, dtype, d_v):
+    """`budgets.Footprint` of `_bwd_fused_kernel` (its dK/dV scratch and output blocks grow with the shard)."""
+    (b, sq, h, d), (sk, hk) = q_shape, k_shape[1:3]
+    sp, f32, i32, odt = _fused_specs(cfg, d, d_v, sk, h // hk, sq // cfg.block_q, sk // cfg.block_kv), jnp.float32, \
+        jnp.int32, _out_dtype(cfg)
+    of = budgets.block_of
+    ins = [of(sp["q"], dtype), of(sp["kv"], dtype), of(sp["v"], dtype), of(sp["o"], dtype), of(sp["stat"], f32),
+           of(sp["stat"], f32)] + [of(sp["q_col"], i32), of(sp["k_row"], i32)] * 2
+    outs = [of(sp["q"], odt), of(sp["dk"], odt), of(sp["dv"], odt)]
+    n_q, n_kv = sq // cfg.block_q, sk // cfg.block_kv
+    smem = 4 * (b * n_q * 4 + b * n_kv * 4 + b * n_q * n_kv)
+    temps = [((cfg.block_kv, cfg.block_q), f32)] * 3
+    return budgets.Footprint(budgets.tpu_vmem_bytes(ins + outs, _fused_scratch(cfg, d, d_v, sk, dtype), temps), smem,
+                             "ring_hop_bwd_fused_tpu")
+
+
+FUSED_BWD = True  # `_bwd_fused_kernel` where it applies and fits (benchmarks/tune_tpu.py measures both)
 KEY_MAJOR_DKV = True  # `_dkv_kernel_t` where it applies (benchmarks/tune_tpu.py measures both)
 
 
@@ -456,12 +556,21 @@ def _bwd_call(kernel, name, grid, *, specs, prefetch, args, out_specs, out_shape
 
 def _backward(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit):
     """The two backward pallas_calls (dQ; dK and dV): (dq, dk, dv), float32 or ``cfg.out_dtype``."""
+    fused = FUSED_BWD and _fused_bwd(cfg, qs.q.shape, kv.k.shape, qs.q.dtype, kv.v.shape[-1], target_chip(interpret))
     return _backward_jit(qs, kv, do, lse, delta, cfg=cfg, interpret=interpret, vmem_limit=vmem_limit,
-                         key_major_dkv=KEY_MAJOR_DKV)
+                         key_major_dkv=KEY_MAJOR_DKV, fused=fused)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("key_major_dkv",))
-def _backward_jit(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit, key_major_dkv):
+def _fused_bwd(cfg, q_shape, k_shape, dtype, d_v, chip):
+    """Whether the backward runs as `_bwd_fused_kernel`: no program, lse/delta as rows, and (compiled) its
+    footprint fits the chip; then its ``vmem_limit_bytes`` is what `budgets.vmem_limit` gives it."""
+    if cfg.logit_softcap is not None or cfg.mask_fn is not None or cfg.score_fn is not None or not _stat_rows(cfg):
+        return False
+    return chip is None or budgets.fits(chip, _fused_footprint(cfg, q_shape, k_shape, dtype, d_v))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("key_major_dkv", "fused"))
+def _backward_jit(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit, key_major_dkv, fused):
     (b, sq, h, d), (sk, hk), d_v = qs.q.shape, kv.k.shape[1:3], kv.v.shape[-1]
     group, n_q, n_kv, segments = h // hk, sq // cfg.block_q, sk // cfg.block_kv, qs.seg is not None
     prog, direct, rows, odt = program(cfg, cfg.block_q, cfg.block_kv), _direct(d, d_v), _stat_rows(cfg), _out_dtype(cfg)
@@ -474,6 +583,8 @@ def _backward_jit(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit, key_maj
     prefetch_q, prefetch_kv = ops[:3], ops[3:6]
     args = list(ops[6:n_args]) + [tuple(ops[n_args:])]  # q, k, v, do, lse, delta, positions, consts
     q, static = args[0], dict(cfg=cfg, prog=prog, n_q=n_q, n_kv=n_kv, rows=rows)
+    if fused:
+        return _backward_fused(qs, kv, cfg, args, prefetch_q, interpret=interpret)
 
     # dQ: grid (b, h, Q tiles, K/V tiles), K/V tiles last.
     sp = _qmajor_specs(cfg, d, group, n_q, n_kv, d_v)
@@ -481,7 +592,8 @@ def _backward_jit(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit, key_maj
     dq = _bwd_call(functools.partial(_dq_kernel, **static), "ring_hop_bwd_dq_tpu", (b, h, n_q, n_kv),
                    specs=in_specs, prefetch=prefetch_q, args=args, out_specs=sp["q"],
                    out_shape=out_struct((b, sq, h * d) if direct else (b, h, sq, d), odt, q),
-                   scratch=[pltpu.VMEM((cfg.block_q, d), jnp.float32)], interpret=interpret, vmem_limit=vmem_limit)
+                   scratch=[pltpu.VMEM((cfg.block_q, d), jnp.float32), pltpu.VMEM((cfg.block_q, d), qs.q.dtype)],
+                   interpret=interpret, vmem_limit=vmem_limit)
 
     # dK, dV: grid (b, kv heads, K/V tiles, group heads, Q tiles); the last two accumulate in scratch.
     key_major = _key_major(cfg, prog, key_major_dkv)
@@ -490,13 +602,43 @@ def _backward_jit(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit, key_maj
     if key_major:  # the positions the other way round (`_layout`)
         args[6:10] = same_vma(*_layout(qs, kv, cfg, transposed=True, key_major=True)[1], q)[:4]
     kernel = _dkv_kernel_t if key_major else _dkv_kernel
+    scratch = [pltpu.VMEM((cfg.block_kv, width), jnp.float32) for width in (d, d_v)]
     dk, dv = _bwd_call(functools.partial(kernel, group=group, **static), "ring_hop_bwd_dkv_tpu",
                        (b, hk, n_kv, group, n_q), specs=in_specs, prefetch=prefetch_kv, args=args,
                        out_specs=[sp["kv"], sp["v"]],
                        out_shape=[out_struct((b, sk, hk * width) if direct else (b, hk, sk, width), odt, q)
                                   for width in (d, d_v)],
-                       scratch=[pltpu.VMEM((cfg.block_kv, width), jnp.float32) for width in (d, d_v)],
+                       scratch=scratch + ([pltpu.VMEM((cfg.block_kv, d), qs.q.dtype)] if key_major else []),
                        interpret=interpret, vmem_limit=vmem_limit)
+    return _unview(dq, h, direct), _unview(dk, hk, direct), _unview(dv, hk, direct)
+
+
+def _backward_fused(qs, kv, cfg, args, prefetch, *, interpret):
+    """The backward as one pallas_call (`_bwd_fused_kernel`); args as `_backward_jit` builds them."""
+    (b, sq, h, d), (sk, hk), d_v = qs.q.shape, kv.k.shape[1:3], kv.v.shape[-1]
+    group, n_q, n_kv, direct, odt = h // hk, sq // cfg.block_q, sk // cfg.block_kv, _direct(d, d_v), _out_dtype(cfg)
+    chip = target_chip(interpret)
+    limit = None if chip is None else budgets.vmem_limit(chip, [_fused_footprint(cfg, qs.q.shape, kv.k.shape,
+                                                                                 qs.q.dtype, d_v)])
+    q = args[0]
+    args = args[:6] + list(same_vma(*_layout(qs, kv, cfg, key_major=True)[1], q)[:4])  # no program: no consts
+    sp = _fused_specs(cfg, d, d_v, sk, group, n_q, n_kv)
+    segments = qs.seg is not None
+    in_specs = [sp["q"], sp["kv"], sp["v"], sp["o"], sp["stat"], sp["stat"], sp["q_col"], sp["k_row"]] + (
+        [sp["q_col"], sp["k_row"]] if segments else [None, None])
+    shape = lambda s, heads, w: (b, s, heads * w) if direct else (b, heads, s, w)  # noqa: E731
+    dq, dk, dv = pl.pallas_call(
+        functools.partial(_bwd_fused_kernel, cfg=cfg, n_q=n_q, n_kv=n_kv, group=group),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3, grid=(b, hk, group, n_q, n_kv), in_specs=in_specs,
+            out_specs=[sp["q"], sp["dk"], sp["dv"]],
+            scratch_shapes=[pltpu.VMEM(shape_, dt) for shape_, dt in _fused_scratch(cfg, d, d_v, sk, qs.q.dtype)]),
+        out_shape=[out_struct(shape(sq, h, d), odt, q), out_struct(shape(sk, hk, d), odt, q),
+                   out_struct(shape(sk, hk, d_v), odt, q)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 2 + ("arbitrary",) * 3,
+                                             vmem_limit_bytes=limit),
+        interpret=interpret, name="ring_hop_bwd_fused_tpu",
+    )(*prefetch, *args)
     return _unview(dq, h, direct), _unview(dk, hk, direct), _unview(dv, hk, direct)
 
 
@@ -513,11 +655,11 @@ def footprints(cfg, q_shape, k_shape, dtype, backward, d_v=None):
     out = []
     for name, sp, scratch in (
             [("ring_hop_fwd_tpu", _qmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v),
-              [((bq, LANES), f32)] * 2 + [((bq, d_v), f32)])]
+              [((bq, LANES), f32)] * 2 + [((bq, d_v), f32), ((bq, d), dtype)])]
             if not backward else
-            [("ring_hop_bwd_dq_tpu", _qmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v), [((bq, d), f32)]),
+            [("ring_hop_bwd_dq_tpu", _qmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v), [((bq, d), f32), ((bq, d), dtype)]),
              ("ring_hop_bwd_dkv_tpu", _kvmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v, key_major=_key_major(cfg, None)),
-              [((bk, d), f32), ((bk, d_v), f32)])]):
+              [((bk, d), f32), ((bk, d_v), f32), ((bk, d), dtype)])]):
         of = lambda spec, dt: budgets.block_of(spec, dt)  # noqa: E731
         ins = [of(sp["q"], dtype), of(sp["kv"], dtype), of(sp["v"], dtype)]
         ins += [of(sp["o"], dtype), of(sp["stat"], f32), of(sp["stat"], f32)] if backward else []
@@ -546,7 +688,7 @@ def default_blocks(q_shape, k_shape, dtype, device, *, n=None):
     est = lambda bq, bk: [f for bwd in (False, True)  # noqa: E731
                           for f in footprints(HopConfig(block_q=bq, block_kv=bk), q_shape, k_shape, dtype, bwd)]
     return budgets.default_tiles(budgets.chip(device.device_kind), est, q_shape[1], k_shape[1],
-                                 q_multiple=SUBLANES, kv_multiple=LANES)
+                                 q_multiple=SUBLANES, kv_multiple=LANES, top=1024)
 
 
 hop_fwd, hop_bwd, fwd_tile_counts = hop_kernels(IMPL, _forward, _backward, _tile_rule, Budget(footprints, _blocks))

@@ -1,0 +1,248 @@
+"""TPU benchmark: ours on a ring of one chip vs Pallas splash attention vs ``jax.nn`` (XLA), in one run.
+
+    python -m benchmarks.bench_tpu                               # a TPU: S 8K-32K, causal and not, 8 and 32/8 heads
+    python -m benchmarks.bench_tpu --block-q 1024 --block-kv 1024    # ours at these tiles too
+    python -m benchmarks.bench_tpu --dry-run                     # no TPU: tiny shapes, kernels interpreted (CI)
+
+(from the repository root). Every row is one (seq, heads, causal) problem, batch 1, d = 128, bfloat16
+(``--dtype``, ``--dim``), heads ``8`` (8 query and 8 kv heads) and ``32/8`` (grouped-query), on one chip:
+
+- **ours**: the public ``ring_attention(q, k, v, mesh=make_mesh(1), causal=...)`` with no ``impl`` (a
+  ring of one: the per-hop Pallas TPU kernel at its default tiles, ``kernels/pallas_tpu.py``), and with
+  ``--block-q/--block-kv`` the same call with ``impl="pallas_tpu"`` at those tiles;
+- **fused**: the fused ring's kernel itself (``fused_ring_attention_shard`` in a ``shard_map`` of one
+  device, its default tiles; ``ring_attention`` runs a ring of one as one hop instead);
+- **splash**: ``splash_attention_kernel.make_splash_mha_single_device`` (vmapped over the batch) in its own
+  layout, ``[heads, seq, dim]`` with q pre-scaled, prepared outside the timed call; each of
+  ``--splash-blocks`` (every block size of ``BlockSizes`` set to it) and, at the largest, its fused
+  dK/dV/dQ backward; the fastest is its column ("best blocks in the same run");
+- **xla**: ``jax.nn.dot_product_attention(..., implementation="xla")`` where it fits (else the row says why).
+
+Times: median of ``--repeats`` calls after a warm-up, interleaved (``benchmarks.timing``), of the forward
+(o) and of the forward+backward (``jax.vjp``: o, dq, dk, dv); TFLOP/s as FlashAttention-2 counts them
+(forward ``4 b h s^2 d``, halved when causal; forward+backward 3.5x). Memory: ``temp_size_in_bytes`` of
+the compiled forward+backward (``memory_analysis()``) of ours and of splash called on ``[b, s, h, d]``
+arrays as ours is (its transposes and the pre-scaling in the program: what a caller with our layout
+pays; its own-layout figure is in the JSON). The error column: max |o - o_splash| and |dq - dq_splash|
+(float32) over the bfloat16 outputs. A table goes to stderr, one JSON object per row to stdout.
+Exits 0, or 2 without a TPU (and no ``--dry-run``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from functools import partial
+
+from .bench_gpu import _ints, _one_line, attention_flops
+from .timing import time_interleaved
+
+KINDS = ("ours", "tiles", "fused", "splash", "xla")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_tpu", description=__doc__.split("\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, kernels interpreted (no TPU)")
+    p.add_argument("--seqs", type=_ints, help="comma list of sequence lengths (default 8192,16384,32768)")
+    p.add_argument("--heads", help="comma list of H or H/Hkv (default 8,32/8)")
+    p.add_argument("--dim", type=int, help="head dim (default 128)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--causal", default="both", choices=["both", "true", "false"])
+    p.add_argument("--block-q", type=int, help="ours also with impl='pallas_tpu' at these tiles")
+    p.add_argument("--block-kv", type=int, help="(default: as --block-q)")
+    p.add_argument("--splash-blocks", type=_ints, help="splash block sizes to try (default 512,1024)")
+    p.add_argument("--no-fused", action="store_true", help="skip the fused kernel column")
+    p.add_argument("--no-xla", action="store_true", help="skip the jax.nn column")
+    p.add_argument("--repeats", type=int, help="timed calls, median kept (default 5; dry run 1)")
+    p.add_argument("--budget-s", type=float, default=480.0, help="skip the rows left after this many seconds")
+    args = p.parse_args(argv)
+    dry = args.dry_run
+    args.seqs = args.seqs or ([256] if dry else [8192, 16384, 32768])
+    args.heads = [_heads(x, p) for x in (args.heads or ("2,4/2" if dry else "8,32/8")).split(",")]
+    args.dim = args.dim or 128
+    args.splash_blocks = args.splash_blocks or ([128] if dry else [512, 1024])
+    args.repeats = args.repeats or (1 if dry else 5)
+    if args.block_kv and not args.block_q:
+        p.error("--block-kv needs --block-q")
+    args.block_kv = args.block_kv or args.block_q
+    for name in ("dim", "block_q", "repeats"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    return args
+
+
+def _heads(text, parser):
+    h, _, hk = text.partition("/")
+    try:
+        h, hk = int(h), int(hk or h)
+    except ValueError:
+        parser.error(f"--heads: expected H or H/Hkv; got {text!r}")
+    if h < 1 or hk < 1 or h % hk:
+        parser.error(f"--heads: H must be a positive multiple of Hkv; got {text!r}")
+    return h, hk
+
+
+def _fwd_bwd(attn):
+    """(forward, forward+backward) jitted from ``attn(q, k, v) -> o``; both take (q, k, v, do)."""
+    import jax
+
+    def both(q, k, v, do):
+        o, vjp = jax.vjp(attn, q, k, v)
+        return (o,) + vjp(do)
+    return jax.jit(lambda q, k, v, do: attn(q, k, v)), jax.jit(both)
+
+
+def functions(args, seq, h, hk, causal):
+    """{kind: (fwd, fwd_bwd, temp_of)} of one row; every function takes (q, k, v, do) in [b, s, h, d]."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    import ringattn_fast as rf
+    from ringattn_fast.kernels import pallas_tpu_fused
+    from ringattn_fast.schedule import HopConfig, KVShard, QShard
+
+    mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    ours = dict(impl="pallas_tpu") if args.dry_run else {}  # on a CPU "auto" would pick the XLA hop
+    out = {"ours": _fwd_bwd(partial(rf.ring_attention, mesh=mesh, causal=causal, **ours))}
+    if args.block_q:
+        out["tiles"] = _fwd_bwd(partial(rf.ring_attention, mesh=mesh, causal=causal, impl="pallas_tpu",
+                                        block_q=args.block_q, block_kv=args.block_kv))
+    if not args.no_fused:
+        def fused(q, k, v):
+            pos = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32)[None], q.shape[:2])
+            return pallas_tpu_fused.fused_ring_attention_shard(QShard(q, pos), KVShard(k, v, pos),
+                                                               HopConfig(causal=causal), axis_name="sp")
+        spec = jax.P(None, "sp")
+        out["fused"] = _fwd_bwd(jax.shard_map(fused, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+    mask = sm.MultiHeadMask([(sm.CausalMask if causal else sm.FullMask)((seq, seq))] * h)
+    scale = args.dim ** -0.5
+    for blk in args.splash_blocks:
+        for fused_bwd in (False, True) if blk == max(args.splash_blocks) and not args.dry_run else (False,):
+            b = min(blk, seq)
+            sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                                  block_kv_dkv_compute=b, block_q_dq=None if fused_bwd else b,
+                                  block_kv_dq=None if fused_bwd else b, use_fused_bwd_kernel=fused_bwd)
+            kernel = jax.vmap(sk.make_splash_mha_single_device(mask=mask, block_sizes=sizes,
+                                                               interpret=args.dry_run))  # [b, h, s, d]
+            t = lambda x: x.swapaxes(1, 2)  # noqa: E731
+            native = _fwd_bwd(kernel)
+            bshd = _fwd_bwd(lambda q, k, v, kernel=kernel: t(kernel(t(q * scale), t(k), t(v))))
+            out[f"splash{b}{'f' if fused_bwd else ''}"] = native + (bshd[1],)
+    if not args.no_xla:
+        out["xla"] = _fwd_bwd(partial(jax.nn.dot_product_attention, is_causal=causal, implementation="xla"))
+    return out
+
+
+def temp_mib(fn, data):
+    """``temp_size_in_bytes`` of ``fn`` compiled for ``data``, in MiB."""
+    return fn.lower(*data).compile().memory_analysis().temp_size_in_bytes / 2 ** 20
+
+
+def run_row(args, seq, h, hk, causal):
+    """One row: TFLOP/s, temp MiB and errors of every kind; a JSON-able dict."""
+    import jax
+    import jax.numpy as jnp
+
+    dtype, d = jnp.dtype(args.dtype), args.dim
+    keys = jax.random.split(jax.random.key(seq + 7 * h + causal), 4)
+    q, k, v, do = (jax.random.normal(key, (1, seq, n, d), jnp.float32).astype(dtype)
+                   for key, n in zip(keys, (h, hk, hk, h)))
+    flops_fwd, flops_fb = attention_flops(1, h, seq, d, causal)
+    row = dict(seq=seq, heads=h, kv_heads=hk, dim=d, dtype=args.dtype, causal=causal, device=jax.devices()[0].device_kind,
+               tflops={}, ms={}, temp_mib={}, errors={})
+    fns = functions(args, seq, h, hk, causal)
+    native = lambda x: x.swapaxes(1, 2)  # noqa: E731
+    inputs = {}
+    for kind, (fwd, fb, *bshd) in fns.items():
+        data = (native(q * d ** -0.5), native(k), native(v), native(do)) if kind.startswith("splash") else (q, k, v, do)
+        try:
+            outs = jax.block_until_ready(fb(*data))
+            t_fwd, t_fb = time_interleaved([partial(fwd, *data), partial(fb, *data)], args.repeats, 1)
+        except Exception as e:  # out of memory (xla), a shape a kernel refuses: say so, go on
+            row["errors"][kind] = _one_line(e)
+            continue
+        if kind.startswith("splash"):  # back to [b, s, h, d]; its dq is of the pre-scaled q
+            outs = (native(outs[0]), native(outs[1]) * d ** -0.5) + tuple(native(x) for x in outs[2:])
+        inputs[kind] = outs
+        row["ms"][kind] = (1e3 * t_fwd, 1e3 * t_fb)
+        row["tflops"][kind] = (flops_fwd / t_fwd / 1e12, flops_fb / t_fb / 1e12)
+        row["temp_mib"][kind] = temp_mib(fb, data)
+        if bshd:
+            row["temp_mib"][kind + "_bshd"] = temp_mib(bshd[0], (q, k, v, do))
+    splash = [kind for kind in row["tflops"] if kind.startswith("splash")]
+    if splash:
+        best = max(splash, key=lambda kind: row["tflops"][kind][1])
+        row["splash_best"] = best
+        for kind in ("ours", "tiles", "fused"):
+            if kind in row["tflops"]:
+                row[f"ratio_{kind}"] = row["tflops"][kind][1] / row["tflops"][best][1]
+                ref = inputs[best]
+                row["max_err"] = row.get("max_err", {}) | {kind: [float(jnp.max(jnp.abs(
+                    a.astype(jnp.float32) - b.astype(jnp.float32)))) for a, b in zip(inputs[kind][:2], ref[:2])]}
+        row["mem_ratio"] = row["temp_mib"].get("ours", 0) / max(row["temp_mib"].get(best + "_bshd", 0), 1e-9)
+    return row
+
+
+HEADER = (f"{'seq':>6} {'heads':>5} {'causal':>6} | {'ours':>6} {'tiles':>6} {'fused':>6} {'splash':>6} "
+          f"{'xla':>6} | {'ours/spl':>8} {'tiles/spl':>9} | {'MiB ours':>8} {'splash':>7} {'ratio':>5} | splash best")
+
+
+def format_row(row):
+    """One line: fwd+bwd TFLOP/s of each kind, ours / splash, temp MiB ours / splash (its [b, s, h, d] call)."""
+    head = f"{row['seq']:>6} {str(row['heads']) + '/' + str(row['kv_heads']):>5} {str(row['causal']):>6} | "
+    if "skipped" in row or "error" in row:
+        return head + row.get("skipped", f"FAILED: {row.get('error')}")
+    tf = lambda kind: f"{row['tflops'][kind][1]:6.1f}" if kind in row["tflops"] else f"{'-':>6}"  # noqa: E731
+    best = row.get("splash_best")
+    ratio = lambda kind: f"{row[f'ratio_{kind}']:.2f}" if f"ratio_{kind}" in row else "-"  # noqa: E731
+    mem = row["temp_mib"]
+    return (f"{head}{tf('ours')} {tf('tiles')} {tf('fused')} {tf(best) if best else f'{chr(45):>6}'} {tf('xla')} | "
+            f"{ratio('ours'):>8} {ratio('tiles'):>9} | {mem.get('ours', 0):8.0f} "
+            f"{mem.get(f'{best}_bshd', 0) if best else 0:7.0f} {row.get('mem_ratio', 0):5.2f} | {best}")
+
+
+def main(argv=None):
+    """Run the benchmark; 0, or 2 without a TPU and no --dry-run."""
+    args = parse_args(argv)
+    import jax
+    if not args.dry_run and jax.default_backend() != "tpu":
+        print(f"bench_tpu: no TPU (JAX backend is {jax.default_backend()!r}). Use --dry-run to test this script "
+              f"on CPU (kernels interpreted).", file=sys.stderr)
+        return 2
+    err = sys.stderr
+    print(f"# ring_attention on one {jax.devices()[0].device_kind} vs splash attention vs jax.nn; {args.dtype}, "
+          f"d={args.dim}, batch 1; fwd+bwd TFLOP/s (FA-2 count), median of {args.repeats}; temp MiB of the "
+          f"compiled fwd+bwd (splash called on [b, s, h, d]); jax {jax.__version__}"
+          f"{' [dry run]' if args.dry_run else ''}", file=err)
+    print(HEADER, file=err)
+    start, rows = time.perf_counter(), []
+    causals = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
+    for seq in args.seqs:
+        for h, hk in args.heads:
+            for causal in causals:
+                row = dict(seq=seq, heads=h, kv_heads=hk, causal=causal)
+                if time.perf_counter() - start > args.budget_s:
+                    row["skipped"] = f"skipped: time budget of {args.budget_s:.0f} s spent"
+                else:
+                    try:
+                        row = run_row(args, seq, h, hk, causal)
+                    except Exception as e:  # report it, go on
+                        row["error"] = _one_line(e)
+                rows.append(row)
+                print(format_row(row), file=err, flush=True)
+                print(json.dumps(row), flush=True)
+    done = [r for r in rows if "ratio_ours" in r]
+    summary = dict(summary=True, rows=len(rows), measured=len(done), seconds=time.perf_counter() - start,
+                   min_ratio_ours=min((r["ratio_ours"] for r in done), default=None),
+                   max_mem_ratio=max((r["mem_ratio"] for r in done), default=None))
+    print(json.dumps(summary), flush=True)
+    print(f"# {len(done)}/{len(rows)} rows; min ours/splash fwd+bwd = {summary['min_ratio_ours']}; max temp "
+          f"ratio = {summary['max_mem_ratio']}; {summary['seconds']:.0f} s", file=err)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
