@@ -38,6 +38,7 @@ class Kernels(NamedTuple):
     ring: Callable | None
     skip_empty_hops: bool
     default_blocks: Callable | None = None
+    default_bwd_blocks: Callable | None = None
 
 
 def kernels_for(impl):
@@ -46,7 +47,8 @@ def kernels_for(impl):
     module = importlib.import_module(f"{__package__}.kernels.{row.module}")
     blocks = getattr(module, "default_blocks", None)
     if row.per_hop:
-        return Kernels(module.hop_fwd, module.hop_bwd, None, row.skip_empty_hops, blocks)
+        return Kernels(module.hop_fwd, module.hop_bwd, None, row.skip_empty_hops, blocks,
+                       getattr(module, "default_bwd_blocks", None))
     return Kernels(None, None, module.fused_ring_attention_shard, row.skip_empty_hops, blocks)
 
 

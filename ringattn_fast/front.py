@@ -197,6 +197,10 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
     if (block_q is None or block_kv is None) and kernels.default_blocks is not None:
         tiles = kernels.default_blocks((q.shape[0], q_len) + tuple(q.shape[2:]),
                                        (k.shape[0], kv_len) + tuple(k.shape[2:]), q.dtype, device, n=n)
+    bwd_blocks = None  # the backward's own defaults, when the caller names no tiles at all
+    if block_q is None and block_kv is None and kernels.default_bwd_blocks is not None:
+        bwd_blocks = kernels.default_bwd_blocks((q.shape[0], q_len) + tuple(q.shape[2:]),
+                                                (k.shape[0], kv_len) + tuple(k.shape[2:]), q.dtype, device)
     if block_q is None:
         block_q = default_block(q_len) if tiles is None else tiles[0]
     if block_kv is None:
@@ -204,7 +208,8 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
     block_q = val.check_block(block_q, q_len, "block_q")
     block_kv = val.check_block(block_kv, kv_len, "block_kv")
     hop = HopConfig(scale=scale, causal=causal, window=window, block_q=block_q, block_kv=block_kv,
-                    dropout_rate=dropout_rate, logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn)
+                    dropout_rate=dropout_rate, logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn,
+                    bwd_blocks=None if bwd_blocks is None or tuple(bwd_blocks) == (block_q, block_kv) else tuple(bwd_blocks))
     # the fused ring schedules its own hops; the per-hop kernels skip the hops, the XLA hop the tiles too
     static = (impl != "pallas_tpu_fused" and not has_positions and not has_segments and not strategy.q_whole
               and strategy.hop_factor == 1)  # the hybrid's hops hold a group's tokens: no table for them

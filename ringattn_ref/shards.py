@@ -85,7 +85,9 @@ class HopConfig:
     - out_dtype: a dtype name the hop may return o and the gradients in (None: the float32 / float64
       accumulators). The fast ring asks for q's dtype when it has one hop (N = 1: nothing is merged
       or summed across hops), and the TPU kernel then writes that dtype directly (no float32 copy of
-      o, dq, dk, dv in HBM); other hops may ignore it (their caller casts).
+      o, dq, dk, dv in HBM); other hops may ignore it (their caller casts);
+    - bwd_blocks: ``(block_q, block_kv)`` of the backward kernels when they differ from the forward's (a
+      kernel's own defaults, tuned per kernel on the chip: ``ringattn_fast.kernels.pallas_tpu``), or None.
     """
     scale: float | None = None
     causal: bool = False
@@ -97,6 +99,7 @@ class HopConfig:
     mask_fn: Any = None
     score_fn: Any = None
     out_dtype: str | None = None
+    bwd_blocks: tuple | None = None
 
     def resolve(self, dim, sq, sk):
         """This config for a hop of ``sq`` queries against ``sk`` keys of width ``dim``: scale None ->

@@ -182,6 +182,12 @@ def _scaled(x, scale):
     return (x.astype(jnp.float32) * scale).astype(x.dtype)
 
 
+def _lanes(x, width, tiled):
+    """A lane-replicated (rows, 128) statistic as ``width`` columns: with ``tiled`` (width a multiple of 128) by
+    repeating its vregs (``jnp.tile``, splash attention's way: no lane broadcast), else its first column."""
+    return jnp.tile(x, (1, width // LANES)) if tiled and width % LANES == 0 else x[:, :1]
+
+
 def _logits(q, k, cfg, fn, *, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, masked=True, grad=False, prescaled=False):
     """fp32 [block_q, block_kv] ``scale * q k^T``, soft-capped, scored and masked (``fn``: the tile's
     `tiles.Program`, its consts' refs and the query head), -inf where masked (the built-in mask only when
@@ -203,7 +209,7 @@ def _fwd_kernel(qb_ref, kb_ref, res_ref,                                    # SM
                 q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,        # inputs (segments: None)
                 const_refs,                                                 # the program's consts (a tuple)
                 o_ref, lse_ref, count_ref,                                  # outputs (count: None)
-                m_sc, l_sc, acc_sc, q_sc, *, cfg, prog, n_q, n_kv, rows):
+                m_sc, l_sc, acc_sc, q_sc, *, cfg, prog, n_q, n_kv, rows, tiled):
     """Grid (batch, head, Q tile i, K/V tile j): fold tile (i, j) into (m, l, acc) (FA-2 Alg. 1)."""
     del res_ref  # read by the index maps only
     bi, hi, i, j = (pl.program_id(a) for a in range(4))
@@ -225,11 +231,11 @@ def _fwd_kernel(qb_ref, kb_ref, res_ref,                                    # SM
         m_prev = m_sc[...]  # (block_q, 128), lane-replicated
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row with nothing seen yet: exp(-inf) = 0
-        p = jnp.exp(s - m_safe[:, :1])  # masked: exp(-inf) = 0
+        p = jnp.exp(s - _lanes(m_safe, s.shape[1], tiled))  # masked: exp(-inf) = 0
         alpha = jnp.exp(m_prev - m_safe)  # rescales the old l and acc to the new max
         l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
         m_sc[...] = m_new
-        acc_sc[...] = alpha[:, :1] * acc_sc[...] + _dot(p.astype(v.dtype), v, _NN)
+        acc_sc[...] = _lanes(alpha, acc_sc.shape[1], tiled) * acc_sc[...] + _dot(p.astype(v.dtype), v, _NN)
         if count_ref is not None:
             count_ref[counter] = count_ref[counter] + 1
 
@@ -310,8 +316,17 @@ def _consts(prog):
     return () if prog is None else prog.consts
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("count",))
 def _forward(qs, kv, *, cfg, interpret, count, vmem_limit):
+    """The forward pallas_call: (o, lse, computed K/V tiles per Q tile [b, h, nq] or None)."""
+    return _forward_jit(qs, kv, cfg=cfg, interpret=interpret, count=count, vmem_limit=vmem_limit,
+                        tiled=LANE_TILED_STATS)
+
+
+LANE_TILED_STATS = True  # `_lanes` repeats vregs (benchmarks/tune_tpu.py measures both)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("count", "tiled"))
+def _forward_jit(qs, kv, *, cfg, interpret, count, vmem_limit, tiled):
     """pallas_call for the forward; returns (o, lse, computed K/V tiles per Q tile [b, h, nq] or None)."""
     (b, sq, h, d), (sk, hk), d_v = qs.q.shape, kv.k.shape[1:3], kv.v.shape[-1]
     n_q, n_kv, segments = sq // cfg.block_q, sk // cfg.block_kv, qs.seg is not None
@@ -322,7 +337,7 @@ def _forward(qs, kv, *, cfg, interpret, count, vmem_limit):
     sp = _qmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v)
     counter = pl.BlockSpec(memory_space=pltpu.SMEM)  # debug output: one counter per (batch, head, Q tile)
     out = pl.pallas_call(
-        functools.partial(_fwd_kernel, cfg=cfg, prog=prog, n_q=n_q, n_kv=n_kv, rows=rows),
+        functools.partial(_fwd_kernel, cfg=cfg, prog=prog, n_q=n_q, n_kv=n_kv, rows=rows, tiled=tiled),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3, grid=(b, h, n_q, n_kv),
             in_specs=[sp["q"], sp["kv"], sp["v"]] + _pos_specs(sp, segments, prog),
@@ -678,17 +693,34 @@ def _blocks(sq, sk):
             budgets.candidate_blocks(sk, multiple=LANES, top=2048))
 
 
-def default_blocks(q_shape, k_shape, dtype, device, *, n=None):
-    """``(block_q, block_kv)`` when the caller gives none, compiled for ``device`` (q [b, sq, h, d], k
-    [b, sk, hk, d] shapes of a host): the largest tiles up to ``default_block``'s 128 that Mosaic's tile
-    rule allows and whose forward and backward fit the chip; None (use ``default_block``) when
-    interpreted. ``n`` (the ring size) does not matter here."""
+# Tile sides measured on a TPU v5e (JAX 0.10.2, benchmarks/tune_tpu.py, 2026-12-05; docs/benchmarks.md):
+# bfloat16, d = 128, 8 heads, 4K and 16K tokens per device, causal or not, each kernel alone. The forward
+# was fastest at 2048 x 2048 in every case (1024 x 1024: 0-10 % slower; 512 x 512: 29-87 % slower); the
+# fused backward at 1024 x 1024 (within 2 % of each case's best; 2048 x 2048: up to 2x slower causal).
+# Every chip gets these targets; its VMEM budget (`budgets`) shrinks them where they do not fit.
+TUNED = {"fwd": 2048, "bwd": 1024}
+
+
+def _default(q_shape, k_shape, dtype, device, backward):
     if device.platform != "tpu":
         return None
-    est = lambda bq, bk: [f for bwd in (False, True)  # noqa: E731
-                          for f in footprints(HopConfig(block_q=bq, block_kv=bk), q_shape, k_shape, dtype, bwd)]
+    est = lambda bq, bk: footprints(HopConfig(block_q=bq, block_kv=bk), q_shape, k_shape, dtype, backward)  # noqa: E731
     return budgets.default_tiles(budgets.chip(device.device_kind), est, q_shape[1], k_shape[1],
-                                 q_multiple=SUBLANES, kv_multiple=LANES, top=1024)
+                                 q_multiple=SUBLANES, kv_multiple=LANES, top=TUNED["bwd" if backward else "fwd"])
+
+
+def default_blocks(q_shape, k_shape, dtype, device, *, n=None):
+    """The forward's ``(block_q, block_kv)`` when the caller gives none, compiled for ``device`` (q [b, sq, h,
+    d], k [b, sk, hk, d] shapes of a host): the largest tiles up to the chip-measured :data:`TUNED` side
+    that Mosaic's tile rule allows and that fit the chip; None (use ``default_block``) when interpreted.
+    ``n`` (the ring size) does not matter here."""
+    return _default(q_shape, k_shape, dtype, device, False)
+
+
+def default_bwd_blocks(q_shape, k_shape, dtype, device):
+    """The backward's ``(block_q, block_kv)`` (``HopConfig.bwd_blocks``), as `default_blocks` for the
+    backward kernels and :data:`TUNED`'s backward side."""
+    return _default(q_shape, k_shape, dtype, device, True)
 
 
 hop_fwd, hop_bwd, fwd_tile_counts = hop_kernels(IMPL, _forward, _backward, _tile_rule, Budget(footprints, _blocks))

@@ -286,8 +286,9 @@ def hop_kernels(impl, forward, backward, tile_rule=None, budget=None):
     def hop_bwd(qs, kv, cfg, *, do, lse, delta):
         """One hop's gradients (FA-2 Alg. 2) from the final lse and delta = rowsum(do * o_final) (minus
         the lse cotangent, if any). do like q; lse, delta float32 [b, h, sq]. Returns HopGrads(dq
-        float32 [b, sq, h, d], dk, dv float32 [b, sk, hk, d] summed over the GQA group, None)."""
-        return HopGrads(*backward(qs, kv, do, lse, delta, **prepare(qs, kv, cfg, True)), None)
+        float32 [b, sq, h, d], dk, dv float32 [b, sk, hk, d] summed over the GQA group, None), at the
+        tiles of ``cfg.bwd_blocks`` when it names them."""
+        return HopGrads(*backward(qs, kv, do, lse, delta, **prepare(qs, kv, backward_cfg(cfg), True)), None)
 
     def fwd_tile_counts(qs, kv, cfg):
         """int32 [b, h, sq // block_q]: K/V tiles the forward kernel computed per Q tile (counted inside
@@ -296,6 +297,14 @@ def hop_kernels(impl, forward, backward, tile_rule=None, budget=None):
         return forward(qs, kv, count=True, **prepare(qs, kv, cfg, False))[2]
 
     return HopKernels(hop_fwd, hop_bwd, fwd_tile_counts)
+
+
+def backward_cfg(cfg):
+    """``cfg`` with the backward's own tiles (``HopConfig.bwd_blocks``) as its tiles, if it has them."""
+    if cfg.bwd_blocks is None:
+        return cfg
+    block_q, block_kv = cfg.bwd_blocks
+    return dataclasses.replace(cfg, block_q=block_q, block_kv=block_kv, bwd_blocks=None)
 
 
 # ---------------------------------------------------------------- shard_map(check_vma=True) typing
