@@ -319,12 +319,19 @@ def test_default_tiles_fit_every_target_at_32k():
         for dtype in DTYPES:
             dt = jnp.dtype(dtype)
             if chip.platform == "tpu":
-                for module, est in ((pallas_tpu, lambda c: pallas_tpu.footprints(c, q, k, dt, False)
-                                     + pallas_tpu.footprints(c, q, k, dt, True)),
-                                    (fused, lambda c: fused.footprints(c, q, k, dt, n=8))):
-                    bq, bk = module.default_blocks(q, k, dt, device, n=8)
-                    assert (bq, bk) == (128, 128)
-                    assert all(budgets.fits(chip, f) for f in est(HopConfig(block_q=bq, block_kv=bk)))
+                bq, bk = fused.default_blocks(q, k, dt, device, n=8)
+                assert (bq, bk) == (128, 128)
+                assert all(budgets.fits(chip, f) for f in fused.footprints(HopConfig(block_q=bq, block_kv=bk), q, k,
+                                                                            dt, n=8))
+                # the per-hop kernel: the chip-measured targets (pallas_tpu.TUNED), shrunk to fit
+                for backward, blocks in ((False, pallas_tpu.default_blocks(q, k, dt, device, n=8)),
+                                         (True, pallas_tpu.default_bwd_blocks(q, k, dt, device))):
+                    top = pallas_tpu.TUNED["bwd" if backward else "fwd"]
+                    assert 128 <= min(blocks) and max(blocks) <= top, (kind, dtype, backward, blocks)
+                    cfg = HopConfig(block_q=blocks[0], block_kv=blocks[1])
+                    assert all(budgets.fits(chip, f) for f in pallas_tpu.footprints(cfg, q, k, dt, backward))
+                    if chip.name in ("v5e", "v6e"):  # 128 MiB of VMEM: the targets themselves
+                        assert blocks == (top, top), (kind, dtype, backward, blocks)
             else:
                 bq, bk = pallas_gpu.default_blocks(q, k, dt, device)
                 est = pallas_gpu.footprints(HopConfig(block_q=bq, block_kv=bk), q, k, dt, False)
