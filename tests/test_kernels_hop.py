@@ -309,7 +309,7 @@ def test_kernels_take_named_refs():
     """Every kernel names its refs (no ``*refs`` unpacked by position): absent inputs are None refs."""
     kernels = [f for mod in (pallas_gpu, pallas_tpu, pallas_tpu_fused) for n, f in vars(mod).items()
                if n.endswith("_kernel") and callable(f)]
-    assert len(kernels) == 8  # fwd, dq, dkv (x2); the fused fwd, bwd
+    assert len(kernels) == 10  # fwd, dq, dkv (x2); the TPU key-major dK/dV and fused backward; the fused fwd, bwd
     for f in kernels:
         kinds = {p.kind for p in inspect.signature(f).parameters.values()}
         assert inspect.Parameter.VAR_POSITIONAL not in kinds, f.__qualname__

@@ -142,7 +142,7 @@ def _layout(qs, kv, cfg, *, transposed=False, key_major=False):
     Tables: Q and K/V tile bounds ``[b * n * 4]`` (`tiles.tile_bounds`) and the resident block of
     the inner grid axis per step (`tiles.resident_blocks`; K/V tiles per Q tile, or with
     ``transposed`` Q tiles per K/V tile, for the dK/dV kernel). Positions: q_pos, q_seg as
-    ``(b, sq, 128)`` columns, k_pos, k_seg as ``(b, 8, sk)`` rows, or with ``key_major`` (`_dkv_kernel_t`)
+    ``(b, sq, 128)`` columns, k_pos, k_seg as ``(b, 8, sk)`` rows, or with ``key_major`` (`_dkv_key_major_kernel`)
     the other way round; segments None when absent.
     """
     (b, sq), sk = qs.pos.shape, kv.pos.shape[1]
@@ -286,7 +286,7 @@ def _qmajor_specs(cfg, d, group, n_q, n_kv, d_v=None):
 def _kvmajor_specs(cfg, d, group, n_q, n_kv, d_v=None, key_major=False):
     """BlockSpecs of grid (b, kv_head, j, member, i) (dK/dV): the Q-side blocks read the resident Q tile
     from ``res``; query head = ``kv_head * group + member``. Widths as in `_qmajor_specs`; ``key_major``:
-    positions as query rows and key columns (`_dkv_kernel_t`)."""
+    positions as query rows and key columns (`_dkv_key_major_kernel`)."""
     bq, bk, d_v = cfg.block_q, cfg.block_kv, d if d_v is None else d_v
     direct = _direct(d, d_v)
     q_tile = lambda bi, j, i, res: res[(bi * n_kv + j) * n_q + i]  # i, or the last computed tile
@@ -422,7 +422,7 @@ def _dkv_kernel(qb_ref, kb_ref, res_ref,
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
-def _dkv_kernel_t(qb_ref, kb_ref, res_ref,
+def _dkv_key_major_kernel(qb_ref, kb_ref, res_ref,
                   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
                   const_refs, dk_ref, dv_ref, dk_sc, dv_sc, k_sc, *, cfg, prog, n_q, n_kv, group, rows):
     """`_dkv_kernel` with the tile transposed (splash attention's dK/dV orientation): S^T = K_j Q_i^T is
@@ -466,7 +466,7 @@ def _bwd_fused_kernel(qb_ref, kb_ref, res_ref,
     grid (b, kv_head, member, i, j), K/V tiles innermost. dQ_i accumulates in VMEM over j (as in
     `_dq_kernel`); dK and dV of the kv head's whole shard stay in VMEM scratch ([sk, d] float32) over the
     group's heads and every Q tile, and are written once at the end. The tile is key-major
-    (`_dkv_kernel_t`): dV += P^T dO and dK += dS^T Q are plain matmuls; dQ += dS K takes dS^T transposed
+    (`_dkv_key_major_kernel`): dV += P^T dO and dK += dS^T Q are plain matmuls; dQ += dS K takes dS^T transposed
     (as splash attention's fused backward does). Used where no program applies, lse/delta are rows and
     the shard's dK/dV fit VMEM (`_fused_bwd`)."""
     del res_ref
@@ -548,11 +548,11 @@ def _fused_footprint(cfg, q_shape, k_shape, dtype, d_v):
 
 
 FUSED_BWD = True  # `_bwd_fused_kernel` where it applies and fits (benchmarks/tune_tpu.py measures both)
-KEY_MAJOR_DKV = True  # `_dkv_kernel_t` where it applies (benchmarks/tune_tpu.py measures both)
+KEY_MAJOR_DKV = True  # `_dkv_key_major_kernel` where it applies (benchmarks/tune_tpu.py measures both)
 
 
 def _key_major(cfg, prog, enabled=None):
-    """Whether the dK/dV kernel runs transposed (`_dkv_kernel_t`): no program, lse/delta as rows."""
+    """Whether the dK/dV kernel runs transposed (`_dkv_key_major_kernel`): no program, lse/delta as rows."""
     return (KEY_MAJOR_DKV if enabled is None else enabled) and prog is None and _stat_rows(cfg)
 
 
@@ -616,7 +616,7 @@ def _backward_jit(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit, key_maj
     in_specs = [sp["q"], sp["kv"], sp["v"], sp["o"], sp["stat"], sp["stat"]] + _pos_specs(sp, segments, prog)
     if key_major:  # the positions the other way round (`_layout`)
         args[6:10] = same_vma(*_layout(qs, kv, cfg, transposed=True, key_major=True)[1], q)[:4]
-    kernel = _dkv_kernel_t if key_major else _dkv_kernel
+    kernel = _dkv_key_major_kernel if key_major else _dkv_kernel
     scratch = [pltpu.VMEM((cfg.block_kv, width), jnp.float32) for width in (d, d_v)]
     dk, dv = _bwd_call(functools.partial(kernel, group=group, **static), "ring_hop_bwd_dkv_tpu",
                        (b, hk, n_kv, group, n_q), specs=in_specs, prefetch=prefetch_kv, args=args,
