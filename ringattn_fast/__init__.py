@@ -15,6 +15,10 @@ ring across them, on a 2-D mesh). In a model:
 ``attention_fn`` for Flax's attention modules).
 Serving: ``inference`` (a sequence-sharded KV cache, ring prefill, decode with an all-reduce merge).
 """
+from ._compat import check_jax
+
+check_jax()  # an ImportError naming the JAX needed, before any module reaches for a newer API
+
 from .feedforward import blockwise_feedforward
 from .flax_adapter import flax_attention_fn
 from .inference import KVCache, decode_step, init_cache, prefill

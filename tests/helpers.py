@@ -8,14 +8,25 @@
 - :func:`random_qkv`: standard-normal q, k, v (and do) of given shapes;
 - :func:`examples`: a test's hypothesis example count, scaled by the loaded profile (``ci`` keeps the
   count written in the test; ``thorough`` multiplies it), so ``@settings(max_examples=...)`` never pins a
-  long run to the CI count.
+  long run to the CI count;
+- :data:`FUSED_INTERPRETER_OK` and :data:`needs_fused_interpreter`: what cannot run on the oldest supported
+  JAX (``ringattn_fast._compat``): the fused ring interpreted on CPU, which raises there instead.
 """
 import numpy as np
+import pytest
 from hypothesis import settings
 
+from ringattn_fast._compat import FUSED_INTERPRETER_JAX, jax_version
 from ringattn_ref.testing import max_abs_error
 
-__all__ = ["alibi_from_head", "assert_close", "dense_attention", "examples", "max_abs_error", "random_qkv", "rel_err"]
+__all__ = ["FUSED_INTERPRETER_OK", "alibi_from_head", "assert_close", "dense_attention", "examples", "max_abs_error",
+           "needs_fused_interpreter", "random_qkv", "rel_err"]
+
+FUSED_INTERPRETER_OK = jax_version() >= FUSED_INTERPRETER_JAX
+needs_fused_interpreter = pytest.mark.skipif(
+    not FUSED_INTERPRETER_OK,
+    reason=f"impl='pallas_tpu_fused' interpreted on CPU needs jax >= {'.'.join(map(str, FUSED_INTERPRETER_JAX))} "
+           f"(older TPU interpreters can hang on it, so it raises: test_fast_errors checks that error)")
 
 CI_EXAMPLES = 40  # tests/conftest.py's "ci" profile: the counts written in the tests are for it
 

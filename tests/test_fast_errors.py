@@ -1,4 +1,9 @@
 """Bad inputs raise the documented ValueErrors: the shared ringattn_ref messages, plus mesh/axis errors."""
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,6 +11,7 @@ import pytest
 
 import ringattn_fast as rf
 import ringattn_ref
+from ringattn_fast import _compat
 from ringattn_fast.dispatch import check_impl
 
 B, S, H, D = 2, 16, 4, 8
@@ -169,3 +175,27 @@ def test_layout_errors():
         rf.to_layout(x, positions=jnp.arange(S))
     with pytest.raises(ValueError, match="positions must be an integer array; got dtype float32"):
         rf.from_layout(x, positions=jnp.zeros((B, S), jnp.float32))
+
+
+def test_a_jax_older_than_supported_is_an_import_error_naming_the_version():
+    """``import ringattn_fast`` on a JAX older than 0.10 (faked in a fresh process: jax.__version__ set before
+    the import) is an ImportError naming the version needed and the one installed."""
+    code = "import jax\njax.__version__ = '0.9.3'\nimport ringattn_fast"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=pathlib.Path(__file__).resolve().parents[1], env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert run.returncode != 0
+    assert "ImportError: ringattn needs jax >= 0.10; this is jax 0.9.3" in run.stderr, run.stderr[-2000:]
+    for ok in ("0.10.0", "0.10.2", "0.12.0.1", "1.0.0"):
+        _compat.check_jax(tuple(int(x) for x in ok.split(".")))
+    with pytest.raises(ImportError, match=r"needs jax >= 0.10"):
+        _compat.check_jax((0, 9))
+
+
+def test_fused_interpreter_on_a_jax_too_old_for_it_is_an_error_naming_the_version(monkeypatch):
+    """impl='pallas_tpu_fused' interpreted on CPU with a JAX older than the fused interpreter needs (the
+    installed one, or faked here) raises before anything runs, naming the version, instead of hanging."""
+    monkeypatch.setattr(_compat, "jax_version", lambda: (0, 10))
+    q = jnp.zeros((1, 24, 2, 8))  # a shape no other test traces: the error comes at trace time
+    with pytest.raises(RuntimeError, match=r"impl='pallas_tpu_fused' interpreted on CPU needs jax >= 0\.12 "
+                                           r"\(the TPU interpreter of jax .* can hang"):
+        rf.ring_attention(q, q, q, mesh=rf.make_mesh(2), impl="pallas_tpu_fused")

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 import ringattn_fast as rf
 from ringattn_ref import attention, ring_attention as ref_ring_attention, ring_attention_vjp
 from ringattn_ref.testing import AttentionProblem, attention_problems
-from helpers import examples, max_abs_error as max_err
+from helpers import examples, max_abs_error as max_err, needs_fused_interpreter
 
 # bf16 inputs: the output is computed in float32 and rounded once to bf16 (rel. step 2**-8), so the
 # max error vs the float64 oracle is a few bf16 ulps of the largest value (measured: o 3e-3, dq 7e-3,
@@ -240,7 +240,8 @@ def test_mesh_from_context_and_default():
     assert max_err(np.asarray(o_all, np.float64), want) <= 2e-5
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas_gpu", "pallas_tpu", "pallas_tpu_fused"])
+@pytest.mark.parametrize("impl", ["xla", "pallas_gpu", "pallas_tpu",
+                                  pytest.param("pallas_tpu_fused", marks=needs_fused_interpreter)])
 def test_each_impl_end_to_end(impl):
     """ring_attention(impl=...) with each per-hop kernel / the fused ring (interpreted on CPU)."""
     rng = np.random.default_rng(0)

@@ -26,9 +26,10 @@ from ringattn_ref import hop_attention, hop_attention_vjp
 from ringattn_ref.layouts import layout_permutation
 from ringattn_ref.testing import attention_problems
 from ringattn_ref.validation import check_window
-from helpers import examples
+from helpers import examples, needs_fused_interpreter
 
-pytestmark = pytest.mark.slow  # the TPU interpreter with its race detector: minutes for the file
+# slow: the TPU interpreter with its race detector, minutes for the file
+pytestmark = [pytest.mark.slow, needs_fused_interpreter]
 P = jax.P
 RACES = pltpu.InterpretParams(detect_races=True)
 

@@ -20,7 +20,7 @@ from ringattn_fast.masks import mark_bad_keys
 from ringattn_fast.schedule import HopConfig, KVShard, QShard
 from ringattn_ref import hop_attention, hop_attention_vjp
 from ringattn_ref.masks import allowed
-from helpers import examples, rel_err
+from helpers import FUSED_INTERPRETER_OK, examples, rel_err
 
 MODULES = {"pallas_gpu": pallas_gpu, "pallas_tpu": pallas_tpu}
 TOL = 2e-5  # float32, relative to the largest oracle magnitude (at least 1)
@@ -424,12 +424,17 @@ def on_mesh_of(platform):
 def test_interpret_mode_per_impl_and_platform():
     """One resolver, on the mesh's device (not jax.default_backend()): True / InterpretParams(detect_races
     =True) on CPU, compiled on the impl's own platform, a ValueError naming the impl and the platform
-    elsewhere; with no device given it reads the mesh in context (here an abstract one)."""
+    elsewhere; with no device given it reads the mesh in context (here an abstract one). On a JAX too old
+    for the fused ring's interpreter, the fused impl on CPU is a RuntimeError naming the version."""
     races = pltpu.InterpretParams(detect_races=True)
-    want = {"cpu": (True, races, races), "gpu": (False, "tpu", "tpu"), "tpu": ("gpu", False, False)}
+    fused_cpu = races if FUSED_INTERPRETER_OK else "old jax"
+    want = {"cpu": (True, races, fused_cpu), "gpu": (False, "tpu", "tpu"), "tpu": ("gpu", False, False)}
     for platform, modes in want.items():
         for impl, mode in zip(("pallas_gpu", "pallas_tpu", "pallas_tpu_fused"), modes):
-            if mode in ("gpu", "tpu"):
+            if mode == "old jax":
+                with pytest.raises(RuntimeError, match=r"impl='pallas_tpu_fused' interpreted on CPU needs jax >= "):
+                    tiles.interpret_mode(impl, device(platform))
+            elif mode in ("gpu", "tpu"):
                 with pytest.raises(ValueError, match=f"impl='{impl}' needs a {mode.upper()} .*the mesh's platform "
                                                      f"is '{platform}'"):
                     tiles.interpret_mode(impl, device(platform))

@@ -14,7 +14,7 @@ import warnings
 
 import jax
 
-TESTED_JAX = ((0, 12), (0, 12))  # (oldest, newest) (major, minor) this private path was checked on
+TESTED_JAX = ((0, 10), (0, 12))  # (oldest, newest) (major, minor) this private path was checked on
 _warned = False
 
 

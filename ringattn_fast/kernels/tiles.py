@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from ringattn_fast._compat import check_fused_interpreter
 from ringattn_fast.dispatch import check_kernel_dtypes
 from ringattn_fast.kernels import IMPLS, budgets
 from ringattn_fast.masks import bounds_empty
@@ -89,11 +90,14 @@ def interpret_mode(impl, device=None):
 
     pallas_gpu: True on CPU (Triton interpreter), False on a GPU. pallas_tpu, pallas_tpu_fused: the
     TPU interpreter with race detection on CPU, False on a TPU. ValueError naming the impl and the
-    platform anywhere else.
+    platform anywhere else. pallas_tpu_fused interpreted on a JAX older than the fused interpreter
+    needs: a RuntimeError naming the version (`_compat.check_fused_interpreter`), never a hang.
     """
     device = current_device() if device is None else device
     platform, row = device.platform, IMPLS[impl]
     if platform in row.interpreted:
+        if impl == "pallas_tpu_fused":
+            check_fused_interpreter()
         return True if impl == "pallas_gpu" else pltpu.InterpretParams(detect_races=True)
     if platform in row.compiled:
         return False
