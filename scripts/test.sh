@@ -4,5 +4,8 @@
 set -eu
 here=$(cd "$(dirname "$0")/.." && pwd)
 py=$("$here/scripts/setup-venv" test,notebooks,docs,flax,train)
+# libtpu beside the venv, for the deviceless TPU compile tests (tests/test_compile.py); a failed
+# install (no network) leaves those tests to skip, or to fail where RINGATTN_REQUIRE_LIBTPU=1 (CI)
+"$here/scripts/setup-libtpu" "$py" >/dev/null || echo "test.sh: libtpu not installed; tests/test_compile.py will skip" >&2
 cd "$here"
 exec "$py" -m pytest "$@"
