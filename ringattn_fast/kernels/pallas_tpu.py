@@ -20,9 +20,12 @@ Notation: FlashAttention-2 (Dao 2023, arXiv:2307.08691) -> code
   ``m`` row max, ``l`` row sum of exp(s - m), ``acc`` = unnormalised O (divided by l at the
   end). K/V arrive marked by ``masks.mark_bad_keys``, as in `pallas_gpu`.
 - L_i, D_i: ``lse = m + log l`` (-inf for a row that saw nothing); ``delta = rowsum(dO * O)``.
-- backward: Alg. 2 as two kernels: dQ (grid over Q tiles, K/V tiles last) and dK/dV (grid over K/V
-  tiles, then the GQA group's heads and the Q tiles last, so dK/dV are summed over the group in
-  VMEM scratch without atomics). ``group`` is the GQA group size, ``kv_head`` a kv head's index and
+- backward: Alg. 2 as one fused kernel where it applies (`_bwd_fused_kernel`: no program, lse as rows,
+  the kv head's whole dK/dV fit VMEM; 5 matmuls a tile), else as two kernels: dQ (grid over Q tiles,
+  K/V tiles last) and dK/dV (grid over K/V tiles, then the GQA group's heads and the Q tiles last, so
+  dK/dV are summed over the group in VMEM scratch without atomics; key-major where it applies,
+  `_dkv_key_major_kernel`). Each has its own default tiles (:data:`TUNED`, measured on a v5e;
+  ``HopConfig.bwd_blocks``). ``group`` is the GQA group size, ``kv_head`` a kv head's index and
   ``member`` a query head's place in its group (query head ``kv_head * group + member``).
 - count: ``fwd_tile_counts``: the forward with ``count=True`` adds an SMEM counter per (batch,
   head, Q tile), incremented inside ``pl.when``; otherwise that ref is None.
