@@ -62,7 +62,7 @@ def parse_args(argv=None):
     args.heads = [_heads(x, p) for x in (args.heads or ("2,4/2" if dry else "8,32/8")).split(",")]
     args.dim = args.dim or 128
     args.splash_blocks = args.splash_blocks or ([128] if dry else [512, 1024])
-    args.repeats = args.repeats or (1 if dry else 5)
+    args.repeats = (1 if dry else 5) if args.repeats is None else args.repeats
     if args.block_kv and not args.block_q:
         p.error("--block-kv needs --block-q")
     args.block_kv = args.block_kv or args.block_q

@@ -1,0 +1,61 @@
+"""The TPU scripts (`benchmarks/bench_tpu.py`, `tune_tpu.py`, `tpu_checks.py`) exercised on CPU with --dry-run.
+
+The dry runs go through the same code as on a chip (ours through ``ring_attention`` on a ring of one,
+splash attention, the per-kernel tile sweep, the numerics checks) with every Pallas kernel interpreted;
+they check the scripts' output contract (JSON lines on stdout, a table on stderr), not speed.
+"""
+import json
+
+import pytest
+
+from benchmarks import bench_tpu, tpu_checks, tune_tpu
+
+
+def _json_lines(out):
+    lines = out.splitlines()
+    objs = [json.loads(line) for line in lines if line.startswith("{")]
+    assert len(objs) == len(lines), out  # stdout holds nothing but JSON lines
+    return objs
+
+
+def test_arguments():
+    args = bench_tpu.parse_args(["--heads", "8,32/8", "--block-q", "512"])
+    assert args.heads == [(8, 8), (32, 8)] and (args.block_q, args.block_kv) == (512, 512)
+    for bad in (["--heads", "6/4"], ["--block-kv", "128"], ["--repeats", "0"]):
+        with pytest.raises(SystemExit):
+            bench_tpu.parse_args(bad)
+    with pytest.raises(SystemExit):
+        tune_tpu.parse_args(["--kernels", "fwd,nope"])
+
+
+def test_without_a_tpu_and_no_dry_run_says_so(capsys):
+    assert bench_tpu.main([]) == 2 and tune_tpu.main([]) == 2 and tpu_checks.main([]) == 2
+    assert "no TPU" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_dry_run(capsys):
+    """One row: ours (the per-hop kernel, interpreted), splash (interpreted), jax.nn; TFLOP/s, temp MiB,
+    errors against splash within bf16 rounding."""
+    assert bench_tpu.main(["--dry-run", "--heads", "4/2", "--causal", "true", "--no-fused"]) == 0
+    out, err = capsys.readouterr()
+    rows = _json_lines(out)
+    (row,), summary = rows[:-1], rows[-1]
+    assert summary["summary"] and summary["measured"] == 1
+    assert {"ours", "splash128", "xla"} <= set(row["tflops"]) and row["splash_best"] == "splash128"
+    assert row["temp_mib"]["ours"] > 0 and "splash128_bshd" in row["temp_mib"]
+    assert max(row["max_err"]["ours"]) < 0.05, row["max_err"]  # bf16 outputs against splash's
+    assert "ours/spl" in err and "splash128" in err
+
+
+@pytest.mark.slow
+def test_tune_and_checks_dry_runs(capsys):
+    assert tune_tpu.main(["--dry-run", "--causal", "true", "--tiles", "128", "--kernels", "fwd,bwd_fused,dq,dkv"]) == 0
+    objs = _json_lines(capsys.readouterr().out)
+    (summary,) = [o for o in objs if o.get("summary")]
+    assert set(summary["best"]) == {"fwd", "bwd_fused", "dq", "dkv"} and summary["best_pair"] == [128, 128]
+    assert {o["kernel"] for o in objs if "kernel" in o} == {"fwd", "bwd_fused", "dq", "dkv"}
+    assert tpu_checks.main(["--dry-run"]) == 0
+    checks = _json_lines(capsys.readouterr().out)
+    assert sum(c["check"] == "numerics" for c in checks) == 8 and all(c.get("ok", True) for c in checks)
+    assert [c["check"] for c in checks][-1] == "xla hop"
