@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ringattn_ref.masks import allowed, bounds_empty, can_be_empty, tile_is_empty
+from ringattn_ref.masks import allowed, bounds_empty, bounds_full, can_be_empty, tile_is_empty
 
 __all__ = ["allowed", "bounds_empty", "bounds_full", "can_be_empty", "finite_part", "mark_bad_keys", "mark_bad_keys_of",
            "masked_grad", "tile_is_empty", "tile_is_full", "tile_kind"]
@@ -67,31 +67,6 @@ def tile_is_full(q_pos, k_pos, q_seg=None, k_seg=None, *, causal=False, window=N
         s_hi = jnp.maximum(q_seg.max(axis=1), k_seg.max(axis=1))
         full &= s_lo == s_hi
     return jnp.all(full)
-
-
-def bounds_full(q, k, *, causal=False, window=None):
-    """True where every (query, key) pair of a tile is visible, from the bounds `bounds_empty` takes
-    (``(pos_lo, pos_hi[, seg_lo, seg_hi])`` per side, scalars or arrays): the test of
-    :func:`tile_is_full`, for a kernel's prefetched bounds, so a full tile runs without a mask. None
-    when nothing can be masked. Example, causal: queries [4, 7], keys [0, 3]: ``3 - 4 <= 0``, full."""
-    (q_lo, q_hi, *q_seg), (k_lo, k_hi, *k_seg) = q, k
-    left, right = window if window is not None else (-1, -1)
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    full = []
-    if right >= 0:
-        full.append(k_hi - q_lo <= right)
-    if left >= 0:
-        full.append(q_hi - k_lo <= left)
-    if q_seg:
-        (qs_lo, qs_hi), (ks_lo, ks_hi) = q_seg, k_seg
-        full.append((qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo))
-    if not full:
-        return None
-    out = full[0]
-    for f in full[1:]:
-        out = out & f
-    return out
 
 
 def tile_kind(q_pos, k_pos, q_seg=None, k_seg=None, *, causal=False, window=None):

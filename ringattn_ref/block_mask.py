@@ -32,7 +32,7 @@ import numpy as np
 
 from .attention import call_mask_fn
 from .layouts import layout_permutation
-from .masks import allowed, bounds_empty
+from .masks import allowed, bounds_empty, bounds_full
 from .validation import check_bool, check_layout, check_window
 
 EMPTY, FULL, PARTIAL = 0, 1, 2
@@ -99,29 +99,6 @@ def _tile_bounds(pos, seg, block):
     return tuple(f(tiles(x), axis=-1) for x in parts for f in (np.min, np.max))
 
 
-def _bounds_full(q, k, *, causal, window):
-    """True where the built-ins allow *every* pair of a tile, from the bounds ``_tile_bounds`` gives (the
-    converse of ``masks.bounds_empty``); None when they mask nothing. Differences only, as there."""
-    (q_lo, q_hi, *q_seg), (k_lo, k_hi, *k_seg) = q, k
-    left, right = window if window is not None else (-1, -1)
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
-    full = []
-    if right >= 0:
-        full.append(k_hi - q_lo <= right)
-    if left >= 0:
-        full.append(q_hi - k_lo <= left)
-    if q_seg:  # one id on both sides
-        (qs_lo, qs_hi), (ks_lo, ks_hi) = q_seg, k_seg
-        full.append((qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo))
-    if not full:
-        return None
-    out = full[0]
-    for f in full[1:]:
-        out = out & f
-    return out
-
-
 def tile_kinds(mask_fn, q_pos, k_pos, *, block_q, block_kv, heads=1, q_seg=None, k_seg=None, causal=False,
                window=None):
     """The kind of every ``block_q x block_kv`` tile of queries ``q_pos`` against keys ``k_pos``: int8 ``[nq, nk]``.
@@ -162,7 +139,7 @@ def tile_kinds(mask_fn, q_pos, k_pos, *, block_q, block_kv, heads=1, q_seg=None,
         q_tiles = np.arange(q0, min(nq, q0 + q_step))
         qb, kb = tuple(x[:, q_tiles, None] for x in q_bounds), tuple(x[:, None, :] for x in k_bounds)
         empty = bounds_empty(qb, kb, causal=causal, window=window)  # (1|b, chunk, nk), None: nothing provable
-        full = _bounds_full(qb, kb, causal=causal, window=window)  # (1|b, chunk, nk), None: nothing masked
+        full = bounds_full(qb, kb, causal=causal, window=window)  # (1|b, chunk, nk), None: nothing masked
         live = np.arange(nk) if empty is None else np.flatnonzero(~empty.all(axis=(0, 1)))  # k tiles to look at
         k_step = max(1, CHUNK_PAIRS // (tile_pairs * q_tiles.size))
         for k0 in range(0, live.size, k_step):

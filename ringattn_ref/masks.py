@@ -56,6 +56,34 @@ def bounds_empty(q, k, *, causal=False, window=None):
     return out
 
 
+def bounds_full(q, k, *, causal=False, window=None):
+    """True where every (query, key) pair of a tile is visible, from the bounds :func:`bounds_empty` takes
+    (the converse test, differences only, as there); None when nothing can be masked. A full tile runs
+    without a mask (the XLA hop, the Pallas kernels, the block mask's kinds).
+
+    Example, causal: queries [4, 7] against keys [0, 3], ``bounds_full((4, 7), (0, 3), causal=True)``:
+    ``3 - 4 <= 0``, full.
+    """
+    (q_lo, q_hi, *q_seg), (k_lo, k_hi, *k_seg) = q, k
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    full = []
+    if right >= 0:
+        full.append(k_hi - q_lo <= right)
+    if left >= 0:
+        full.append(q_hi - k_lo <= left)
+    if q_seg:  # one id on both sides
+        (qs_lo, qs_hi), (ks_lo, ks_hi) = q_seg, k_seg
+        full.append((qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo))
+    if not full:
+        return None
+    out = full[0]
+    for f in full[1:]:
+        out = out & f
+    return out
+
+
 def _bounds(pos, seg, lo, hi):
     """``(lo(pos), hi(pos))`` or, with segment ids, ``(lo(pos), hi(pos), lo(seg), hi(seg))``."""
     return (lo(pos), hi(pos)) if seg is None else (lo(pos), hi(pos), lo(seg), hi(seg))
