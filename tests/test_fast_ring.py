@@ -256,3 +256,22 @@ def test_each_impl_end_to_end(impl):
     assert max_err(o, want) <= 2e-5
     for got, ref in zip(grads[:3], want_grads[:3]):
         assert max_err(got, ref) <= 2e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n_hosts", [1, 2])
+def test_pallas_tpu_lane_dense_path_in_the_ring(n_hosts):
+    """d = 128 and 128-token tiles: the per-hop TPU kernel's in-place layout, lse rows and fused backward
+    (`kernels/pallas_tpu.py`) inside the ring, interpreted: one host (one hop, outputs in q's dtype) and
+    two (float32 hop outputs merged and summed across hops, dK/dV travelling), zigzag, causal, GQA."""
+    rng = np.random.default_rng(1)
+    b, s, h, hk, d = 1, 512, 2, 1, 128
+    q, do = rng.standard_normal((2, b, s, h, d))
+    k, v = rng.standard_normal((2, b, s, hk, d))
+    problem = AttentionProblem(q=q, k=k, v=v, do=do, n_hosts=n_hosts, causal=True, segment_ids=None, bias=None,
+                               window=None, scale=None, layout="zigzag", block_q=128, block_kv=128)
+    o, grads = fast_with_grads(problem, jnp.float32, impl="pallas_tpu")
+    want, want_grads = reference_with_grads(problem)
+    assert max_err(o, want) <= 2e-5
+    for got, ref in zip(grads[:3], want_grads[:3]):
+        assert max_err(got, ref) <= 2e-5
