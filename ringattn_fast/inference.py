@@ -100,9 +100,13 @@ def init_cache(batch, max_seq, kv_heads, dim, *, mesh=None, axis_name="sp", dtyp
     if max_seq % axes.n:
         raise ValueError(f"max_seq ({max_seq}) must be divisible by the size of mesh axis {axis_name!r} "
                          f"({axes.n}): every host holds max_seq / {axes.n} slots")
-    if not val.is_float_dtype(getattr(dtype, "dtype", dtype)):
+    try:  # every spelling: np.float32, jnp.bfloat16, "float32", np.dtype(...), jnp.dtype(...)
+        cache_dtype = jnp.dtype(dtype)
+    except TypeError:
+        cache_dtype = None
+    if cache_dtype is None or not val.is_float_dtype(cache_dtype):
         raise ValueError(f"dtype must be a floating-point dtype (the cache holds K and V); got {dtype!r}")
-    zeros = _zeros_on_mesh(mesh, kv_spec, row_spec, (batch, max_seq, kv_heads), (dim, value_dim), jnp.dtype(dtype))()
+    zeros = _zeros_on_mesh(mesh, kv_spec, row_spec, (batch, max_seq, kv_heads), (dim, value_dim), cache_dtype)()
     return KVCache(*zeros, n_hosts=axes.n, axis_name=axis_name, mesh=mesh)
 
 

@@ -256,3 +256,16 @@ def test_bad_variants_name_the_argument_and_leave_the_cache_untouched(kwargs, na
     with pytest.raises(ValueError, match="value_dim"):
         fi.decode_step(q, k, jnp.zeros((2, 1, 1, 3)), cache, mesh=mesh)
     _same(cache, copy)
+
+
+def test_init_cache_takes_every_dtype_spelling():
+    """``dtype`` as numpy's scalar type (the commonest spelling; it raised a TypeError), jnp's, a string,
+    ``np.dtype`` and ``jnp.dtype``: the cache holds that dtype; a non-float or a non-dtype is a ValueError."""
+    mesh = rf.make_mesh(2)
+    for spelling, want in ((np.float32, "float32"), (jnp.bfloat16, "bfloat16"), ("float16", "float16"),
+                           (np.dtype("float32"), "float32"), (jnp.dtype("bfloat16"), "bfloat16")):
+        cache = fi.init_cache(1, 8, 1, 4, mesh=mesh, dtype=spelling)
+        assert cache.k.dtype == cache.v.dtype == jnp.dtype(want), spelling
+    for bad in (np.int32, "int8", "not a dtype", object()):
+        with pytest.raises(ValueError, match="dtype must be a floating-point dtype"):
+            fi.init_cache(1, 8, 1, 4, mesh=mesh, dtype=bad)
