@@ -196,3 +196,14 @@ def test_model_batch_zero_is_a_value_error():
         sharded_forward(params, tokens, tokens, cfg, rf.make_mesh(4))
     with pytest.raises(ValueError, match=r"positions must have the shape of tokens \(1, 16\); got \(1, 8\)"):
         forward(params, np.zeros((1, 16), np.int32), np.zeros((1, 8), np.int32), cfg)
+
+
+@pytest.mark.parametrize("sinks", [np.zeros(4, np.int32), np.zeros(5, np.float32), np.zeros((1, 4), np.float32),
+                                   np.zeros((), np.float32)])
+def test_the_twins_sinks_are_float_per_head(sinks):
+    """``rf.dot_product_attention(..., sinks=)``: float [N] only; an int dtype, [N + 1], [1, N] or a scalar is a
+    ValueError naming sinks, what was given and what is needed (it was accepted, or a broadcasting error
+    from inside jax.numpy)."""
+    x = jnp.ones((1, 8, 4, 8), jnp.float32)
+    with pytest.raises(ValueError, match=r"sinks must be a floating-point array of shape \[heads\] = \(4,\)"):
+        rf.dot_product_attention(x, x, x, mesh=rf.make_mesh(2), sinks=sinks)
