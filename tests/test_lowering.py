@@ -160,6 +160,20 @@ def test_cross_attention_lowers(impl, dtype):
     assert_real_kernels(text, impl)
 
 
+@pytest.mark.parametrize("impl, config", [(impl, c) for impl in FORWARD_CHIP for c in (0, 1)])
+def test_kernels_lower_with_x64_enabled(impl, config):
+    """With ``jax_enable_x64`` on (users turn it on for other reasons), every kernel still lowers,
+    forward and backward: indices inside the kernels stay 32-bit. Mosaic's ``tpu.memref_slice`` takes
+    i32 only, and the fused ring's Python-int indices (``buf.at[0]``, ``sems.at[a, buf]``) became i64
+    and failed its verifier."""
+    jax.config.update("jax_enable_x64", True)
+    try:
+        text = lower_shard(FORWARD_CHIP[impl], impl, "bfloat16", **dict(CONFIGS[config], s=min(2048, CONFIGS[config]["s"])))
+    finally:
+        jax.config.update("jax_enable_x64", False)
+    assert_real_kernels(text, impl)
+
+
 def test_a_gathering_score_fn_lowers_the_xla_hop_under_auto():
     """``variants.alibi`` indexes its slopes by head (a gather, which Mosaic and Triton do not lower): on a
     TPU mesh ``impl="auto"`` lowers the XLA hop for it, an explicit Pallas impl is a ValueError saying so."""

@@ -128,7 +128,7 @@ def prologue(cfg, ring_ref, fill, init, sem):
         if n > 1:
             _barrier(cfg, right, left)
         for buf, own in fill:
-            copy(own, buf.at[0], sem)
+            copy(own, buf.at[I32(0)], sem)
         init()
     return ring
 
@@ -161,8 +161,8 @@ def signal_cap(cfg, ring, cap_sem, last_send):
 def remote_sends(cfg, bufs, send_sem, recv_sem, slot, right):
     """One remote copy per travelling HBM buffer ``(a, buf)``: my ``buf[slot]`` -> the right
     neighbour's ``buf[1 - slot]``, with send semaphore ``send_sem[a]``, receive ``recv_sem[a, 1 - slot]``."""
-    return [pltpu.make_async_remote_copy(buf.at[slot], buf.at[1 - slot], send_sem.at[a],
-                                         recv_sem.at[a, 1 - slot], device_id={cfg.axis_name: right})
+    return [pltpu.make_async_remote_copy(buf.at[slot], buf.at[I32(1) - slot], send_sem.at[I32(a)],
+                                         recv_sem.at[I32(a), I32(1) - slot], device_id={cfg.axis_name: right})
             for a, buf in bufs]
 
 
@@ -182,7 +182,7 @@ class Stream(NamedTuple):
     sems: object
 
     def copies(self, u, buf):
-        return [pltpu.make_async_copy(src(u), dst.at[buf], self.sems.at[a, buf])
+        return [pltpu.make_async_copy(src(u), dst.at[buf], self.sems.at[I32(a), buf])
                 for a, (src, dst) in enumerate(self.pairs)]
 
 

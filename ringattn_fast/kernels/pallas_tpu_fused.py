@@ -215,8 +215,8 @@ def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,    
             acc_v[...] = alpha[:, :1] * acc_v[...] + _dot(p.astype(v.dtype), v, ((1,), (0,)))
 
         cols = lambda j: pl.ds(j * I32(bk), bk)  # noqa: E731
-        pairs = [(lambda j: kv_ring.at[slot, 0, bi, kv_head, cols(j), :], k_s),
-                 (lambda j: kv_ring.at[slot, 1, bi, kv_head, cols(j), :], v_s)]
+        pairs = [(lambda j: kv_ring.at[slot, I32(0), bi, kv_head, cols(j), :], k_s),
+                 (lambda j: kv_ring.at[slot, I32(1), bi, kv_head, cols(j), :], v_s)]
         pairs += [(lambda j: kmeta_ring.at[slot, bi, :, cols(j)], km_s)] if cfg.masked else []
         tile_empty = lambda j: fr.tile_empty(cfg, (qb_ref, kb_ref), (b, nq, nk),  # noqa: E731
                                              kv_idx=ring.kv_idx, bi=bi, i=i, j=j)
@@ -358,8 +358,8 @@ def _bwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,    
 
         @pl.when(live)
         def _():
-            fr.copy(kv_ring.at[slot, 0, bi, kv_head, cols(j), :], k_v, sem)
-            fr.copy(kv_ring.at[slot, 1, bi, kv_head, cols(j), :], v_v, sem)
+            fr.copy(kv_ring.at[slot, I32(0), bi, kv_head, cols(j), :], k_v, sem)
+            fr.copy(kv_ring.at[slot, I32(1), bi, kv_head, cols(j), :], v_v, sem)
             if cfg.masked:
                 fr.copy(kmeta_ring.at[slot, bi, :, cols(j)], km_v, sem)
 
@@ -370,8 +370,8 @@ def _bwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,    
 
         @pl.when(jnp.logical_not(first) & live)
         def _():
-            fr.copy(dkv_ring.at[slot, 0, bi, kv_head, cols(j), :], dk_v, sem)
-            fr.copy(dkv_ring.at[slot, 1, bi, kv_head, cols(j), :], dv_v, sem)
+            fr.copy(dkv_ring.at[slot, I32(0), bi, kv_head, cols(j), :], dk_v, sem)
+            fr.copy(dkv_ring.at[slot, I32(1), bi, kv_head, cols(j), :], dv_v, sem)
 
         head = lambda u: kv_head * I32(group) + u // I32(nq)  # noqa: E731  query head of stream tile u
         pairs = [(lambda u: q_hbm.at[bi, head(u), rows(lax.rem(u, I32(nq))), :], q_s),
@@ -394,8 +394,8 @@ def _bwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,    
 
         @pl.when(live | first)
         def _():
-            fr.copy(dk_v, dkv_ring.at[slot, 0, bi, kv_head, cols(j), :], sem)
-            fr.copy(dv_v, dkv_ring.at[slot, 1, bi, kv_head, cols(j), :], sem)
+            fr.copy(dk_v, dkv_ring.at[slot, I32(0), bi, kv_head, cols(j), :], sem)
+            fr.copy(dv_v, dkv_ring.at[slot, I32(1), bi, kv_head, cols(j), :], sem)
         return carry
 
     def dq_tile(t, carry):  # pass A: dQ_i += over the held shard's K/V tiles
@@ -424,8 +424,8 @@ def _bwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,    
             _, ds = grads(hi, q_v[...], do_v[...], st_v[...], qm_v, k, v_s[buf], km_s.at[buf])
             dq_v[...] += _dot(ds.astype(k.dtype), finite_keys(k), ((1,), (0,))) * scale  # a masked NaN key: 0
 
-        pairs = [(lambda j: kv_ring.at[slot, 0, bi, kv_head, cols(j), :], k_s),
-                 (lambda j: kv_ring.at[slot, 1, bi, kv_head, cols(j), :], v_s)]
+        pairs = [(lambda j: kv_ring.at[slot, I32(0), bi, kv_head, cols(j), :], k_s),
+                 (lambda j: kv_ring.at[slot, I32(1), bi, kv_head, cols(j), :], v_s)]
         pairs += [(lambda j: kmeta_ring.at[slot, bi, :, cols(j)], km_s)] if cfg.masked else []
         tile_empty = lambda j: fr.tile_empty(cfg, tables, shape, kv_idx=ring.kv_idx, bi=bi, i=i, j=j)  # noqa: E731
 
