@@ -292,6 +292,25 @@ def test_over_budget_is_a_value_error_naming_the_blocks():
         lower_shard(TPU["v4"], "pallas_tpu_fused", "float32", block_q=2048, block_kv=2048, **CONFIGS[0])
 
 
+HINTS = [(TPU["v4"], "pallas_tpu", "float32", 4096, dict(CONFIGS[0], s=8192)),
+         (TPU["v4"], "pallas_tpu_fused", "float32", 2048, CONFIGS[0]),
+         (GPU["A100"], "pallas_gpu", "float32", 256, CONFIGS[0]),
+         (GPU["A100"], "pallas_gpu", "bfloat16", 256, dict(CONFIGS[2], s=2048))]
+
+
+@pytest.mark.parametrize("kind, impl, dtype, block, config", HINTS)
+def test_a_budget_errors_suggestion_fed_back_lowers(kind, impl, dtype, block, config):
+    """A budget error suggests only tiles that the same estimate accepts for the forward and every backward
+    kernel: fed back, forward and backward lower (a forward-only hint was once refused by the backward's
+    check: v4, 4096 x 4096 -> 1024 x 512, refused; A100 with d = 256 likewise)."""
+    with pytest.raises(ValueError, match=r"do not fit") as err:
+        lower_shard(kind, impl, dtype, block_q=block, block_kv=block, **config)
+    hint = re.search(r"block_q=(\d+), block_kv=(\d+) fit, forward and backward", str(err.value))
+    assert hint, str(err.value)
+    text = lower_shard(kind, impl, dtype, block_q=int(hint[1]), block_kv=int(hint[2]), **config)
+    assert_real_kernels(text, impl)
+
+
 def test_budget_arithmetic():
     """The pieces the estimates are made of: Mosaic's tile padding, the chip lookup, the tile candidates."""
     assert budgets.tile_bytes((128, 1), jnp.float32) == 128 * 128 * 4      # a column costs 128 lanes

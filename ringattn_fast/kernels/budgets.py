@@ -184,17 +184,23 @@ def largest_fitting(chip_, estimate: Callable, q_blocks, kv_blocks):
     return next((p for p in pairs if all(fits(chip_, f) for f in estimate(*p))), None)
 
 
-def check_fit(impl, chip_, estimate: Callable, *, block_q, block_kv, q_blocks, kv_blocks):
+def check_fit(impl, chip_, estimate: Callable, *, block_q, block_kv, q_blocks, kv_blocks, hint_estimate=None,
+              shape=""):
     """The ``vmem_limit_bytes`` for ``(block_q, block_kv)`` on ``chip_`` (None: the default limit holds
     it), or a ValueError naming block_q / block_kv, the estimate, the chip's limit and blocks that fit
-    (searched among ``q_blocks`` x ``kv_blocks``)."""
+    (searched among ``q_blocks`` x ``kv_blocks``). ``hint_estimate(block_q, block_kv)``: the footprints a
+    suggestion must fit, the forward's and every backward kernel's (None: ``estimate``), so a suggested
+    pair is accepted wherever it is fed back; when none fits, the message says so and names ``shape``
+    (head dim and dtype) as what to change."""
     footprints = estimate(block_q, block_kv)
     bad = [f for f in footprints if not fits(chip_, f)]
     if not bad:
         return vmem_limit(chip_, footprints)
     f, memory = bad[0], "VMEM" if chip_.platform == "tpu" else "shared memory"
-    good = largest_fitting(chip_, estimate, q_blocks, kv_blocks)
-    hint = (f"block_q={good[0]}, block_kv={good[1]} fit" if good else "no block sizes fit this shard")
+    good = largest_fitting(chip_, hint_estimate or estimate, q_blocks, kv_blocks)
+    hint = (f"block_q={good[0]}, block_kv={good[1]} fit, forward and backward" if good else
+            f"no block sizes fit this shard{' at ' + shape if shape else ''}: a smaller head dim or a 16-bit "
+            f"dtype needs less")
     raise ValueError(f"impl={impl!r}: block_q={block_q}, block_kv={block_kv} do not fit a {chip_.name}: "
                      f"{f.what} needs an estimated {f.vmem / MiB:.2f} MiB of {memory}"
                      + (f" and {f.smem / KiB:.0f} KiB of SMEM" if f.smem else "")

@@ -600,7 +600,8 @@ def make_config(qs, kv, cfg, *, axis_name, interpret=None, _handshake=True, coun
         est = lambda c: footprints(c, qs.q.shape[:-1] + (width,), kv.k.shape[:-1] + (width,),  # noqa: E731
                                     qs.q.dtype, n=axis_size, has_seg=qs.seg is not None)
         limit = check_budget(IMPL, chip, est, hop, q_blocks=budgets.candidate_blocks(sq, multiple=SUBLANES, top=2048),
-                             kv_blocks=budgets.candidate_blocks(sk, multiple=LANES, top=2048))
+                             kv_blocks=budgets.candidate_blocks(sk, multiple=LANES, top=2048),
+                             shape=f"head dim {width}, {jnp.dtype(qs.q.dtype).name}")
     return fr.FusedConfig(axis_name=axis_name, axis_size=axis_size, hop=hop, has_seg=qs.seg is not None,
                           interpret=interpret, handshake=_handshake, count=count, vmem_limit=limit)
 

@@ -112,12 +112,16 @@ def target_chip(interpret):
     return None if interpret is not False else budgets.chip(current_device().device_kind)
 
 
-def check_budget(impl, chip, estimate, cfg, *, q_blocks, kv_blocks):
+def check_budget(impl, chip, estimate, cfg, *, q_blocks, kv_blocks, every_pass=None, shape=""):
     """``vmem_limit_bytes`` for ``cfg``'s tiles on ``chip`` (None: the default limit holds them) or a
-    ValueError naming block_q / block_kv (`budgets.check_fit`). ``estimate(cfg)`` -> [Footprint]."""
+    ValueError naming block_q / block_kv (`budgets.check_fit`). ``estimate(cfg)`` -> [Footprint] of this
+    call's kernels; ``every_pass(cfg)``: those of the forward and every backward kernel, which a
+    suggested pair must fit (None: ``estimate``); ``shape``: what the message names if none fits."""
     tiles = lambda bq, bk: estimate(dataclasses.replace(cfg, block_q=bq, block_kv=bk))  # noqa: E731
+    every = None if every_pass is None else (
+        lambda bq, bk: every_pass(dataclasses.replace(cfg, block_q=bq, block_kv=bk)))  # noqa: E731
     return budgets.check_fit(impl, chip, tiles, block_q=cfg.block_q, block_kv=cfg.block_kv,
-                             q_blocks=q_blocks, kv_blocks=kv_blocks)
+                             q_blocks=q_blocks, kv_blocks=kv_blocks, hint_estimate=every, shape=shape)
 
 
 def finite_keys(k):
@@ -274,10 +278,12 @@ def hop_kernels(impl, forward, backward, tile_rule=None, budget=None):
             tile_rule(cfg, sq, sk, interpret)
         chip, limit = target_chip(interpret), None
         if chip is not None and budget is not None:
-            estimate = lambda c: budget.estimate(c, qs.q.shape, kv.k.shape, qs.q.dtype, backward_pass,  # noqa: E731
-                                                 d_v=kv.v.shape[-1])
+            pass_ = lambda c, bwd: budget.estimate(c, qs.q.shape, kv.k.shape, qs.q.dtype, bwd,  # noqa: E731
+                                                   d_v=kv.v.shape[-1])
             q_blocks, kv_blocks = budget.blocks(sq, sk)
-            limit = check_budget(impl, chip, estimate, cfg, q_blocks=q_blocks, kv_blocks=kv_blocks)
+            limit = check_budget(impl, chip, lambda c: pass_(c, backward_pass), cfg, q_blocks=q_blocks,
+                                 kv_blocks=kv_blocks, every_pass=lambda c: pass_(c, False) + pass_(c, True),
+                                 shape=f"head dim {qs.q.shape[-1]}, {jnp.dtype(qs.q.dtype).name}")
         return dict(cfg=cfg, interpret=interpret, vmem_limit=limit)
 
     def hop_fwd(qs, kv, cfg):
