@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import os
 import signal
 import socket
@@ -236,6 +237,8 @@ def main(argv=None):
         parser.error(f"--processes must be at least 1; got {args.processes}")
     if args.devices_per_process is not None and args.devices_per_process < 1:
         parser.error(f"--devices-per-process must be at least 1; got {args.devices_per_process}")
+    if args.timeout is not None and not (args.timeout > 0 and math.isfinite(args.timeout)):
+        parser.error(f"--timeout must be a positive number of seconds; got {args.timeout:g}")
     if not args.exit_grace >= 0:
         parser.error(f"--exit-grace must be >= 0 seconds; got {args.exit_grace}")
     return launch(command, processes=args.processes, devices_per_process=args.devices_per_process,

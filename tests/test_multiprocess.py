@@ -134,6 +134,13 @@ def test_launcher_rejects_a_negative_exit_grace():
     assert run.returncode == 2 and "--exit-grace must be >= 0 seconds; got -1" in run.stderr, run.stderr
 
 
+@pytest.mark.parametrize("timeout", ["-5", "0", "nan", "inf"])
+def test_launcher_rejects_a_timeout_that_is_not_a_positive_number(timeout):
+    """--timeout -5 was accepted and stopped the job at once as a time-out (issue 31)."""
+    run = launch("--processes", "2", "--timeout", timeout, "--", sys.executable, "-c", "pass", timeout=60)
+    assert run.returncode == 2 and "--timeout must be a positive number of seconds" in run.stderr, run.stderr
+
+
 # JAX's own shutdown timeout is set to its default, 300 s, so that only the launcher can end these in the bound.
 @pytest.mark.slow
 def test_a_process_that_raises_after_a_warm_up_ends_the_launch():
