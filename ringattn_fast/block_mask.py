@@ -27,6 +27,7 @@ import dataclasses
 import functools
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -73,6 +74,11 @@ def spec_for(*, mask_fn, layout, n, t, s, q_offset, block_q, block_kv, heads, ca
 def tables(spec):
     """``ringattn_ref.block_mask.BlockMask`` of ``spec``: tiles int8 [N, N, nq, nk] (query host, K/V shard)
     and hops bool [N, N] (host, step); for ``whole_kv`` tiles [N, 1, nq, S / block_kv] and hops [N, 1]."""
+    with jax.ensure_compile_time_eval():  # a mask_fn written in jnp (or closing over jnp arrays) evaluates
+        return _tables(spec)                # here, on numpy positions, even when called under jit/shard_map
+
+
+def _tables(spec):
     layout = spec.layout if isinstance(spec.layout, str) else np.asarray(spec.layout)
     q_pos = layout_permutation(layout, spec.t, spec.n) + spec.q_offset
     k_pos = layout_permutation(layout, spec.s, spec.n)
