@@ -34,6 +34,7 @@ from ringattn_ref.blockwise import default_block
 
 from . import block_mask, comm, padding
 from .dispatch import check_impl, kernels_for
+from .elementwise import first_cross_pair_op
 from .layouts import permute_axis
 from .mesh import (auto_mesh, call_auto, check_mesh_axes, current_device, mesh_device, resolve_mesh, spec_of,
                    varying_axes, vary_like)
@@ -282,8 +283,10 @@ def check_cross_layout(layout, t, s):
 
 def check_user_fns(mask_fn, score_fn, heads):
     """``mask_fn`` / ``score_fn`` (``ringattn_ref.variants``), traced once on a small grid: jit-traceable,
-    a bool mask that broadcasts to [b, heads, q, k], a score of the logits' shape; else a ValueError
-    naming the function and the shapes it was called with."""
+    elementwise in the (query, key) pairs (`elementwise.first_cross_pair_op`: no reduction, cumulative
+    op, sort or cross-pair read), a bool mask that broadcasts to [b, heads, q, k], floating-point scores
+    of the logits' shape; else a ValueError naming the function, what was found and the shapes it was
+    called with."""
     i32 = jnp.int32
     grid = (jax.ShapeDtypeStruct((1, 1, 2, 1), i32), jax.ShapeDtypeStruct((1, 1, 1, 3), i32))
     head, need = jax.ShapeDtypeStruct((1, heads, 1, 1), i32), (1, heads, 2, 3)
@@ -295,11 +298,21 @@ def check_user_fns(mask_fn, score_fn, heads):
         if not callable(fn):
             raise ValueError(f"{name} must be a function; got {fn!r}")
         try:
-            out = jax.eval_shape(fn, *args)
+            closed, out = jax.make_jaxpr(fn, return_shape=True)(*args)
         except Exception as e:  # noqa: BLE001 - the user's function: say how it was called
             raise ValueError(f"{name} is not traceable by jax (it must use array operations only): "
                              f"{type(e).__name__}: {e}; called with arrays of shapes {shapes(*args)}") from e
+        mixing = first_cross_pair_op(closed.jaxpr)
+        if mixing is not None:
+            raise ValueError(f"{name} must be elementwise in the (query, key) pairs (it is evaluated per tile, so "
+                             f"a value that depends on other pairs would see a tile, not the row); found "
+                             f"{mixing!r} applied to its arguments. Reductions, cumulative ops, sorts, matmuls "
+                             f"and slices or gathers across pairs are refused; a constant table indexed by "
+                             f"positions is fine")
         dtype, shape = getattr(out, "dtype", type(out)), tuple(getattr(out, "shape", ()))
+        if name == "score_fn" and not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"score_fn must return floating-point logits of the shape of s, {need}; got "
+                             f"{dtype} {shape} from arrays of shapes {shapes(*args)}")
         if name == "mask_fn" and (dtype != jnp.bool_ or not val.broadcasts_to(shape, need)):
             raise ValueError(f"mask_fn must return a bool array that broadcasts to {need}; got {dtype} {shape} "
                              f"from arrays of shapes {shapes(*args)}")

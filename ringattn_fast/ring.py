@@ -204,7 +204,10 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
     - mask_fn(q_pos, k_pos, q_seg, k_seg, head) -> bool / score_fn(s, q_pos, k_pos, head) -> s: user
       functions of true positions (``ringattn_ref.variants``) and global head indices, evaluated per
       tile (a pair attends iff the built-in mask and ``mask_fn`` allow it; ``score_fn`` after the
-      softcap, before the bias; its gradient by autodiff per tile). With layout positions and no
+      softcap, before the bias; its gradient by autodiff per tile), so they must be elementwise in the
+      (query, key) pairs: a reduction (``q_pos.max()``, ``s.max(-1)``), cumulative op, sort, matmul, or
+      slice or gather across pairs is a ValueError naming the op, before any compute; a constant table
+      indexed by positions and every ``jax.numpy`` elementwise function are fine. With layout positions and no
       segment ids, ``mask_fn``'s block mask is computed once per configuration
       (``ringattn_fast.block_mask``): the ring skips the hops it leaves empty, the XLA hop the empty
       tiles, and full tiles run without a mask.

@@ -11,7 +11,13 @@ layout gives the same answer, and both are called on arrays that broadcast to ``
 
 The oracle (:func:`ringattn_ref.attention.attention`) calls them once on the whole ``[T, S]`` grid; the
 ring and the kernels call them per tile, with tile-shaped arrays of the same rank, so a function must
-use only elementwise operations that broadcast (no reductions over positions, no shape of its own).
+be **elementwise in the (query, key) pairs**: only operations that broadcast, and no value at one pair
+that depends on another (no reduction such as ``q_pos.max()`` or ``s.max(-1)``, no cumulative op, sort,
+matmul, or slice or gather across pairs; no shape of its own). Reading a constant table at indices
+computed from positions (``table[k_pos]``) is elementwise and fine. ``ringattn_fast`` refuses a
+function that breaks the rule before any compute (``ringattn_fast.elementwise``), and a ``score_fn`` must
+return floating-point logits. jax.numpy functions (``jnp.where``, ``jnp.logical_or``...) are fine: the
+ring's block mask evaluates them on concrete positions even under ``jit``.
 Written with operators and ``x.__array_namespace__()`` (numpy >= 2 and jax.numpy both have it), each
 function here runs on numpy in the oracle and on jax.numpy in a hop or a kernel.
 

@@ -117,3 +117,32 @@ def test_mask_fn_written_in_jnp(name, strategy):
     want = dense_attention(q, k, v, mask_fn=fn)
     assert_close(call(q, k, v), want, tol=1e-5)
     assert_close(jax.jit(call)(q, k, v), want, tol=1e-5)
+
+
+CROSS_PAIR = {
+    "q_pos.max()": dict(mask_fn=lambda qp, kp, qs, ks, h: kp <= qp.max(), op="reduce_max"),
+    "s.max(-1)": dict(score_fn=lambda s, qp, kp, h: s - s.max(-1, keepdims=True), op="reduce_max"),
+    "cumsum": dict(mask_fn=lambda qp, kp, qs, ks, h: jnp.cumsum(kp, -1) > 3, op="cumsum"),
+    "sort": dict(score_fn=lambda s, qp, kp, h: jnp.sort(s, -1), op="sort"),
+    "s[..., :1]": dict(score_fn=lambda s, qp, kp, h: s - s[..., :1], op="slice"),
+}
+
+
+@pytest.mark.parametrize("name", list(CROSS_PAIR))
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "ulysses"])
+def test_functions_that_mix_pairs_are_refused(name, strategy):
+    """The elementwise contract enforced (issue 31): a reduction, cumulative op, sort or cross-pair slice
+    in mask_fn / score_fn is a ValueError naming the function and the op, before any compute (they
+    were accepted and evaluated per tile: off from the oracle by 1.6-1.7)."""
+    kw = dict(CROSS_PAIR[name])
+    op = kw.pop("op")
+    fn_name = next(iter(kw))
+    q = jnp.ones((1, 64, 4, 8), jnp.float32)
+    with pytest.raises(ValueError, match=rf"{fn_name} must be elementwise .* found '{op}'"):
+        getattr(rf, f"{strategy}_attention")(q, q, q, mesh=rf.make_mesh(4), **kw)
+
+
+def test_a_score_fn_must_return_floats():
+    q = jnp.ones((1, 64, 4, 8), jnp.float32)
+    with pytest.raises(ValueError, match="score_fn must return floating-point logits"):
+        rf.ring_attention(q, q, q, mesh=rf.make_mesh(4), score_fn=lambda s, qp, kp, h: s > 0)

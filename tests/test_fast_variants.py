@@ -293,7 +293,8 @@ def test_mask_functions_equal_the_built_ins_on_the_ring():
     (dict(mask_fn=lambda qp, kp, qs, ks, h: kp - qp), r"mask_fn must return a bool array .* got int32"),
     (dict(mask_fn=lambda qp, kp, qs, ks, h: np.asarray(kp) <= 3), r"mask_fn is not traceable by jax"),
     (dict(mask_fn=lambda qp, kp, qs, ks, h: jnp.ones((5, 5), bool)), r"mask_fn must return a bool array"),
-    (dict(score_fn=lambda s, qp, kp, h: s.sum(-1)), r"score_fn must return the shape of s, \(1, 4, 2, 3\)"),
+    (dict(score_fn=lambda s, qp, kp, h: s.sum(-1)), r"score_fn must be elementwise .* found 'reduce_sum'"),
+    (dict(score_fn=lambda s, qp, kp, h: s[..., None]), r"score_fn must return the shape of s, \(1, 4, 2, 3\)"),
     (dict(score_fn=3), r"score_fn must be a function"),
 ])
 def test_bad_user_functions_are_value_errors(kw, match):
