@@ -35,6 +35,7 @@ from ringattn_ref.blockwise import default_block
 from . import block_mask, comm, padding
 from .dispatch import check_impl, kernels_for
 from .elementwise import first_cross_pair_op
+from .fn_keys import canonical
 from .layouts import permute_axis
 from .mesh import (auto_mesh, call_auto, check_mesh_axes, current_device, mesh_device, resolve_mesh, spec_of,
                    varying_axes, vary_like)
@@ -167,6 +168,7 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
     window = val.check_window(window, window_seq)
     logit_softcap = val.check_softcap(logit_softcap)
     val.check_sinks(sinks, q.shape[2])  # not a setting: sinks join after the strategy (``finish``)
+    mask_fn, score_fn = canonical(mask_fn), canonical(score_fn)  # equal functions share one compiled program
     check_user_fns(mask_fn, score_fn, q.shape[2])
     split = heads_split or strategy.check_heads is not None or strategy.splits_heads
     if split and (mask_fn is not None or score_fn is not None) and impl != "xla":

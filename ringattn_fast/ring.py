@@ -207,7 +207,9 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
       softcap, before the bias; its gradient by autodiff per tile), so they must be elementwise in the
       (query, key) pairs: a reduction (``q_pos.max()``, ``s.max(-1)``), cumulative op, sort, matmul, or
       slice or gather across pairs is a ValueError naming the op, before any compute; a constant table
-      indexed by positions and every ``jax.numpy`` elementwise function are fine. With layout positions and no
+      indexed by positions and every ``jax.numpy`` elementwise function are fine. Functions of equal code
+      and closure values share one compiled program (``fn_keys``; the same function object keeps its
+      first program, as with ``jax.jit``). With layout positions and no
       segment ids, ``mask_fn``'s block mask is computed once per configuration
       (``ringattn_fast.block_mask``): the ring skips the hops it leaves empty, the XLA hop the empty
       tiles, and full tiles run without a mask.

@@ -146,3 +146,48 @@ def test_a_score_fn_must_return_floats():
     q = jnp.ones((1, 64, 4, 8), jnp.float32)
     with pytest.raises(ValueError, match="score_fn must return floating-point logits"):
         rf.ring_attention(q, q, q, mesh=rf.make_mesh(4), score_fn=lambda s, qp, kp, h: s > 0)
+
+
+def _compiles(fn):
+    """How many XLA compilations ``fn()`` triggers (JAX's backend-compile monitoring event)."""
+    seen = []
+
+    def listen(name, *_, **__):
+        if name == "/jax/core/compile/backend_compile_duration":
+            seen.append(name)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        jax.block_until_ready(fn())
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return len(seen)
+
+
+def test_an_equal_function_compiles_nothing_again():
+    """A mask_fn rebuilt from the same builder (``prefix_lm(8)`` called anew: equal code and closure values)
+    shares the first one's compiled program and block-mask table (issue 31: each call compiled afresh,
+    about a second each); a different closure value compiles once more; the caches do not grow."""
+    from ringattn_fast import block_mask, front
+    q = jnp.ones((1, 64, 4, 8), jnp.float32)
+    mesh = rf.make_mesh(4)
+    call = lambda fn: (lambda: rf.ring_attention(q, q, q, mesh=mesh, mask_fn=fn))  # noqa: E731
+    assert _compiles(call(variants.prefix_lm(8))) > 0
+    sizes = len(front._MAPPED), block_mask.tables.cache_info().currsize
+    assert [_compiles(call(variants.prefix_lm(8))) for _ in range(3)] == [0, 0, 0]
+    assert (len(front._MAPPED), block_mask.tables.cache_info().currsize) == sizes
+    assert _compiles(call(variants.prefix_lm(9))) > 0  # another value: another program
+
+
+def test_a_mutated_closure_table_keeps_its_first_answer():
+    """The same function object keeps its first compiled program, as jax.jit does: a numpy table mutated in
+    place between calls is seen as it was at the first call (fn_keys' docstring); a copy is seen anew."""
+    q = jnp.asarray(np.random.default_rng(3).standard_normal((1, 64, 4, 8)), jnp.float32)
+    mesh = rf.make_mesh(4)
+    table = np.arange(64) % 2 == 0  # numpy: read through jnp.asarray (numpy cannot index with a tracer)
+    fn = lambda qp, kp, qs, ks, h: (kp <= qp) & jnp.asarray(table)[kp]  # noqa: E731
+    first = rf.ring_attention(q, q, q, mesh=mesh, mask_fn=fn)
+    table[:] = np.arange(64) % 3 == 0
+    assert_close(rf.ring_attention(q, q, q, mesh=mesh, mask_fn=fn), first, tol=0)
+    fresh = lambda qp, kp, qs, ks, h: (kp <= qp) & jnp.asarray(table)[kp]  # noqa: E731
+    assert_close(rf.ring_attention(q, q, q, mesh=mesh, mask_fn=fresh), dense_attention(q, q, q, mask_fn=fresh),
+                 tol=1e-5)

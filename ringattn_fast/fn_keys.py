@@ -1,0 +1,77 @@
+"""Equal user functions share one compiled program: ``mask_fn`` / ``score_fn`` keyed by code and closure values.
+
+Every cache on the way to a compiled ring (``front.cached``'s jitted ``shard_map``, the block-mask
+tables of ``block_mask.tables``, ``jax.jit``'s own) keys a function by identity, as ``jax.jit`` does. So
+``prefix_lm(8)`` called anew for every step, equal code and equal closure values, compiled afresh each
+time (about a second per eager call, against milliseconds for a reused function) and grew the caches.
+:func:`canonical` maps a function to the first one seen with the same key: its code object, its
+module's globals, its defaults and the values of its closure (numbers, strings, tuples, None,
+concrete numpy / jax arrays by dtype, shape and bytes, and nested functions by their own key). A
+closure over anything else (an object of the caller's) keys by that object's identity, so nothing is
+shared that might differ.
+
+The same function object keeps its first compiled program, as with ``jax.jit``: a closure over a
+numpy table mutated in place between calls sees the table it was first called with (a new function
+object, or a copy of the table, sees the new values). :data:`MAX_FUNCTIONS` keys are kept, least
+recently used dropped first; the caches downstream are bounded on their own (``front._MAPPED_MAX``
+programs, ``block_mask.tables``' 32 tables).
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import threading
+
+import numpy as np
+
+MAX_FUNCTIONS = 256
+_SEEN = collections.OrderedDict()  # key -> the first function seen with it
+_LOCK = threading.Lock()
+
+
+def _value_key(x, depth=0):
+    """A hashable key of a closure value, by value where that is safe, else by identity."""
+    if depth > 8:
+        return ("id", id(x))
+    if x is None or isinstance(x, (bool, int, float, complex, str, bytes)):
+        return (type(x).__name__, x)
+    if isinstance(x, (tuple, list)):
+        return (type(x).__name__,) + tuple(_value_key(v, depth + 1) for v in x)
+    if callable(x) and getattr(x, "__code__", None) is not None:
+        return ("fn", function_key(x, depth + 1))
+    if isinstance(x, np.generic) or hasattr(x, "__array__") and hasattr(x, "dtype") and hasattr(x, "shape"):
+        try:
+            a = np.asarray(x)
+        except Exception:  # noqa: BLE001 - a tracer or an array that cannot be read: identity
+            return ("id", id(x))
+        return ("array", a.dtype.str, a.shape, hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest())
+    return ("id", id(x))
+
+
+def function_key(fn, depth=0):
+    """The key :func:`canonical` compares: code, globals, defaults and closure values of ``fn``."""
+    cells = getattr(fn, "__closure__", None) or ()
+    try:
+        values = tuple(_value_key(c.cell_contents, depth) for c in cells)
+    except ValueError:  # an empty cell (a function defined before its closure variable is set)
+        return ("id", id(fn))
+    return (fn.__code__, id(fn.__globals__), _value_key(fn.__defaults__, depth),
+            _value_key(tuple(sorted((fn.__kwdefaults__ or {}).items())), depth), values)
+
+
+def canonical(fn):
+    """The first function seen with ``fn``'s key (``fn`` itself when it is the first, not a plain Python
+    function, or None)."""
+    if fn is None or getattr(fn, "__code__", None) is None:
+        return fn
+    key = function_key(fn)
+    try:
+        hash(key)
+    except TypeError:
+        return fn
+    with _LOCK:
+        first = _SEEN.pop(key, fn)
+        _SEEN[key] = first  # most recently used last
+        while len(_SEEN) > MAX_FUNCTIONS:
+            _SEEN.popitem(last=False)
+    return first
