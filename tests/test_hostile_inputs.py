@@ -207,3 +207,22 @@ def test_the_twins_sinks_are_float_per_head(sinks):
     x = jnp.ones((1, 8, 4, 8), jnp.float32)
     with pytest.raises(ValueError, match=r"sinks must be a floating-point array of shape \[heads\] = \(4,\)"):
         rf.dot_product_attention(x, x, x, mesh=rf.make_mesh(2), sinks=sinks)
+
+
+SPELLINGS = {"bfloat16": ("bfloat16", jnp.bfloat16, np.dtype(jnp.bfloat16), jnp.dtype("bfloat16")),
+             "float16": ("float16", np.float16, jnp.float16, np.dtype("float16"), jnp.dtype("float16"))}
+
+
+@pytest.mark.parametrize("name", list(SPELLINGS))
+def test_dtype_arguments_in_every_spelling(name):
+    """comm_dtype, grad_comm_dtype (and init_cache: tests/test_fast_inference.py) take a dtype however it is
+    spelled: a string, numpy's or jnp's scalar type, np.dtype, jnp.dtype; the ring's result is the same."""
+    from ringattn_fast import comm
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 32, 2, 8)), jnp.float32)
+    mesh = rf.make_mesh(4)
+    outs = []
+    for spelling in SPELLINGS[name]:
+        assert comm.check_comm_dtype(spelling) == name
+        assert comm.check_comm_dtype(spelling, "grad_comm_dtype", comm.GRAD_COMM_DTYPES) == name
+        outs.append(np.asarray(rf.ring_attention(x, x, x, mesh=mesh, causal=True, comm_dtype=spelling)))
+    assert all(np.array_equal(o, outs[0]) for o in outs)
