@@ -503,3 +503,20 @@ def test_tpu_kernel_in_place_layout_and_stat_rows(mask, backward, monkeypatch):
             np.testing.assert_array_equal(x, ref, err_msg=name)
         else:
             assert rel_err(x, ref) <= BF16_TOL, (name, rel_err(x, ref))
+
+
+@pytest.mark.parametrize("backward", ["fused", "key_major"])
+def test_tpu_lane_dense_path_with_nan_keys(backward, monkeypatch):
+    """A key holding NaN (and one holding inf) on the lane-dense path (d = 128, 128-token tiles: in-place
+    layout, lse rows, the fused or key-major backward): exactly the rows that may see it turn NaN, forward
+    and backward, as the oracle says; a masked bad key contributes nothing (causal: later queries only)."""
+    monkeypatch.setattr(pallas_tpu, "FUSED_BWD", backward == "fused")
+    rng = np.random.default_rng(5)
+    b, s, hk, group, d = 1, 256, 1, 2, 128
+    pos = np.arange(s)[None]
+    k = rng.standard_normal((b, s, hk, d))
+    k[0, 200, 0, 3], k[0, 60, 0, 7] = np.nan, np.inf
+    normal = lambda *shape: rng.standard_normal(shape)  # noqa: E731
+    pb = hop_problem(normal(b, s, hk * group, d), k, normal(b, s, hk, d), normal(b, s, hk * group, d), pos, pos,
+                     scale=d ** -0.5, causal=True, block_q=128, block_kv=128)
+    assert_matches_oracle(run_hop(pallas_tpu, pb), run_oracle(pb), TOL)
