@@ -520,3 +520,19 @@ def test_tpu_lane_dense_path_with_nan_keys(backward, monkeypatch):
     pb = hop_problem(normal(b, s, hk * group, d), k, normal(b, s, hk, d), normal(b, s, hk * group, d), pos, pos,
                      scale=d ** -0.5, causal=True, block_q=128, block_kv=128)
     assert_matches_oracle(run_hop(pallas_tpu, pb), run_oracle(pb), TOL)
+
+
+@pytest.mark.parametrize("backward", ["fused", "two_kernels"])
+def test_tpu_lane_dense_path_batch_and_kv_heads(backward, monkeypatch):
+    """Batch 2 with rows of their own positions and segments, 2 kv heads of 2 query heads each, d = 128,
+    128-token tiles: the fused backward's per-(batch, kv head) dK/dV scratch and the two-kernel backward
+    alike equal the oracle."""
+    monkeypatch.setattr(pallas_tpu, "FUSED_BWD", backward == "fused")
+    rng = np.random.default_rng(11)
+    b, s, hk, group, d = 2, 256, 2, 2, 128
+    pos = np.stack([np.arange(s), np.arange(s) + 64])
+    normal = lambda *shape: rng.standard_normal(shape)  # noqa: E731
+    pb = hop_problem(normal(b, s, hk * group, d), normal(b, s, hk, d), normal(b, s, hk, d),
+                     normal(b, s, hk * group, d), pos, pos, pos // 100, pos // 100, scale=d ** -0.5, causal=True,
+                     block_q=128, block_kv=128)
+    assert_matches_oracle(run_hop(pallas_tpu, pb), run_oracle(pb), TOL)
