@@ -36,7 +36,8 @@ from .softmax import acc_dtype, merge
 
 
 def ring_forward(cfg, qs, kv, bias, drop=None, head_offset=None):
-    """The forward ring on this host: ``(o, lse)``, o ``[b, sq, h, d_v]``, lse ``[b, h, sq]`` in float32/64.
+    """The forward ring on this host: ``(o, lse)``, o ``[b, sq, h, d_v]``, lse ``[b, h, sq]`` in float32/64 (with
+    one host, o as the hop returns it: q's dtype where the kernel honours ``HopConfig.out_dtype``).
 
     qs: this host's queries; kv: this host's own K/V shard (it starts the ring); bias: the host's
     non-travelling bias (``cfg.bias_mode`` "columns" or "static") or None; drop: a
