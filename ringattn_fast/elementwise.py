@@ -13,8 +13,6 @@ to anything computed from the arguments, and a slice / gather that reads such an
 """
 from __future__ import annotations
 
-from jax.extend import core as jcore
-
 # Primitives that combine several elements of an operand into one (or move them between positions).
 MIXING = frozenset({
     "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor",
@@ -27,13 +25,22 @@ MIXING = frozenset({
 READING = frozenset({"gather", "dynamic_slice", "slice"})
 
 
+def _is_jaxpr(x):
+    # duck-typed: importing jax.extend.core would import Pallas with it (`import ringattn_fast` imports none)
+    return hasattr(x, "eqns") and hasattr(x, "invars") and hasattr(x, "outvars")
+
+
+def _is_literal(v):
+    return type(v).__name__ == "Literal"
+
+
 def _sub_jaxprs(eqn):
     """The (jaxpr, its input vars bound to eqn.invars) pairs of a call-like equation (pjit, custom_jvp, cond...)."""
     for name, value in eqn.params.items():
         values = value if isinstance(value, (list, tuple)) else (value,)
         for v in values:
             jaxpr = getattr(v, "jaxpr", v)
-            if isinstance(jaxpr, jcore.Jaxpr):
+            if _is_jaxpr(jaxpr):
                 yield jaxpr, name
 
 
@@ -48,7 +55,7 @@ def first_cross_pair_op(jaxpr, dependent=None):
     computed from its inputs (``dependent``: which invars count, default all), or None."""
     dep = {id(v) for v, d in zip(jaxpr.invars, dependent or [True] * len(jaxpr.invars)) if d}
     for eqn in jaxpr.eqns:
-        ins = [not isinstance(v, jcore.Literal) and id(v) in dep for v in eqn.invars]
+        ins = [not _is_literal(v) and id(v) in dep for v in eqn.invars]
         name = eqn.primitive.name
         if any(ins):
             if name in MIXING:
