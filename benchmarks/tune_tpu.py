@@ -30,11 +30,10 @@ from functools import partial
 from .bench_gpu import _ints, _one_line
 from .timing import time_interleaved
 
-KERNELS = ("fwd", "fwd_sliced", "bwd_fused", "dq", "dkv", "dkv_qmajor")
-# what each measured kernel sets in kernels/pallas_tpu.py while it is traced:
-# (FUSED_BWD, KEY_MAJOR_DKV, LANE_TILED_STATS)
-FLAGS = {"fwd": (True, True, True), "fwd_sliced": (True, True, False), "bwd_fused": (True, True, True),
-         "dq": (False, True, True), "dkv": (False, True, True), "dkv_qmajor": (False, False, True)}
+KERNELS = ("fwd", "bwd_fused", "dq", "dkv", "dkv_qmajor")
+# what each measured kernel sets in kernels/pallas_tpu.py while it is traced: (FUSED_BWD, KEY_MAJOR_DKV)
+FLAGS = {"fwd": (True, True), "bwd_fused": (True, True), "dq": (False, True), "dkv": (False, True),
+         "dkv_qmajor": (False, False)}
 
 
 def parse_args(argv=None):
@@ -86,7 +85,7 @@ def kernel_fn(name, cfg):
     from ringattn_fast.kernels import pallas_tpu
 
     def run(qs, kv, do, lse, delta):
-        if name.startswith("fwd"):
+        if name == "fwd":
             return pallas_tpu.hop_fwd(qs, kv, cfg)
         g = pallas_tpu.hop_bwd(qs, kv, cfg, do=do, lse=lse, delta=delta)
         return {"dq": g.dq, "dkv": (g.dk, g.dv)}.get(name, (g.dq, g.dk, g.dv))
@@ -99,12 +98,12 @@ def lower_one(name, cfg, data):
     import jax
     from ringattn_fast.kernels import pallas_tpu
     try:
-        pallas_tpu.FUSED_BWD, pallas_tpu.KEY_MAJOR_DKV, pallas_tpu.LANE_TILED_STATS = FLAGS[name]
+        pallas_tpu.FUSED_BWD, pallas_tpu.KEY_MAJOR_DKV = FLAGS[name]
         return jax.jit(kernel_fn("dkv" if name == "dkv_qmajor" else name, cfg)).lower(*data), None
     except Exception as e:  # over the VMEM budget, a tile rule: recorded, skipped
         return None, _one_line(e)
     finally:
-        pallas_tpu.FUSED_BWD, pallas_tpu.KEY_MAJOR_DKV, pallas_tpu.LANE_TILED_STATS = True, True, True
+        pallas_tpu.FUSED_BWD, pallas_tpu.KEY_MAJOR_DKV = True, True
 
 
 def compile_one(lowered):
@@ -121,7 +120,7 @@ def flops(name, s, h, d, causal):
     """Matmul FLOPs one kernel does: forward 2 matmuls, dQ 3 (S, dP, dQ), dK/dV 4 (S, dP, dV, dK), fused
     backward 5 (S, dP, dV, dK, dQ)."""
     per_matmul = 2 * s * s * h * d // (2 if causal else 1)
-    return per_matmul * {"fwd": 2, "fwd_sliced": 2, "dq": 3, "bwd_fused": 5}.get(name, 4)
+    return per_matmul * {"fwd": 2, "dq": 3, "bwd_fused": 5}.get(name, 4)
 
 
 def sweep(args, dtype, d, s, causal, start):

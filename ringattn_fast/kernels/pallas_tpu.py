@@ -35,11 +35,12 @@ BlockSpec, as in ``jax/experimental/pallas/ops/tpu/flash_attention.py``.
 
 TPU tiling. Mosaic tiles the last two dims of every block in (8 sublanes x 128 lanes), so:
 
-* q, k, v, do and the outputs stay as the caller holds them, ``[b, s, h, d]``, viewed as
-  ``[b, s, h * d]`` (a free reshape), when d and d_v are multiples of 128: a block is one head's
-  (block_q, d) slice, and no transposed copy is made (`_direct`); otherwise they are given
-  heads-major, ``[b, h, s, d]`` (one transpose outside), a block being (block_q, d) with d the full
-  last dim (v, o and dO: d_v, which may differ from q's d);
+* q, k, v, do and the outputs are viewed ``[b, s, h * d]`` when d and d_v are multiples of 128, a
+  block being one head's (block_q, d) slice (`_direct`); otherwise they are given heads-major,
+  ``[b, h, s, d]`` (one transpose outside), a block being (block_q, d) with d the full last dim (v,
+  o and dO: d_v, which may differ from q's d). On a TPU either is one relayout copy of each
+  operand (the tiled layout of ``[b, s, h, d]`` is neither's), unless XLA can produce the operand
+  in that layout (q from a projection in the same program);
 * per-row statistics live in VMEM as lane-replicated ``(block_q, 128)`` columns (m, l); in HBM lse
   and delta are lane-dense rows ``[b, h, 1, s]`` (a (1, block_q) block, read as a column with a
   relayout, as splash attention's backward does) when block_q is a multiple of 128, else
@@ -98,13 +99,13 @@ def _tile_rule(cfg, sq, sk, interpret):
 
 
 def _direct(d, d_v):
-    """True when the kernels read and write ``[b, s, h, d]`` in place (viewed ``[b, s, h * d]``): a block of
-    one head is then (rows, d), Mosaic-legal when d and d_v are multiples of 128; else heads-major."""
+    """True when the kernels read and write ``[b, s, h, d]`` viewed ``[b, s, h * d]``: a block of one head
+    is then (rows, d), Mosaic-legal when d and d_v are multiples of 128; else heads-major."""
     return d % LANES == 0 and d_v % LANES == 0
 
 
 def _view(x, direct):
-    """[b, s, h, w] -> the kernels' operand: ``[b, s, h * w]`` (a reshape, no copy) or ``[b, h, s, w]``."""
+    """[b, s, h, w] -> the kernels' operand: ``[b, s, h * w]`` or ``[b, h, s, w]`` (on a TPU each a relayout)."""
     b, s, h, w = x.shape
     return x.reshape(b, s, h * w) if direct else x.swapaxes(1, 2)
 
@@ -139,26 +140,27 @@ def _out_dtype(cfg):
     return jnp.float32 if cfg.out_dtype is None else jnp.dtype(cfg.out_dtype)
 
 
-def _layout(qs, kv, cfg, *, transposed=False, key_major=False):
-    """Scalar-prefetch tables (flat int32) and the lane/sublane-replicated position inputs.
-
-    Tables: Q and K/V tile bounds ``[b * n * 4]`` (`tiles.tile_bounds`) and the resident block of
-    the inner grid axis per step (`tiles.resident_blocks`; K/V tiles per Q tile, or with
-    ``transposed`` Q tiles per K/V tile, for the dK/dV kernel). Positions: q_pos, q_seg as
-    ``(b, sq, 128)`` columns, k_pos, k_seg as ``(b, 8, sk)`` rows, or with ``key_major`` (`_dkv_key_major_kernel`)
-    the other way round; segments None when absent.
-    """
-    (b, sq), sk = qs.pos.shape, kv.pos.shape[1]
+def _prefetch(qs, kv, cfg, *, transposed=False):
+    """Scalar-prefetch tables (flat int32): Q and K/V tile bounds ``[b * n * 4]`` (`tiles.tile_bounds`) and
+    the resident block of the inner grid axis per step (`tiles.resident_blocks`; K/V tiles per Q tile, or
+    with ``transposed`` Q tiles per K/V tile, for the dK/dV kernel)."""
     empty = empty_tiles(qs.pos, kv.pos, qs.seg, kv.seg, causal=cfg.causal, window=cfg.window,
                         block_q=cfg.block_q, block_kv=cfg.block_kv)  # (b, nq, nk)
     resident = resident_blocks(empty.swapaxes(1, 2) if transposed else empty)
-    prefetch = [tile_bounds(qs.pos, qs.seg, cfg.block_q).reshape(-1),
-                tile_bounds(kv.pos, kv.seg, cfg.block_kv).reshape(-1), resident.reshape(-1)]
+    return [tile_bounds(qs.pos, qs.seg, cfg.block_q).reshape(-1),
+            tile_bounds(kv.pos, kv.seg, cfg.block_kv).reshape(-1), resident.reshape(-1)]
+
+
+def _positions(qs, kv, *, key_major=False):
+    """The lane/sublane-replicated position inputs (q_pos, k_pos, q_seg, k_seg): queries as ``(b, sq, 128)``
+    columns and keys as ``(b, 8, sk)`` rows, or with ``key_major`` (the key-major tiles of
+    `_key_major_grads`) the other way round; segments None when absent."""
+    b = qs.pos.shape[0]
     cols = lambda x: None if x is None else jnp.broadcast_to(x.astype(jnp.int32)[:, :, None], x.shape + (LANES,))
     rows = lambda x: None if x is None else jnp.broadcast_to(x.astype(jnp.int32)[:, None, :], (b, SUBLANES, x.shape[1]))
     if key_major:
-        return prefetch, [rows(qs.pos), cols(kv.pos), rows(qs.seg), cols(kv.seg)]
-    return prefetch, [cols(qs.pos), rows(kv.pos), cols(qs.seg), rows(kv.seg)]
+        return [rows(qs.pos), cols(kv.pos), rows(qs.seg), cols(kv.seg)]
+    return [cols(qs.pos), rows(kv.pos), cols(qs.seg), rows(kv.seg)]
 
 
 def _by_kind(body, qb_ref, kb_ref, tile, cfg, segments):
@@ -185,12 +187,6 @@ def _scaled(x, scale):
     return (x.astype(jnp.float32) * scale).astype(x.dtype)
 
 
-def _lanes(x, width, tiled):
-    """A lane-replicated (rows, 128) statistic as ``width`` columns: with ``tiled`` (width a multiple of 128) by
-    repeating its vregs (``jnp.tile``, splash attention's way: no lane broadcast), else its first column."""
-    return jnp.tile(x, (1, width // LANES)) if tiled and width % LANES == 0 else x[:, :1]
-
-
 def _logits(q, k, cfg, fn, *, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, masked=True, grad=False, prescaled=False):
     """fp32 [block_q, block_kv] ``scale * q k^T``, soft-capped, scored and masked (``fn``: the tile's
     `tiles.Program`, its consts' refs and the query head), -inf where masked (the built-in mask only when
@@ -212,7 +208,7 @@ def _fwd_kernel(qb_ref, kb_ref, res_ref,                                    # SM
                 q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,        # inputs (segments: None)
                 const_refs,                                                 # the program's consts (a tuple)
                 o_ref, lse_ref, count_ref,                                  # outputs (count: None)
-                m_sc, l_sc, acc_sc, q_sc, *, cfg, prog, n_q, n_kv, rows, tiled):
+                m_sc, l_sc, acc_sc, q_sc, *, cfg, prog, n_q, n_kv, rows):
     """Grid (batch, head, Q tile i, K/V tile j): fold tile (i, j) into (m, l, acc) (FA-2 Alg. 1)."""
     del res_ref  # read by the index maps only
     bi, hi, i, j = (pl.program_id(a) for a in range(4))
@@ -234,11 +230,11 @@ def _fwd_kernel(qb_ref, kb_ref, res_ref,                                    # SM
         m_prev = m_sc[...]  # (block_q, 128), lane-replicated
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row with nothing seen yet: exp(-inf) = 0
-        p = jnp.exp(s - _lanes(m_safe, s.shape[1], tiled))  # masked: exp(-inf) = 0
+        p = jnp.exp(s - m_safe[:, :1])  # masked: exp(-inf) = 0 (a column: 3-5 % faster than jnp.tile on a v5e)
         alpha = jnp.exp(m_prev - m_safe)  # rescales the old l and acc to the new max
         l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
         m_sc[...] = m_new
-        acc_sc[...] = _lanes(alpha, acc_sc.shape[1], tiled) * acc_sc[...] + _dot(p.astype(v.dtype), v, _NN)
+        acc_sc[...] = alpha[:, :1] * acc_sc[...] + _dot(p.astype(v.dtype), v, _NN)
         if count_ref is not None:
             count_ref[counter] = count_ref[counter] + 1
 
@@ -319,30 +315,19 @@ def _consts(prog):
     return () if prog is None else prog.consts
 
 
+@functools.partial(jax.jit, static_argnames=_STATIC + ("count",))
 def _forward(qs, kv, *, cfg, interpret, count, vmem_limit):
-    """The forward pallas_call: (o, lse, computed K/V tiles per Q tile [b, h, nq] or None)."""
-    return _forward_jit(qs, kv, cfg=cfg, interpret=interpret, count=count, vmem_limit=vmem_limit,
-                        tiled=LANE_TILED_STATS)
-
-
-# `_lanes` by repeating vregs (splash attention's way) or by a column: on a TPU v5e the column was 3-5 %
-# faster (forward alone at 16K and 32K, bf16, d = 128; benchmarks/tune_tpu.py measures both), so off.
-LANE_TILED_STATS = False
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC + ("count", "tiled"))
-def _forward_jit(qs, kv, *, cfg, interpret, count, vmem_limit, tiled):
     """pallas_call for the forward; returns (o, lse, computed K/V tiles per Q tile [b, h, nq] or None)."""
     (b, sq, h, d), (sk, hk), d_v = qs.q.shape, kv.k.shape[1:3], kv.v.shape[-1]
     n_q, n_kv, segments = sq // cfg.block_q, sk // cfg.block_kv, qs.seg is not None
     prog, direct, rows = program(cfg, cfg.block_q, cfg.block_kv), _direct(d, d_v), _stat_rows(cfg)
-    prefetch, pos = _layout(qs, kv, cfg)
+    prefetch, pos = _prefetch(qs, kv, cfg), _positions(qs, kv)
     ops = same_vma(*prefetch, *(_view(x, direct) for x in (qs.q, kv.k, kv.v)), *pos, *_consts(prog))
     q, consts = ops[3], tuple(ops[len(ops) - len(_consts(prog)):])
     sp = _qmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v)
     counter = pl.BlockSpec(memory_space=pltpu.SMEM)  # debug output: one counter per (batch, head, Q tile)
     out = pl.pallas_call(
-        functools.partial(_fwd_kernel, cfg=cfg, prog=prog, n_q=n_q, n_kv=n_kv, rows=rows, tiled=tiled),
+        functools.partial(_fwd_kernel, cfg=cfg, prog=prog, n_q=n_q, n_kv=n_kv, rows=rows),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3, grid=(b, h, n_q, n_kv),
             in_specs=[sp["q"], sp["kv"], sp["v"]] + _pos_specs(sp, segments, prog),
@@ -427,6 +412,20 @@ def _dkv_kernel(qb_ref, kb_ref, res_ref,
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
+def _key_major_grads(k, q, v, do, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, cfg, masked):
+    """FA-2 Alg. 2 for one key-major tile, shared by `_dkv_key_major_kernel` and `_bwd_fused_kernel`:
+    ``(P^T, dS^T)`` float32 (block_kv, block_q) from S^T = K Q^T (q or k pre-scaled), the built-in mask
+    from query rows (8, block_q) and key columns (block_kv, 128) when ``masked``, lse and delta the
+    (1, block_q) rows they are stored as."""
+    st = _dot(k, q, _NT)  # (block_kv, block_q), scaled
+    if masked:
+        seg = (None, None) if q_seg_ref is None else (q_seg_ref[:1, :], k_seg_ref[:, :1])
+        st = jnp.where(allowed(q_pos_ref[:1, :], k_pos_ref[:, :1], *seg, causal=cfg.causal, window=cfg.window),
+                       st, NEG_INF)
+    pt = jnp.exp(st - lse_ref[...])  # P^T
+    return pt, masked_grad(pt, _dot(v, do, _NT), delta_ref[...])  # dS^T = P^T (dP^T - D), dP^T = V dO^T
+
+
 def _dkv_key_major_kernel(qb_ref, kb_ref, res_ref,
                   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
                   const_refs, dk_ref, dv_ref, dk_sc, dv_sc, k_sc, *, cfg, prog, n_q, n_kv, group, rows):
@@ -445,14 +444,8 @@ def _dkv_key_major_kernel(qb_ref, kb_ref, res_ref,
 
     def _compute(masked):
         q, do = q_ref[...], do_ref[...]
-        st = _dot(k_sc[...], q, _NT)  # (block_kv, block_q), scaled
-        if masked:
-            seg = (None, None) if q_seg_ref is None else (q_seg_ref[:1, :], k_seg_ref[:, :1])
-            allow = allowed(q_pos_ref[:1, :], k_pos_ref[:, :1], *seg, causal=cfg.causal, window=cfg.window)
-            st = jnp.where(allow, st, NEG_INF)
-        pt = jnp.exp(st - lse_ref[...])  # P^T, lse a (1, block_q) row
-        dpt = _dot(v_ref[...], do, _NT)  # dP^T = V_j dO_i^T
-        dst = masked_grad(pt, dpt, delta_ref[...])
+        pt, dst = _key_major_grads(k_sc[...], q, v_ref[...], do, lse_ref, delta_ref, q_pos_ref, k_pos_ref,
+                                   q_seg_ref, k_seg_ref, cfg, masked)
         dv_sc[...] += _dot(pt.astype(do.dtype), do, _NN)  # dV_j += P^T dO_i
         dk_sc[...] += _dot(dst.astype(q.dtype), q, _NN)  # dK_j += dS^T Q_i (times the scale at the end)
 
@@ -490,13 +483,8 @@ def _bwd_fused_kernel(qb_ref, kb_ref, res_ref,
 
     def _compute(masked):
         q, do, k = q_sc[...], do_ref[...], k_ref[...]
-        st = _dot(k, q, _NT)  # (block_kv, block_q), scaled
-        if masked:
-            seg = (None, None) if q_seg_ref is None else (q_seg_ref[:1, :], k_seg_ref[:, :1])
-            st = jnp.where(allowed(q_pos_ref[:1, :], k_pos_ref[:, :1], *seg, causal=cfg.causal, window=cfg.window),
-                           st, NEG_INF)
-        pt = jnp.exp(st - lse_ref[...])  # P^T
-        dst = masked_grad(pt, _dot(v_ref[...], do, _NT), delta_ref[...])  # dS^T = P^T (dP^T - D)
+        pt, dst = _key_major_grads(k, q, v_ref[...], do, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref,
+                                   k_seg_ref, cfg, masked)
         rows = pl.ds(pl.multiple_of(j * bk, bk), bk)
         dv_sc[rows, :] += _dot(pt.astype(do.dtype), do, _NN)  # dV_j += P^T dO_i
         dk_sc[rows, :] += _dot(dst.astype(q.dtype), q, _NN)  # dK_j += dS^T (scale Q_i)
@@ -575,56 +563,64 @@ def _bwd_call(kernel, name, grid, *, specs, prefetch, args, out_specs, out_shape
 
 
 def _backward(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit):
-    """The two backward pallas_calls (dQ; dK and dV): (dq, dk, dv), float32 or ``cfg.out_dtype``."""
-    fused = FUSED_BWD and _fused_bwd(cfg, qs.q.shape, kv.k.shape, qs.q.dtype, kv.v.shape[-1], target_chip(interpret))
+    """The backward: one fused pallas_call where `_fused_bwd` allows it, else two (dQ; dK and dV):
+    (dq, dk, dv), float32 or ``cfg.out_dtype``."""
+    fused = _fused_bwd(cfg, qs.q.shape, kv.k.shape, qs.q.dtype, kv.v.shape[-1], target_chip(interpret))
     return _backward_jit(qs, kv, do, lse, delta, cfg=cfg, interpret=interpret, vmem_limit=vmem_limit,
                          key_major_dkv=KEY_MAJOR_DKV, fused=fused)
 
 
 def _fused_bwd(cfg, q_shape, k_shape, dtype, d_v, chip):
-    """Whether the backward runs as `_bwd_fused_kernel`: no program, lse/delta as rows, and (compiled) its
-    footprint fits the chip; then its ``vmem_limit_bytes`` is what `budgets.vmem_limit` gives it."""
-    if cfg.logit_softcap is not None or cfg.mask_fn is not None or cfg.score_fn is not None or not _stat_rows(cfg):
-        return False
-    return chip is None or budgets.fits(chip, _fused_footprint(cfg, q_shape, k_shape, dtype, d_v))
+    """None where the backward does not run as `_bwd_fused_kernel` (``FUSED_BWD`` off, a program, lse/delta
+    not rows, or its footprint over the chip's budget), else its ``vmem_limit_bytes``: ``(limit,)``, the
+    limit None where the default holds it or when interpreted (``chip`` None)."""
+    if not FUSED_BWD or cfg.logit_softcap is not None or cfg.mask_fn is not None or cfg.score_fn is not None \
+            or not _stat_rows(cfg):
+        return None
+    if chip is None:
+        return (None,)
+    footprint = _fused_footprint(cfg, q_shape, k_shape, dtype, d_v)
+    return (budgets.vmem_limit(chip, [footprint]),) if budgets.fits(chip, footprint) else None
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("key_major_dkv", "fused"))
 def _backward_jit(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit, key_major_dkv, fused):
+    """``fused``: `_fused_bwd`'s answer (None: the two kernels)."""
     (b, sq, h, d), (sk, hk), d_v = qs.q.shape, kv.k.shape[1:3], kv.v.shape[-1]
     group, n_q, n_kv, segments = h // hk, sq // cfg.block_q, sk // cfg.block_kv, qs.seg is not None
     prog, direct, rows, odt = program(cfg, cfg.block_q, cfg.block_kv), _direct(d, d_v), _stat_rows(cfg), _out_dtype(cfg)
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # a row that saw nothing: every p is masked to 0 anyway
     stats = [_stats_in(x, rows) for x in (lse, delta)]
-    (prefetch_q, pos), (prefetch_kv, _) = _layout(qs, kv, cfg), _layout(qs, kv, cfg, transposed=True)
-    ops = same_vma(*prefetch_q, *prefetch_kv, *(_view(x, direct) for x in (qs.q, kv.k, kv.v, do)), *stats, *pos,
+    operands = [_view(x, direct) for x in (qs.q, kv.k, kv.v, do)] + stats
+    if fused is not None:  # no program: no consts; positions for key-major tiles
+        ops = same_vma(*_prefetch(qs, kv, cfg), *operands, *_positions(qs, kv, key_major=True))
+        return _backward_fused(qs, kv, cfg, list(ops[3:]), ops[:3], interpret=interpret, vmem_limit=fused[0])
+    key_major = _key_major(cfg, prog, key_major_dkv)
+    pos_q = _positions(qs, kv)
+    pos_kv = _positions(qs, kv, key_major=True) if key_major else pos_q
+    ops = same_vma(*_prefetch(qs, kv, cfg), *_prefetch(qs, kv, cfg, transposed=True), *operands, *pos_q, *pos_kv,
                    *_consts(prog))
-    n_args = len(ops) - len(_consts(prog))
-    prefetch_q, prefetch_kv = ops[:3], ops[3:6]
-    args = list(ops[6:n_args]) + [tuple(ops[n_args:])]  # q, k, v, do, lse, delta, positions, consts
-    q, static = args[0], dict(cfg=cfg, prog=prog, n_q=n_q, n_kv=n_kv, rows=rows)
-    if fused:
-        return _backward_fused(qs, kv, cfg, args, prefetch_q, interpret=interpret)
+    prefetch_q, prefetch_kv, n_ops = ops[:3], ops[3:6], 6 + len(operands)
+    inputs, pos_q, pos_kv, consts = ops[6:n_ops], ops[n_ops:n_ops + 4], ops[n_ops + 4:n_ops + 8], tuple(ops[n_ops + 8:])
+    q, static = inputs[0], dict(cfg=cfg, prog=prog, n_q=n_q, n_kv=n_kv, rows=rows)
 
     # dQ: grid (b, h, Q tiles, K/V tiles), K/V tiles last.
     sp = _qmajor_specs(cfg, d, group, n_q, n_kv, d_v)
     in_specs = [sp["q"], sp["kv"], sp["v"], sp["o"], sp["stat"], sp["stat"]] + _pos_specs(sp, segments, prog)
     dq = _bwd_call(functools.partial(_dq_kernel, **static), "ring_hop_bwd_dq_tpu", (b, h, n_q, n_kv),
-                   specs=in_specs, prefetch=prefetch_q, args=args, out_specs=sp["q"],
+                   specs=in_specs, prefetch=prefetch_q, args=[*inputs, *pos_q, consts], out_specs=sp["q"],
                    out_shape=out_struct((b, sq, h * d) if direct else (b, h, sq, d), odt, q),
                    scratch=[pltpu.VMEM((cfg.block_q, d), jnp.float32), pltpu.VMEM((cfg.block_q, d), qs.q.dtype)],
                    interpret=interpret, vmem_limit=vmem_limit)
 
     # dK, dV: grid (b, kv heads, K/V tiles, group heads, Q tiles); the last two accumulate in scratch.
-    key_major = _key_major(cfg, prog, key_major_dkv)
     sp = _kvmajor_specs(cfg, d, group, n_q, n_kv, d_v, key_major=key_major)
     in_specs = [sp["q"], sp["kv"], sp["v"], sp["o"], sp["stat"], sp["stat"]] + _pos_specs(sp, segments, prog)
-    if key_major:  # the positions the other way round (`_layout`)
-        args[6:10] = same_vma(*_layout(qs, kv, cfg, transposed=True, key_major=True)[1], q)[:4]
     kernel = _dkv_key_major_kernel if key_major else _dkv_kernel
     scratch = [pltpu.VMEM((cfg.block_kv, width), jnp.float32) for width in (d, d_v)]
     dk, dv = _bwd_call(functools.partial(kernel, group=group, **static), "ring_hop_bwd_dkv_tpu",
-                       (b, hk, n_kv, group, n_q), specs=in_specs, prefetch=prefetch_kv, args=args,
+                       (b, hk, n_kv, group, n_q), specs=in_specs, prefetch=prefetch_kv,
+                       args=[*inputs, *pos_kv, consts],
                        out_specs=[sp["kv"], sp["v"]],
                        out_shape=[out_struct((b, sk, hk * width) if direct else (b, hk, sk, width), odt, q)
                                   for width in (d, d_v)],
@@ -633,15 +629,12 @@ def _backward_jit(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit, key_maj
     return _unview(dq, h, direct), _unview(dk, hk, direct), _unview(dv, hk, direct)
 
 
-def _backward_fused(qs, kv, cfg, args, prefetch, *, interpret):
-    """The backward as one pallas_call (`_bwd_fused_kernel`); args as `_backward_jit` builds them."""
+def _backward_fused(qs, kv, cfg, args, prefetch, *, interpret, vmem_limit):
+    """The backward as one pallas_call (`_bwd_fused_kernel`). args: q, k, v, do (viewed), lse, delta and
+    the key-major positions, as `_backward_jit` builds them; ``vmem_limit`` from `_fused_bwd`."""
     (b, sq, h, d), (sk, hk), d_v = qs.q.shape, kv.k.shape[1:3], kv.v.shape[-1]
     group, n_q, n_kv, direct, odt = h // hk, sq // cfg.block_q, sk // cfg.block_kv, _direct(d, d_v), _out_dtype(cfg)
-    chip = target_chip(interpret)
-    limit = None if chip is None else budgets.vmem_limit(chip, [_fused_footprint(cfg, qs.q.shape, kv.k.shape,
-                                                                                 qs.q.dtype, d_v)])
     q = args[0]
-    args = args[:6] + list(same_vma(*_layout(qs, kv, cfg, key_major=True)[1], q)[:4])  # no program: no consts
     sp = _fused_specs(cfg, d, d_v, sk, group, n_q, n_kv)
     segments = qs.seg is not None
     in_specs = [sp["q"], sp["kv"], sp["v"], sp["o"], sp["stat"], sp["stat"], sp["q_col"], sp["k_row"]] + (
@@ -656,7 +649,7 @@ def _backward_fused(qs, kv, cfg, args, prefetch, *, interpret):
         out_shape=[out_struct(shape(sq, h, d), odt, q), out_struct(shape(sk, hk, d), odt, q),
                    out_struct(shape(sk, hk, d_v), odt, q)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 2 + ("arbitrary",) * 3,
-                                             vmem_limit_bytes=limit),
+                                             vmem_limit_bytes=vmem_limit),
         interpret=interpret, name="ring_hop_bwd_fused_tpu",
     )(*prefetch, *args)
     return _unview(dq, h, direct), _unview(dk, hk, direct), _unview(dv, hk, direct)
