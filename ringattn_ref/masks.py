@@ -18,7 +18,19 @@ scalars a kernel prefetched). It uses only comparisons of *differences* of posit
 """
 from __future__ import annotations
 
+import functools
+import operator
+
 import numpy as np
+
+
+def _reach(causal, window):
+    """``(left, right)``: how far back and ahead of a query a key may sit (-1 = unbounded), the window's
+    bounds with causal capping ``right`` at 0; the two bounds tests below share it."""
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
 
 
 def bounds_empty(q, k, *, causal=False, window=None):
@@ -37,9 +49,7 @@ def bounds_empty(q, k, *, causal=False, window=None):
     ``2 - 1 > 0``, empty.
     """
     (q_lo, q_hi, *q_seg), (k_lo, k_hi, *k_seg) = q, k
-    left, right = window if window is not None else (-1, -1)
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
+    left, right = _reach(causal, window)
     empty = []
     if right >= 0:
         empty.append(k_lo - q_hi > right)
@@ -48,12 +58,7 @@ def bounds_empty(q, k, *, causal=False, window=None):
     if q_seg:
         (qs_lo, qs_hi), (ks_lo, ks_hi) = q_seg, k_seg
         empty.append((qs_hi < ks_lo) | (ks_hi < qs_lo))
-    if not empty:
-        return None
-    out = empty[0]
-    for e in empty[1:]:
-        out = out | e
-    return out
+    return functools.reduce(operator.or_, empty) if empty else None
 
 
 def bounds_full(q, k, *, causal=False, window=None):
@@ -65,9 +70,7 @@ def bounds_full(q, k, *, causal=False, window=None):
     ``3 - 4 <= 0``, full.
     """
     (q_lo, q_hi, *q_seg), (k_lo, k_hi, *k_seg) = q, k
-    left, right = window if window is not None else (-1, -1)
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
+    left, right = _reach(causal, window)
     full = []
     if right >= 0:
         full.append(k_hi - q_lo <= right)
@@ -76,12 +79,7 @@ def bounds_full(q, k, *, causal=False, window=None):
     if q_seg:  # one id on both sides
         (qs_lo, qs_hi), (ks_lo, ks_hi) = q_seg, k_seg
         full.append((qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo))
-    if not full:
-        return None
-    out = full[0]
-    for f in full[1:]:
-        out = out & f
-    return out
+    return functools.reduce(operator.and_, full) if full else None
 
 
 def _bounds(pos, seg, lo, hi):
