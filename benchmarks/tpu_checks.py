@@ -12,6 +12,8 @@ causal skipping.
    float32 under "highest").
 2. **xla hop**: ``ring_attention(impl="xla")`` forward+backward time, causal over non-causal (the hop
    skips empty tiles: the issue's bar is <= 0.6).
+3. **overhead** (``--checks overhead``, a TPU only): the default call's forward+backward time as shipped
+   and with the nan/inf key-marking pass made the identity (a diagnostic of the ring's own passes).
 
 One JSON object per check to stdout, a line each to stderr.
 """
@@ -83,23 +85,91 @@ def xla_hop(seq, heads, dim, repeats):
                 causal_over_plain=t_causal / t_plain)
 
 
+def overhead(seq, heads, dim, repeats):
+    """Forward+backward ms of the default ``ring_attention`` on one device, as shipped and with
+    ``masks.mark_bad_keys`` made the identity (a diagnostic: what the pass that masks nan/inf keys costs)."""
+    import jax
+    import jax.numpy as jnp
+    import ringattn_fast as rf
+    from ringattn_fast import masks
+    mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    x = jax.random.normal(jax.random.key(0), (1, seq, heads, dim), jnp.bfloat16)
+    row = dict(check="overhead", seq=seq, heads=heads, dim=dim)
+    for causal in (False, True):
+        fns = []
+        for identity in (False, True):
+            saved = masks.mark_bad_keys
+            if identity:
+                masks.mark_bad_keys = lambda k, v: (k, v)
+            try:  # traced here, with the patch in place
+                attn = partial(rf.ring_attention, mesh=mesh, causal=causal)
+                f = jax.jit(lambda q: jax.vjp(attn, q, q, q)[1](q))
+                jax.block_until_ready(f(x))
+            finally:
+                masks.mark_bad_keys = saved
+            fns.append(partial(f, x))
+        t_ours, t_unmarked = time_interleaved(fns, repeats, 1)
+        row[f"causal={causal}"] = dict(ms=1e3 * t_ours, ms_without_mark_bad_keys=1e3 * t_unmarked)
+    return row
+
+
+def mark_bad_variants(seq, heads, dim, repeats):
+    """ms of the nan/inf key-marking pass alone (``masks.mark_bad_keys``) against the boolean reduction it
+    replaced and a matmul form, on [1, seq, heads, dim] bfloat16 K and V."""
+    import jax
+    import jax.numpy as jnp
+    from ringattn_fast import masks
+
+    def boolean(k, v):  # the earlier form: isfinite reduced as booleans
+        bad = ~(jnp.isfinite(k).all(-1, keepdims=True) & jnp.isfinite(v).all(-1, keepdims=True))
+        return jnp.where(bad, jnp.nan, k), jnp.where(bad, 0, v)
+
+    def matmul(k, v):  # the zero products summed on the MXU
+        ones = jnp.ones((k.shape[-1],), k.dtype)
+        z = jnp.einsum("bshd,d->bsh", k * 0 + v * 0, ones, preferred_element_type=jnp.float32)[..., None]
+        bad = jnp.isnan(z)
+        return jnp.where(bad, jnp.nan, k), jnp.where(bad, 0, v)
+
+    keys = jax.random.split(jax.random.key(1), 2)
+    k, v = (jax.random.normal(key, (1, seq, heads, dim), jnp.bfloat16) for key in keys)
+    fns = [jax.jit(f) for f in (masks.mark_bad_keys, boolean, matmul)]
+    for f in fns:
+        jax.block_until_ready(f(k, v))
+    times = time_interleaved([partial(f, k, v) for f in fns], repeats, 1)
+    return dict(check="mark_bad_keys", seq=seq, heads=heads, dim=dim,
+                ms=dict(zip(("shipped", "boolean", "matmul"), (1e3 * t for t in times))))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.tpu_checks", description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--xla-seqs", default=None, help="comma list (default 16384,32768)")
+    p.add_argument("--checks", default="numerics,xla", help="comma list of numerics, xla, overhead")
+    p.add_argument("--overhead-seqs", default=None, help="comma list (default 8192,16384)")
     args = p.parse_args(argv)
+    checks = set(args.checks.split(","))
     import jax
     if not args.dry_run and jax.default_backend() != "tpu":
         print("tpu_checks: no TPU; use --dry-run", file=sys.stderr)
         return 2
     seq, heads, dim = (256, 4, 128) if args.dry_run else (2048, 8, 128)
-    rows = [numerics(seq, heads, dim, dt, name) for dt in ("float32", "bfloat16") for name in CONFIGS]
-    xla_seqs = [int(s) for s in (args.xla_seqs or ("512" if args.dry_run else "16384,32768")).split(",")]
-    rows += [xla_hop(s, 8 if not args.dry_run else 2, dim, 1 if args.dry_run else 3) for s in xla_seqs]
-    for row in rows:
+    jobs = []
+    if "numerics" in checks:
+        jobs += [partial(numerics, seq, heads, dim, dt, name) for dt in ("float32", "bfloat16") for name in CONFIGS]
+    if "xla" in checks:
+        xla_seqs = [int(s) for s in (args.xla_seqs or ("512" if args.dry_run else "16384,32768")).split(",")]
+        jobs += [partial(xla_hop, s, 8 if not args.dry_run else 2, dim, 1 if args.dry_run else 3) for s in xla_seqs]
+    if "overhead" in checks and not args.dry_run:  # the Pallas TPU default: a TPU only
+        seqs = [int(s) for s in (args.overhead_seqs or "8192,16384").split(",")]
+        jobs += [partial(mark_bad_variants, s, 8, dim, 20) for s in seqs]
+        jobs += [partial(overhead, s, 8, dim, 5) for s in seqs]
+    ok = True
+    for job in jobs:  # printed as each finishes: a run cut short keeps what it measured
+        row = job()
+        ok &= row.get("ok", True)
         print(json.dumps(row), flush=True)
         print(" ".join(f"{k}={v}" for k, v in row.items()), file=sys.stderr, flush=True)
-    return 0 if all(r.get("ok", True) for r in rows) else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
