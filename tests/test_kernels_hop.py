@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
-from ringattn_fast.kernels import pallas_gpu, pallas_tpu, pallas_tpu_fused, tiles
+from ringattn_fast.kernels import pallas_gpu, pallas_tpu, pallas_tpu_fused, tiles, xla
 from ringattn_fast.kernels.tiles import empty_tiles
 from ringattn_fast.masks import mark_bad_keys
 from ringattn_fast.schedule import HopConfig, KVShard, QShard
@@ -536,3 +536,34 @@ def test_tpu_lane_dense_path_batch_and_kv_heads(backward, monkeypatch):
                      normal(b, s, hk * group, d), pos, pos, pos // 100, pos // 100, scale=d ** -0.5, causal=True,
                      block_q=128, block_kv=128)
     assert_matches_oracle(run_hop(pallas_tpu, pb), run_oracle(pb), TOL)
+
+
+@given(problems(blocks=(8, 16), max_tiles=4))
+@settings(max_examples=examples(8))
+def test_xla_hop_span_loop_matches_oracle(pb):
+    """The XLA hop's span loop (``xla._span_loop``: large tiles, a TPU's defaults) on any layout and mask:
+    tiles outside the span never run, those inside run masked; here forced onto small tiles."""
+    saved, xla.SPAN_MIN_TILE = xla.SPAN_MIN_TILE, 0
+    try:
+        assert_matches_oracle(run_hop(xla, pb), run_oracle(pb), TOL)
+    finally:
+        xla.SPAN_MIN_TILE = saved
+
+
+@pytest.mark.parametrize("layout", ["causal", "striped_window"])
+def test_xla_hop_span_loop_skips_dead_tiles(layout):
+    """Tiles of NaN K/V that no query sees: the span loop leaves them out or masks them (finite, exact)."""
+    pb, dead = poisoned_problem(layout)
+    saved, xla.SPAN_MIN_TILE = xla.SPAN_MIN_TILE, 0
+    try:
+        nan = jnp.where(jnp.asarray(dead)[None, :, None, None], jnp.nan, 1.0)
+        got = run_hop(xla, dict(pb, k=pb["k"] * nan, v=pb["v"] * nan))
+    finally:
+        xla.SPAN_MIN_TILE = saved
+    assert_matches_oracle(got, run_oracle(pb), TOL)
+
+
+def test_xla_hop_spans_large_tiles_only():
+    """The span loop is for tiles of at least 512 x 512 (a TPU's defaults); the CPU's 128 switch per tile."""
+    assert xla._spans(HopConfig(block_q=1024, block_kv=1024)) and xla._spans(HopConfig(block_q=512, block_kv=512))
+    assert not xla._spans(HopConfig(block_q=128, block_kv=128))

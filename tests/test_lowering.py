@@ -378,3 +378,16 @@ def test_the_hardware_page_example_runs_as_written():
     page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "hardware.md").read_text()
     (block,) = re.findall(r"```python\n(.*?)```", page, flags=re.S)
     exec(compile(block, "docs/hardware.md", "exec"), {})
+
+
+def test_default_forward_tiles_of_wide_heads():
+    """Past d = 128 the forward's target is ``TUNED["fwd_wide"]`` (on a v5e its 2048 x 2048 tile was 2.2x
+    slower than 1024 x 1024 at d = 256, causal, 16K tokens); the backward's is the same for every width."""
+    from ringattn_fast.kernels import pallas_tpu
+
+    device = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+    for d, fwd in ((64, "fwd"), (128, "fwd"), (256, "fwd_wide")):
+        q, k = (1, 16384, 8, d), (1, 16384, 8, d)
+        top = pallas_tpu.TUNED[fwd]
+        assert pallas_tpu.default_blocks(q, k, jnp.bfloat16, device) == (top, top), d
+        assert pallas_tpu.default_bwd_blocks(q, k, jnp.bfloat16, device) == (pallas_tpu.TUNED["bwd"],) * 2, d

@@ -695,8 +695,11 @@ def _blocks(sq, sk):
 # bfloat16, d = 128, 8 heads, 4K and 16K tokens per device, causal or not, each kernel alone. The forward
 # was fastest at 2048 x 2048 in every case (1024 x 1024: 0-10 % slower; 512 x 512: 29-87 % slower); the
 # fused backward at 1024 x 1024 (within 2 % of each case's best; 2048 x 2048: up to 2x slower causal).
-# Every chip gets these targets; its VMEM budget (`budgets`) shrinks them where they do not fit.
-TUNED = {"fwd": 2048, "bwd": 1024}
+# A second sweep (tune4: d = 64 and 256 in bfloat16, float32 at d = 128; 1K and 16K tokens): the same, but
+# past d = 128 the forward's 2048 x 2048 tile fell off a cliff (2.2x slower than 1024 x 1024 causal at
+# d = 256, 16K), so wide heads get "fwd_wide". Every chip gets these targets; its VMEM budget (`budgets`)
+# shrinks them where they do not fit.
+TUNED = {"fwd": 2048, "fwd_wide": 1024, "bwd": 1024}
 
 
 def _default(q_shape, k_shape, dtype, device, backward):
@@ -704,7 +707,12 @@ def _default(q_shape, k_shape, dtype, device, backward):
         return None
     est = lambda bq, bk: footprints(HopConfig(block_q=bq, block_kv=bk), q_shape, k_shape, dtype, backward)  # noqa: E731
     return budgets.default_tiles(budgets.chip(device.device_kind), est, q_shape[1], k_shape[1],
-                                 q_multiple=SUBLANES, kv_multiple=LANES, top=TUNED["bwd" if backward else "fwd"])
+                                 q_multiple=SUBLANES, kv_multiple=LANES, top=TUNED[_tuned_key(q_shape, backward)])
+
+
+def _tuned_key(q_shape, backward):
+    """The :data:`TUNED` entry of a kernel: the backward's, or the forward's for heads up to 128 wide or wider."""
+    return "bwd" if backward else "fwd" if q_shape[-1] <= LANES else "fwd_wide"
 
 
 def default_blocks(q_shape, k_shape, dtype, device, *, n=None):
