@@ -14,7 +14,8 @@ empty, recomputes the probabilities and accumulates the gradients (FA-2 Algorith
 which :func:`score_slope` takes by the complex step, numpy having no autodiff).
 
 ``dQ`` stays on its host. ``dK``/``dV`` (a ``KVGrads``) travel with their K/V shard in the same
-``ring.Message`` (the authors' code rotates ``k, v, dk, dv`` together); after the last step host ``i``
+``ring.Message`` (the authors' code, haoliuhl/ringattention ``ringattention/ringattention_jax.py`` at
+commit 6305e2fb, rotates ``k, v, dk, dv`` together); after the last step host ``i``
 holds shard ``i + 1``, so one final
 gradient-only send brings every ``dK``/``dV`` home. With GQA the kv-head gradients are summed over the
 query heads of the group. A row that saw nothing has ``P = 0``: zero, finite gradients. A masked
