@@ -480,32 +480,48 @@ def _run_on_devices(pairs):
         raise AssertionError(f"lax.ppermute with your pairs gave {np.asarray(out).tolist()}")
 
 
+def _ring_traces(*, batch, seq, kv_heads, dim, n_devices, itemsize):
+    """The forward and backward traces of ``ringattn_ref``'s ring on the exercise's shapes (one query head
+    per K/V head: the query heads do not travel), inputs of ``itemsize`` bytes: what a device sends, measured."""
+    from ringattn_ref.backward import ring_attention_vjp
+
+    dtype = {2: np.float16, 4: np.float32, 8: np.float64}[itemsize]
+    x = np.random.default_rng(0).standard_normal((batch, seq, kv_heads, dim)).astype(dtype)
+    _, fwd = ring_attention(x, x, x, n_hosts=n_devices, return_trace=True)
+    *_, bwd = ring_attention_vjp(x, x, x, np.ones(x.shape), n_hosts=n_devices, return_trace=True)
+    return fwd, bwd
+
+
 def check_kv_bytes_sent(answer, *, batch=1, seq=256, kv_heads=2, dim=16, n_devices=8, itemsize=4):
     """07, exercise 2: bytes of K and V one device sends over a whole forward ring (positions aside).
 
-    Defaults: the notebook's problem (batch 1, seq 256, 2 kv heads, dim 16, float32, 8 devices).
+    Defaults: the notebook's problem (batch 1, seq 256, 2 kv heads, dim 16, float32, 8 devices). Measured
+    on the simulated ring's trace (``bytes_sent`` of device 0, every step), the ring ``ringattn_fast``
+    compiles to the same schedule (notebook 07).
     """
     if _pending(answer, "bytes of K and V one device sends in the forward"):
         return False
-    shard = batch * (seq // n_devices) * kv_heads * dim * itemsize  # one of K, V on one device
-    want = (n_devices - 1) * 2 * shard
+    fwd, _ = _ring_traces(batch=batch, seq=seq, kv_heads=kv_heads, dim=dim, n_devices=n_devices, itemsize=itemsize)
+    want, sends = int(fwd.bytes_sent[0].sum()), int((fwd.bytes_sent[0] > 0).sum())
     got = _as_int(answer, "the number of bytes")
     if got != want:
         raise AssertionError(f"got {got}; hint: how many ppermute sends does the scan make (no send after the "
                              f"last step), and how large are one device's K and V shards?")
-    return _correct(f"{n_devices - 1} sends x 2 x {shard} bytes = {want} bytes; the queries never move")
+    return _correct(f"{sends} sends x {want // sends} bytes (K and V) = {want} bytes; the queries never move")
 
 
 def check_bwd_bytes_sent(answer, *, batch=1, seq=256, kv_heads=2, dim=16, n_devices=8, itemsize=4):
-    """07, exercise 3: bytes of K, V, dK and dV one device sends in the backward ring (float32 all)."""
+    """07, exercise 3: bytes of K, V, dK and dV one device sends in the backward ring (float32 all),
+    measured on the simulated backward ring's trace (``ring_attention_vjp(..., return_trace=True)``)."""
     if _pending(answer, "bytes one device sends in the backward"):
         return False
-    shard = batch * (seq // n_devices) * kv_heads * dim * itemsize  # one of K, V, dK, dV
-    want = (n_devices - 1) * 2 * shard + n_devices * 2 * shard  # K/V N - 1 times, dK/dV N times
+    fwd, bwd = _ring_traces(batch=batch, seq=seq, kv_heads=kv_heads, dim=dim, n_devices=n_devices,
+                            itemsize=itemsize)
+    want = int(bwd.bytes_sent[0].sum())
     if _as_int(answer, "the number of bytes") != want:
         raise AssertionError(f"got {answer}; K/V move N - 1 times, dK/dV N times (the last move brings them "
                              "home): see ringattn_fast.backward's docstring")
-    return _correct(f"{want} bytes: {want / ((n_devices - 1) * 2 * shard):.3g}x the forward's")
+    return _correct(f"{want} bytes: {want / fwd.bytes_sent[0].sum():.3g}x the forward's")
 
 
 def check_ring_step_messages(step_messages):
