@@ -16,7 +16,7 @@ functions that use them), so importing all of them costs a few milliseconds beyo
 """
 from . import variants
 from .attention import attention
-from .backward import hop_attention_vjp, ring_attention_vjp
+from .backward import backward_factors, hop_attention_vjp, ring_attention_vjp
 from .balance import Balance, balanced_layout, imbalance, layout_block_mask, step_imbalance
 from .block_mask import BlockMask, ring_block_mask, tile_kinds
 from .blockwise import blockwise_attention, hop_attention
@@ -46,3 +46,4 @@ __all__ += ["BlockMask", "ring_block_mask", "tile_kinds"]
 __all__ += ["Hardware", "hybrid_attention", "hybrid_bytes_sent", "hybrid_splits", "kv_repeat"]
 __all__ += ["Balance", "Layout", "as_layout", "balanced_layout", "imbalance", "layout_block_mask",
             "per_document_zigzag", "step_imbalance"]
+__all__ += ["backward_factors"]

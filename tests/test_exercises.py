@@ -75,3 +75,28 @@ def test_answer_passes_and_wrong_answer_fails(notebook, preamble, code, check, v
     assert checker(namespace[var]) is True
     with pytest.raises(AssertionError):
         checker(_wrong(namespace[var]))
+
+
+def test_backward_checks_follow_the_measured_factors(monkeypatch, capsys):
+    """The backward bounds come from the traces (``ringattn_ref.backward_factors``), not from a constant:
+    change what the traces say and the expected answers move with it."""
+    from ringattn_ref import backward, cost
+
+    nvlink, v5e = cost.HARDWARE["A100 NVLink"], cost.HARDWARE["TPU v5e"]
+    f_b = nvlink.flops_per_s / nvlink.bandwidth_bytes_per_s
+    assert exercises.check_backward_min_block(1.2 * f_b) is True
+    assert exercises.check_backward_bytes_ratio(3.0) is True
+    monkeypatch.setattr(backward, "backward_factors", lambda itemsize=2, **kw: (2.5, 2.0))
+    with pytest.raises(AssertionError):
+        exercises.check_backward_min_block(1.2 * f_b)
+    assert exercises.check_backward_min_block(0.8 * f_b) is True
+    causal = 0.8 * cost.min_block_size(v5e.flops_per_s, v5e.bandwidth_bytes_per_s, heads=32, kv_heads=8, fill=0.5)
+    assert exercises.check_min_block_backward_causal(causal) is True
+
+
+def test_ffn_peak_is_measured_on_the_blockwise_feedforward():
+    """The expected peak is what ``blockwise_feedforward`` hands the FFN per call, so other sizes follow."""
+    assert exercises._ffn_peak_elements(2, 4096, 256, 1024, 512) == (2 * 512 * 1024, 8)
+    assert exercises.check_ffn_peak_elements(3 * 128 * 64, batch=3, seq=512, hidden=16, ffn_hidden=64, block=128)
+    with pytest.raises(AssertionError):
+        exercises.check_ffn_peak_elements(3 * 512 * 64, batch=3, seq=512, hidden=16, ffn_hidden=64, block=128)

@@ -41,6 +41,7 @@ WRONG = {
     "lab06": ("return dq, dk, dv", "return dq, dk * 0.5, dv", "dk is the oracle's"),
     "lab07": ("top = lax.pmax(lse, axis_name)", "top = lse", "is the oracle's over the row's"),
     "lab08": ("return fits[0], measured", "return fits[-1], measured", "the simplest strategy that fits"),
+    "lab09": ("(k_pos - start < prefix)", "(k_pos - start <= prefix)", "the packed prefix-LM documents' mask"),
 }
 RACY = ("    s = scale * jnp.dot(q_ref[...], k_ref[...].T,", """    def read_before_wait(buf, sem):
         copy = pltpu.make_async_copy(k_ref, buf, sem)
@@ -232,3 +233,12 @@ def test_handout_has_no_solutions_and_grades(tmp_path):
         mine.write_text((SOLUTIONS / LAB_FILES[lab][0]).read_text())
         run = _grade(lab, mine, (), {"PYTHONPATH": ""}, cwd=dest, grade=dest / "notebooks" / "labs" / "grade.py")
         assert run.returncode == 0 and _verdict(run).startswith(f"PASS {lab}"), run.stdout + run.stderr[-2000:]
+
+
+def test_lab09_wrong_variants_cover_the_mask_the_ring_and_the_block_mask():
+    """Lab 9's wrong files fail on each of its three parts: the mask's definition, the mask called per
+    tile by the ring (not elementwise), and the block mask's counting (a tile judged by its corners)."""
+    expects = {_declared(p)[1] for p in WRONG_FILES if _declared(p)[0] == "lab09"}
+    assert {"the mask is the packed prefix-LM documents' mask",
+            "the library's ring with your mask_fn (called per tile) gives the oracle's output",
+            "block_mask's tile kinds are the library's block mask"} <= expects, expects

@@ -198,7 +198,8 @@ KIT = ROOT / "docs" / "instructor"
 KIT_PAGES = ("answers", "exam", "project", "readings")
 PAPERS = {"2310.01889": "Ring Attention", "2305.19370": "Blockwise Parallel Transformer",
           "2205.14135": "FlashAttention", "2307.08691": "FlashAttention-2", "2311.09431": "Striped Attention",
-          "2309.14509": "DeepSpeed Ulysses", "2405.07719": "USP", "2411.01783": "Context Parallelism"}
+          "2309.14509": "DeepSpeed Ulysses", "2405.07719": "USP", "2411.01783": "Context Parallelism",
+          "2412.05496": "FlexAttention", "2309.17453": "StreamingLLM"}
 _ANSWER = re.compile(r'<details class="answer">(.*?)</details>', re.S)
 _PYTHON = re.compile(r"```python\n(.*?)```", re.S)
 
@@ -244,9 +245,35 @@ def test_exam_bank_project_and_readings():
     assert sum(points) == 100 and len(points) >= 4, f"rubric points {points} should add up to 100"
     readings = (KIT / "readings.md").read_text()
     weeks = [int(w) for w in re.findall(r"^\| (\d+) \|", readings, flags=re.M)]
-    assert weeks == list(range(1, 15)), f"readings for weeks {weeks}; expected 1-14"
+    assert weeks == list(range(1, 17)), f"readings for weeks {weeks}; expected 1-16 (one notebook a week)"
     missing = {arxiv: name for arxiv, name in PAPERS.items() if f"arXiv:{arxiv}" not in readings}
     assert not missing, f"readings.md does not name {missing}"
+
+
+def test_semester_plan_is_one_notebook_a_week_and_the_final_counts():
+    """docs/course.md: every notebook in a week of its own, presentations in a week with no notebook, each
+    lab set in or after the week of the notebooks it builds on; the kit's weighting adds up to 100 % with the
+    final exam and the presentation in it, and the final covers 14 and 15 (issue 32)."""
+    course = (ROOT / "docs" / "course.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| ([^|]*) \| ([^|]*) \|$", course.split("## A semester plan")[1], flags=re.M)
+    notebooks = {int(week): re.findall(r"\b(\d\d) ·", cell) for week, cell, _ in rows}
+    assert sorted(nb for nbs in notebooks.values() for nb in nbs) == [f"{i:02d}" for i in range(16)]
+    assert all(len(nbs) <= 1 for nbs in notebooks.values()), notebooks
+    assert any("presentations" in cell and not notebooks[int(week)] for week, cell, _ in rows)
+    first_week = {nb: week for week, nbs in notebooks.items() for nb in nbs}
+    builds_on = {1: "01", 2: "03", 3: "07", 4: "07", 5: "08", 6: "07", 7: "11", 8: "13", 9: "14"}
+    for week, _, labs in rows:
+        for lab in map(int, re.findall(r"lab (\d):", labs)):
+            assert int(week) >= first_week[builds_on[lab]], f"lab {lab} set in week {week}, before {builds_on[lab]}"
+    index = (KIT / "index.md").read_text()
+    weights = dict(re.findall(r"^\| ([a-z][^|]*?) \| (\d+) % \|", index.split("## Grading")[1], flags=re.M))
+    assert sum(map(int, weights.values())) == 100, weights
+    assert any(k.startswith("final exam") for k in weights) and any(k.startswith("presentation") for k in weights)
+    assert "labs 1–9" in weights
+    exam = (KIT / "exam.md").read_text()
+    final = exam.split("## Final: notebooks 07–15")[1]
+    for needle in ("soft-cap", "sink", "prefix-LM", "per-document"):
+        assert needle in final, f"the final has no question on {needle}"
 
 
 def test_show_source_renders_highlighted_and_plain():

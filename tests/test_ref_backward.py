@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 
 from ringattn_ref import attention, ring_attention_vjp
@@ -97,3 +98,64 @@ def test_gqa_gradients_are_summed_over_the_group():
     dq1, dk1, dv1 = ring_attention_vjp(q1, k, v, do1, n_hosts=2, causal=True)
     assert np.abs(dk4 - 4 * dk1).max() <= TOL and np.abs(dv4 - 4 * dv1).max() <= TOL
     assert np.abs(dq4 - dq1).max() <= TOL
+
+
+def _trace_pair(dtype, *, causal=False, layout="contiguous", n_hosts=4, dim=8, dim_v=8, kv_heads=1, mask_fn=None):
+    """The forward and backward ring traces of one problem (block 4 on shards of 8 tokens)."""
+    from ringattn_ref import ring_attention
+
+    rng = np.random.default_rng(0)
+    seq, heads = 8 * n_hosts, 2
+    q = rng.standard_normal((1, seq, heads, dim)).astype(dtype)
+    k = rng.standard_normal((1, seq, kv_heads, dim)).astype(dtype)
+    v = rng.standard_normal((1, seq, kv_heads, dim_v)).astype(dtype)
+    do = rng.standard_normal((1, seq, heads, dim_v))
+    kw = dict(n_hosts=n_hosts, causal=causal, layout=layout, block_q=4, block_kv=4, mask_fn=mask_fn)
+    _, fwd = ring_attention(q, k, v, return_trace=True, **kw)
+    *grads, bwd = ring_attention_vjp(q, k, v, do, return_trace=True, **kw)
+    want = ring_attention_vjp(q, k, v, do, **kw)
+    assert all(np.array_equal(g, w) for g, w in zip(grads, want))  # the trace changes no gradient
+    return fwd, bwd, (q, k, v)
+
+
+def test_backward_trace_counts_five_matmuls_per_tile_and_the_forwards_tiles():
+    """Per computed tile the backward does Q K^T, dV, dP, dQ, dK: 2 b h Br Bc (3 d + 2 d_v) FLOPs, 2.5x the
+    forward's at d_v = d; and it computes exactly the tiles the forward computes (causal, zigzag, mask_fn)."""
+    for causal, layout, mask_fn in ((False, "contiguous", None), (True, "contiguous", None), (True, "zigzag", None),
+                                    (False, "contiguous", lambda q, k, qs, ks, h: (q // 8) == (k // 8))):
+        fwd, bwd, _ = _trace_pair(np.float64, causal=causal, layout=layout, mask_fn=mask_fn)
+        assert np.array_equal(bwd.kv_idx, fwd.kv_idx)
+        assert np.array_equal(bwd.tiles_computed, fwd.tiles_computed)
+        assert np.array_equal(bwd.tiles_skipped, fwd.tiles_skipped)
+        assert np.array_equal(bwd.hop_skipped, fwd.hop_skipped)
+        done = fwd.flops > 0
+        assert np.allclose(bwd.flops[done] / fwd.flops[done], 2.5, rtol=0, atol=1e-12)
+        assert (bwd.flops[~done] == 0).all()
+    fwd, bwd, _ = _trace_pair(np.float64, dim=8, dim_v=4)
+    assert np.allclose(bwd.flops / fwd.flops, (3 * 8 + 2 * 4) / (8 + 4))  # 2 (3d + 2d_v) vs 2 (d + d_v)
+
+
+def test_backward_trace_sends_kv_and_their_float32_gradients_then_the_gradients_home():
+    """bf16-sized K/V (float16 stands in: same itemsize) travel with float32 dK/dV: 3x the forward's bytes
+    per step, and the last step sends the gradients home (2x); float64 inputs keep float64 gradients (2x)."""
+    for dtype, ratio, last in ((np.float16, 3.0, 2.0), (np.float32, 2.0, 1.0), (np.float64, 2.0, 1.0)):
+        fwd, bwd, (_, k, v) = _trace_pair(dtype, kv_heads=2)
+        kv_bytes = (k.size + v.size) // 4 * np.dtype(dtype).itemsize  # one shard of 4
+        assert (fwd.bytes_sent[:, :-1] == kv_bytes).all()
+        assert np.array_equal(bwd.bytes_sent[:, :-1], ratio * fwd.bytes_sent[:, :-1])
+        assert (bwd.bytes_sent[:, -1] == last * kv_bytes).all()
+        assert np.array_equal(bwd.meta_bytes_sent, fwd.meta_bytes_sent)
+    fwd, bwd, _ = _trace_pair(np.float16, n_hosts=1)
+    assert (bwd.bytes_sent == 0).all() and (fwd.bytes_sent == 0).all()  # a ring of one sends nothing
+
+
+def test_backward_factors_are_measured_from_the_traces():
+    """bf16: 2.5x the FLOPs for 3x the bytes, so a backward hop hides its send from c >= 1.2 F/B; float32
+    inputs send gradients as wide as K/V (2x); a narrower d_v changes the FLOP ratio to (3d + 2d_v)/(d + d_v)."""
+    from ringattn_ref import backward_factors
+
+    assert backward_factors(2) == (2.5, 3.0)
+    assert backward_factors(4) == (2.5, 2.0) and backward_factors(8) == (2.5, 2.0)
+    assert np.isclose(backward_factors(2, dim=8, dim_v=4)[0], (24 + 8) / 12)
+    with pytest.raises(ValueError, match="itemsize"):
+        backward_factors(3)

@@ -38,6 +38,7 @@ LABS = {
     "lab06": ("lab06_ring_backward.py", 120, "x64"),
     "lab07": ("lab07_decode.py", 120, "x64"),
     "lab08": ("lab08_strategy.py", 120, "x32"),
+    "lab09": ("lab09_programmable_mask.py", 60, None),
 }
 
 

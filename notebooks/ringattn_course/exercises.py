@@ -166,18 +166,35 @@ def check_kv_outer_blockwise(kv_outer_attention):
     return _correct("equal to attention for block_kv in (4, 2, 16)")
 
 
-def check_ffn_peak_elements(answer):
-    """02, exercise 2: intermediate FFN elements alive at once, blockwise, for the notebook's sizes.
+def _ffn_peak_elements(batch, seq, hidden, ffn_hidden, block):
+    """The largest intermediate activation ``max(0, x W1 + b1)`` one call of the FFN builds when
+    ``ringattn_ref.blockwise_feedforward`` runs it ``block`` tokens at a time: measured by handing the
+    library a stand-in FFN that builds that activation (``[..., ffn_hidden]`` for the tokens it is given)
+    and records its size (int8 and a broadcast input, so the measurement itself is small)."""
+    from ringattn_ref.feedforward import blockwise_feedforward
 
-    batch 2, seq 4096, hidden 256, ffn_hidden 1024 (4x), block 512.
-    """
+    sizes = []
+
+    def ffn(x):  # position-wise, as the real FFN: one hidden row of ffn_hidden per token
+        sizes.append(np.zeros(x.shape[:-1] + (ffn_hidden,), np.int8).size)
+        return x
+
+    blockwise_feedforward(ffn, np.broadcast_to(np.int8(0), (batch, seq, hidden)), block)
+    return max(sizes), len(sizes)
+
+
+def check_ffn_peak_elements(answer, *, batch=2, seq=4096, hidden=256, ffn_hidden=1024, block=512):
+    """02, exercise 2: intermediate FFN elements alive at once, blockwise, for the notebook's sizes
+    (batch 2, seq 4096, hidden 256, ffn_hidden 1024 (4x), block 512), measured on the library's
+    ``blockwise_feedforward`` (:func:`_ffn_peak_elements`)."""
     if _pending(answer, "peak intermediate elements of the blockwise FFN"):
         return False
-    want = 2 * 512 * 1024  # [batch, block, ffn_hidden]: one block of the hidden activation
-    if int(answer) != want:
+    want, calls = _ffn_peak_elements(batch, seq, hidden, ffn_hidden, block)
+    whole, _ = _ffn_peak_elements(batch, seq, hidden, ffn_hidden, seq)
+    if _as_int(answer, "the number of elements") != want:
         raise AssertionError(f"got {answer}; the hidden activation max(0, x W1 + b1) of one block "
                              "is alive at a time: [batch, block, ffn_hidden]")
-    return _correct(f"{want} elements, {4096 // 512}x fewer than the whole sequence's")
+    return _correct(f"{want} elements in each of {calls} calls, {whole // want}x fewer than the whole sequence's")
 
 
 def check_score_tile_elements(answer, *, batch=2, heads=4, block_q=128, block_kv=256):
@@ -307,30 +324,43 @@ def check_backward_bytes_ratio(answer):
     """05, exercise 2: bytes a host sends per backward step / per forward step, with K and V in
     bfloat16 and the dK, dV accumulators in float32 (as ``ringattn_fast.backward`` sends them).
 
-    Computed from a ring trace: the forward's bytes per step at 2 bytes per element (float16 inputs
-    stand in for bfloat16, same itemsize) give the K/V element count; dK, dV have as many elements.
+    Measured from the two rings' traces (``ring_attention(..., return_trace=True)`` and
+    ``ring_attention_vjp(..., return_trace=True)``), float16 inputs standing in for bfloat16 (same itemsize).
     """
     if _pending(answer, "backward / forward bytes per step"):
         return False
+    from ringattn_ref.backward import ring_attention_vjp
+
     q, k, v = (x.astype(np.float16) for x in _problem(11, seq=8, heads=2, kv_heads=1, dim=4))
-    _, trace = ring_attention(q, k, v, n_hosts=2, return_trace=True)
-    fwd = int(trace.bytes_sent[0, 0])  # K and V, 2 bytes each
-    kv_elements = fwd // 2
-    bwd = fwd + kv_elements * 4  # + dK and dV, float32
-    _close(answer, bwd / fwd, 1e-12, "the backward sends K and V (2 bytes) plus dK and dV (4 bytes each)")
-    return _correct(f"{bwd / fwd:g}x the forward's bytes per step")
+    _, fwd = ring_attention(q, k, v, n_hosts=2, return_trace=True)
+    *_, bwd = ring_attention_vjp(q, k, v, np.ones(q.shape), n_hosts=2, return_trace=True)
+    want = bwd.bytes_sent[0, 0] / fwd.bytes_sent[0, 0]
+    _close(answer, want, 1e-12, "the backward sends K and V (2 bytes) plus dK and dV (4 bytes each)")
+    return _correct(f"{want:g}x the forward's bytes per step")
+
+
+def _backward_bound(hardware, **kwargs):
+    """The shortest shard whose *backward* hop hides its send on ``hardware``: ``cost.min_block_size``
+    (keywords: heads, kv_heads, fill) times the bytes / FLOPs ratio measured from the rings' traces
+    (``ringattn_ref.backward_factors``, bf16)."""
+    from ringattn_ref.backward import backward_factors
+
+    hw = cost.HARDWARE[hardware]
+    flops_ratio, bytes_ratio = backward_factors(2)
+    return cost.min_block_size(hw.flops_per_s, hw.bandwidth_bytes_per_s, **kwargs) * bytes_ratio / flops_ratio
 
 
 def check_backward_min_block(answer, *, hardware="A100 NVLink"):
     """05, exercise 3: the backward's minimal shard length ``c`` (tokens per host; the paper's "block
-    size") on A100 + NVLink: FA-2's backward computes 2.5x the forward's FLOPs per tile and sends 3x
-    its bytes (float32 dK/dV)."""
+    size") on A100 + NVLink: FA-2's backward computes more FLOPs per tile and sends more bytes (float32
+    dK/dV) than the forward, both ratios measured from the traces (:func:`_backward_bound`)."""
     if _pending(answer, "minimal block size for the backward ring"):
         return False
-    hw = cost.HARDWARE[hardware]
-    want = cost.min_block_size(hw.flops_per_s, hw.bandwidth_bytes_per_s) * 3 / 2.5
+    want = _backward_bound(hardware)
+    forward = cost.HARDWARE[hardware]
+    f_b = cost.min_block_size(forward.flops_per_s, forward.bandwidth_bytes_per_s)
     _close(answer, want, 1e-3, "10 d c^2 / F >= 12 c d / B")
-    return _correct(f"c >= {want:.0f} tokens: 1.2 F/B, the backward binds, not the forward")
+    return _correct(f"c >= {want:.0f} tokens: {want / f_b:g} F/B, the backward binds, not the forward")
 
 
 def check_window_dk_blocks(dk_blocks, *, shard=8, window=(4, 0)):
@@ -450,32 +480,48 @@ def _run_on_devices(pairs):
         raise AssertionError(f"lax.ppermute with your pairs gave {np.asarray(out).tolist()}")
 
 
+def _ring_traces(*, batch, seq, kv_heads, dim, n_devices, itemsize):
+    """The forward and backward traces of ``ringattn_ref``'s ring on the exercise's shapes (one query head
+    per K/V head: the query heads do not travel), inputs of ``itemsize`` bytes: what a device sends, measured."""
+    from ringattn_ref.backward import ring_attention_vjp
+
+    dtype = {2: np.float16, 4: np.float32, 8: np.float64}[itemsize]
+    x = np.random.default_rng(0).standard_normal((batch, seq, kv_heads, dim)).astype(dtype)
+    _, fwd = ring_attention(x, x, x, n_hosts=n_devices, return_trace=True)
+    *_, bwd = ring_attention_vjp(x, x, x, np.ones(x.shape), n_hosts=n_devices, return_trace=True)
+    return fwd, bwd
+
+
 def check_kv_bytes_sent(answer, *, batch=1, seq=256, kv_heads=2, dim=16, n_devices=8, itemsize=4):
     """07, exercise 2: bytes of K and V one device sends over a whole forward ring (positions aside).
 
-    Defaults: the notebook's problem (batch 1, seq 256, 2 kv heads, dim 16, float32, 8 devices).
+    Defaults: the notebook's problem (batch 1, seq 256, 2 kv heads, dim 16, float32, 8 devices). Measured
+    on the simulated ring's trace (``bytes_sent`` of device 0, every step), the ring ``ringattn_fast``
+    compiles to the same schedule (notebook 07).
     """
     if _pending(answer, "bytes of K and V one device sends in the forward"):
         return False
-    shard = batch * (seq // n_devices) * kv_heads * dim * itemsize  # one of K, V on one device
-    want = (n_devices - 1) * 2 * shard
+    fwd, _ = _ring_traces(batch=batch, seq=seq, kv_heads=kv_heads, dim=dim, n_devices=n_devices, itemsize=itemsize)
+    want, sends = int(fwd.bytes_sent[0].sum()), int((fwd.bytes_sent[0] > 0).sum())
     got = _as_int(answer, "the number of bytes")
     if got != want:
         raise AssertionError(f"got {got}; hint: how many ppermute sends does the scan make (no send after the "
                              f"last step), and how large are one device's K and V shards?")
-    return _correct(f"{n_devices - 1} sends x 2 x {shard} bytes = {want} bytes; the queries never move")
+    return _correct(f"{sends} sends x {want // sends} bytes (K and V) = {want} bytes; the queries never move")
 
 
 def check_bwd_bytes_sent(answer, *, batch=1, seq=256, kv_heads=2, dim=16, n_devices=8, itemsize=4):
-    """07, exercise 3: bytes of K, V, dK and dV one device sends in the backward ring (float32 all)."""
+    """07, exercise 3: bytes of K, V, dK and dV one device sends in the backward ring (float32 all),
+    measured on the simulated backward ring's trace (``ring_attention_vjp(..., return_trace=True)``)."""
     if _pending(answer, "bytes one device sends in the backward"):
         return False
-    shard = batch * (seq // n_devices) * kv_heads * dim * itemsize  # one of K, V, dK, dV
-    want = (n_devices - 1) * 2 * shard + n_devices * 2 * shard  # K/V N - 1 times, dK/dV N times
+    fwd, bwd = _ring_traces(batch=batch, seq=seq, kv_heads=kv_heads, dim=dim, n_devices=n_devices,
+                            itemsize=itemsize)
+    want = int(bwd.bytes_sent[0].sum())
     if _as_int(answer, "the number of bytes") != want:
         raise AssertionError(f"got {answer}; K/V move N - 1 times, dK/dV N times (the last move brings them "
                              "home): see ringattn_fast.backward's docstring")
-    return _correct(f"{want} bytes: {want / ((n_devices - 1) * 2 * shard):.3g}x the forward's")
+    return _correct(f"{want} bytes: {want / fwd.bytes_sent[0].sum():.3g}x the forward's")
 
 
 def check_ring_step_messages(step_messages):
@@ -691,12 +737,13 @@ def check_min_block_gqa_infiniband(answer):
 
 
 def check_min_block_backward_causal(answer, *, hardware="TPU v5e"):
-    """10, exercise 3: the causal diagonal hop of the backward on TPU v5e, GQA 32:8 (peak rates)."""
+    """10, exercise 3: the causal diagonal hop of the backward on TPU v5e, GQA 32:8 (peak rates): the
+    question's half-full hop (``fill=0.5``) and GQA factor, the backward's factor measured from the traces
+    (:func:`_backward_bound`)."""
     if _pending(answer, "minimal block for the causal backward hop with GQA"):
         return False
-    hw = cost.HARDWARE[hardware]
-    want = cost.min_block_size(hw.flops_per_s, hw.bandwidth_bytes_per_s, heads=32, kv_heads=8, fill=0.5) * 3 / 2.5
-    _close(answer, want, 1e-3, "backward factor 3 / 2.5, causal factor 2, GQA factor 8 / 32")
+    want = _backward_bound(hardware, heads=32, kv_heads=8, fill=0.5)
+    _close(answer, want, 1e-3, "backward factor (bytes ratio / FLOPs ratio), causal factor 2, GQA factor 8 / 32")
     return _correct(f"c >= {want:.0f} tokens")
 
 
