@@ -80,6 +80,38 @@ class Program:
         return [c for c in self.collectives if c.opcode in opcodes]
 
 
+_TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z]\w*)>")
+_REGION_ARG = re.compile(r"%arg\d+: (tensor<[^>]*>)")
+
+
+def per_host_arrays(stablehlo):
+    """``[(dtype, shape), ...]`` of every array a host holds inside the program's ``shard_map`` bodies: the
+    body's arguments (its operands' per-host shards, and any constant the trace hoisted out of the body
+    and passed in whole) and every value the body computes, read from the exported StableHLO (what the
+    solution traced, before XLA simplifies anything). Shardy's ``sdy.manual_computation`` regions and
+    the older ``shmap_body`` functions both count."""
+    lines, out = stablehlo.splitlines(), []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        shardy = "sdy.manual_computation(" in line and line.rstrip().endswith("{")
+        legacy = re.match(r"\s*func\.func\b.*@shmap_body", line) is not None and line.rstrip().endswith("{")
+        if not (shardy or legacy):
+            i += 1
+            continue
+        header = line.split("manual_axes=", 1)[-1] if shardy else line
+        found = [m.group(1) for m in _REGION_ARG.finditer(header)]
+        depth, i = 1, i + 1
+        while i < len(lines) and depth > 0:
+            depth += lines[i].count("{") - lines[i].count("}")
+            if depth > 0:
+                found.append(lines[i].split(" loc(", 1)[0])
+            i += 1
+        for text in found:
+            out += [(dtype, tuple(int(d) for d in dims.split("x") if d)) for dims, dtype in _TENSOR.findall(text)]
+    return out
+
+
 def ring_direction(pairs, n):
     """'i -> i+1', 'i -> i-1' or None for a collective-permute's pairs on ``n`` devices."""
     pairs = set(pairs)
