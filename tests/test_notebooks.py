@@ -334,6 +334,17 @@ def test_show_source_renders_highlighted_and_plain():
     assert data["text/plain"] == str(listing) == repr(listing) == expected
 
 
+def test_notebooks_extra_has_what_the_notebooks_import():
+    """The ``[notebooks]`` extra (the Colab cell's and the course's install line) holds optax: notebook 12
+    trains the recall example's models with it (the handout run above would fail without it)."""
+    import tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["notebooks"]
+    names = {re.split(r"[<>=!~\[ ]", req, maxsplit=1)[0] for req in extra}
+    assert {"jupyter", "jupytext", "nbclient", "ipykernel", "matplotlib", "optax"} <= names, names
+
+
 def test_ipynb_copies_for_colab(tmp_path):
     """``make notebooks-ipynb``: one .ipynb per notebook, the install cell first, then the course."""
     import importlib.util
@@ -351,5 +362,6 @@ def test_ipynb_copies_for_colab(tmp_path):
         nbformat.validate(nb)
         first = nb.cells[0].source
         assert nb.cells[0].cell_type == "code" and '%pip install -q "{REPO}[notebooks]"' in first
+        assert 'os.chdir(os.path.join(REPO, "notebooks"))' in first  # where notebook 12 finds examples/, docs/
         assert "jax_num_cpu_devices" in next(c.source for c in nb.cells[1:] if c.cell_type == "code")
         assert [c.source for c in nb.cells[1:]] == [c.source for c in jupytext.read(src).cells]
