@@ -82,34 +82,53 @@ class Program:
 
 _TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z]\w*)>")
 _REGION_ARG = re.compile(r"%arg\d+: (tensor<[^>]*>)")
+_FUNC = re.compile(r"\s*func\.func\b[^@]*@([\w.$\-]+)\(")
+_CALL = re.compile(r"\bcall @([\w.$\-]+)")
+
+
+def _block(lines, i):
+    """The lines of the block opened by line ``i`` (which ends with ``{``), up to its closing brace."""
+    depth, body = 1, []
+    for line in lines[i + 1:]:
+        depth += line.count("{") - line.count("}")
+        if depth <= 0:
+            break
+        body.append(line.split(" loc(", 1)[0])
+    return body
 
 
 def per_host_arrays(stablehlo):
     """``[(dtype, shape), ...]`` of every array a host holds inside the program's ``shard_map`` bodies: the
     body's arguments (its operands' per-host shards, and any constant the trace hoisted out of the body
-    and passed in whole) and every value the body computes, read from the exported StableHLO (what the
-    solution traced, before XLA simplifies anything). Shardy's ``sdy.manual_computation`` regions and
-    the older ``shmap_body`` functions both count."""
-    lines, out = stablehlo.splitlines(), []
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        shardy = "sdy.manual_computation(" in line and line.rstrip().endswith("{")
-        legacy = re.match(r"\s*func\.func\b.*@shmap_body", line) is not None and line.rstrip().endswith("{")
-        if not (shardy or legacy):
-            i += 1
+    and passed in whole), every value the body computes, and the same for every function the body calls
+    (a nested ``jax.jit``), read from the exported StableHLO (what the solution traced, before XLA
+    simplifies anything). Shardy's ``sdy.manual_computation`` regions and the older ``shmap_body``
+    functions both count."""
+    lines = stablehlo.splitlines()
+    funcs, regions = {}, []
+    for i, line in enumerate(lines):
+        if not line.rstrip().endswith("{"):
             continue
-        header = line.split("manual_axes=", 1)[-1] if shardy else line
-        found = [m.group(1) for m in _REGION_ARG.finditer(header)]
-        depth, i = 1, i + 1
-        while i < len(lines) and depth > 0:
-            depth += lines[i].count("{") - lines[i].count("}")
-            if depth > 0:
-                found.append(lines[i].split(" loc(", 1)[0])
-            i += 1
-        for text in found:
-            out += [(dtype, tuple(int(d) for d in dims.split("x") if d)) for dims, dtype in _TENSOR.findall(text)]
-    return out
+        func = _FUNC.match(line)
+        if func:
+            funcs[func.group(1)] = [line.split(" loc(", 1)[0]] + _block(lines, i)
+            if func.group(1).startswith("shmap_body"):
+                regions.append(func.group(1))
+        elif "sdy.manual_computation(" in line:
+            header = line.split("manual_axes=", 1)[-1]  # the region's arguments, not the global operands
+            regions.append(" ".join(_REGION_ARG.findall(header)).splitlines() + _block(lines, i))
+    seen, texts, todo = set(), [], list(regions)
+    while todo:
+        region = todo.pop()
+        if isinstance(region, str):  # a function, by name
+            if region in seen or region not in funcs:
+                continue
+            seen.add(region)
+            region = funcs[region]
+        texts += region
+        todo += [name for text in region for name in _CALL.findall(text)]
+    return [(dtype, tuple(int(d) for d in dims.split("x") if d)) for text in texts
+            for dims, dtype in _TENSOR.findall(text)]
 
 
 def ring_direction(pairs, n):
