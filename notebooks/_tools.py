@@ -19,7 +19,13 @@ INSTALL_CELL = '''\
 # (notebooks/ipynb/). On Colab, clone first, e.g. `!git clone <URL of your ringattn clone> ringattn`,
 # then set REPO = "ringattn".
 REPO = "../.."
-%pip install -q "{REPO}[notebooks]"'''
+# [notebooks]: JAX, Jupyter, matplotlib and optax (notebook 12 trains with it).
+%pip install -q "{REPO}[notebooks]"
+# Run in the clone's notebooks/ folder, as the course's tests do: notebook 12 imports the recall example
+# (examples/) and reads docs/ from the folder above it (a second run of this cell finds itself there).
+import os
+if os.path.isdir(os.path.join(REPO, "notebooks")):
+    os.chdir(os.path.join(REPO, "notebooks"))'''
 
 
 def notebook_paths(folder: Path = HERE) -> list[Path]:

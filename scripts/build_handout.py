@@ -2,13 +2,19 @@
 
 DEST gets what a student needs and nothing an instructor keeps back: the two libraries
 (``ringattn_ref``, ``ringattn_fast``), the notebooks (lectures) with the lab skeletons and the
-grader (``notebooks/labs``), ``pyproject.toml``, the README and the install scripts. It does not get
-``tests/`` (where the reference solutions and the wrong variants live), the docs or the benchmarks.
-Only files git tracks are copied (no notebook outputs, no virtualenv). The grader works from the
-handout as it is: ``python notebooks/labs/grade.py lab01 my_lab01.py`` in DEST (tests/test_labs.py
-builds a handout and grades reference solutions there).
+grader (``notebooks/labs``), the examples (notebook 12 imports the recall example, ``examples/recall``;
+``scripts/demo.sh`` runs ``examples/demo.py``), the pages of ``docs/`` a student reads or a notebook
+reads (the course and install pages with the install line, ``docs/training.md`` and the full training
+run's metrics and figure, which notebook 12 checks), ``pyproject.toml``, the README and the install
+scripts. It does not get ``tests/`` (where the reference solutions and the wrong variants live), the
+instructor's kit (``docs/instructor/``: the answer key, the exam), the rest of the docs or the
+benchmarks. Only files git tracks are copied (no notebook outputs, no virtualenv). The grader works
+from the handout as it is: ``python notebooks/labs/grade.py lab01 my_lab01.py`` in DEST
+(tests/test_labs.py builds a handout and grades reference solutions there); every notebook runs from
+it, installed with the documented extras only (tests/test_notebooks.py runs them there).
 
-As a guard, the build fails if any copied file holds a reference solution's text.
+As a guard, the build fails if any copied file lies under what is kept back or holds a reference
+solution's text.
 """
 from __future__ import annotations
 
@@ -19,8 +25,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-INCLUDE = ("ringattn_ref/", "ringattn_fast/", "notebooks/", "pyproject.toml", "README.md", "Makefile",
-           "scripts/setup-venv", "scripts/find-python", "scripts/demo.sh")
+INCLUDE = ("ringattn_ref/", "ringattn_fast/", "notebooks/", "examples/", "pyproject.toml", "README.md", "Makefile",
+           "scripts/setup-venv", "scripts/find-python", "scripts/demo.sh",
+           "docs/course.md", "docs/install.md", "docs/training.md", "docs/_static/training_full.json",
+           "docs/_static/training_full.png")
+# Never in a handout, whatever INCLUDE says: the solutions, the wrong variants, the answer key and exam.
+KEPT_BACK = ("tests/", "docs/instructor/")
 SOLUTIONS = ROOT / "tests" / "lab_solutions"
 
 
@@ -47,6 +57,9 @@ def build(dest):
     if dest.exists() and any(dest.iterdir()):
         raise SystemExit(f"build_handout: {dest} exists and is not empty")
     files = handout_files()
+    kept = [rel for rel in files if rel.startswith(KEPT_BACK)]
+    if kept:  # before anything is copied
+        raise SystemExit(f"build_handout: {kept[0]} is kept back from students ({', '.join(KEPT_BACK)})")
     bodies = _solution_bodies()
     for rel in files:
         text = (ROOT / rel).read_bytes()
@@ -68,7 +81,7 @@ def main(argv=None):
     parser.add_argument("dest", help="an empty or new directory")
     args = parser.parse_args(argv)
     dest, n = build(args.dest)
-    print(f"handout: {n} files in {dest} (no tests/, no reference solutions); grade with "
+    print(f"handout: {n} files in {dest} (no tests/, no docs/instructor/, no reference solutions); grade with "
           f"python notebooks/labs/grade.py labNN my_solution.py")
     return 0
 

@@ -220,12 +220,18 @@ def test_bad_command_line():
 
 
 def test_handout_has_no_solutions_and_grades(tmp_path):
-    """The handout: skeletons, grader, notebooks, libraries; no tests/; a reference passes there."""
+    """The handout: skeletons, grader, notebooks, libraries, what the notebooks import and read (the recall
+    example, the training page and its metrics); no tests/, no instructor's kit; a reference passes there.
+    (tests/test_notebooks.py runs every notebook from a handout.)"""
     dest = tmp_path / "handout"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_handout.py"), str(dest)], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not (dest / "tests").exists() and (dest / "notebooks" / "labs" / "_grader" / "common.py").is_file()
+    assert not (dest / "docs" / "instructor").exists(), "the answer key and the exam are the instructor's"
+    for needed in ("examples/recall/train.py", "examples/recall/tasks.py", "examples/demo.py", "docs/training.md",
+                   "docs/_static/training_full.json", "docs/course.md"):
+        assert (dest / needed).is_file(), f"the handout lacks {needed}"
     solutions = {p.read_text() for p in SOLUTIONS.glob("lab*.py")}
     assert not [p for p in dest.rglob("*.py") if p.read_text() in solutions]
     for lab in ("lab01", "lab07"):  # numpy and JAX, graded from the handout's own copy of everything
@@ -242,3 +248,16 @@ def test_lab09_wrong_variants_cover_the_mask_the_ring_and_the_block_mask():
     assert {"the mask is the packed prefix-LM documents' mask",
             "the library's ring with your mask_fn (called per tile) gives the oracle's output",
             "block_mask's tile kinds are the library's block mask"} <= expects, expects
+
+
+def test_handout_refuses_what_is_kept_back(tmp_path, monkeypatch):
+    """Whatever its list of what to include says, the build refuses the solutions and the instructor's kit."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_handout", ROOT / "scripts" / "build_handout.py")
+    build_handout = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build_handout)
+    for kept in ("tests/lab_solutions/", "docs/instructor/answers.md"):
+        monkeypatch.setattr(build_handout, "INCLUDE", build_handout.INCLUDE + (kept,))
+        with pytest.raises(SystemExit, match="kept back from students"):
+            build_handout.build(tmp_path / kept.replace("/", "_"))

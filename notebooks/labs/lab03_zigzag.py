@@ -26,7 +26,7 @@ positions (int32 [b, seq_local]), and bring the output back to true order. Retur
 Grade: ``python notebooks/labs/grade.py lab03 your_file.py``. The grader checks: the permutation
 is a permutation of range(seq); every host gets the same number of causal (query, key) pairs; host
 ``r`` owns chunks ``r`` and ``2N-1-r``; your positions inside shard_map (3, 5 and 8 hosts) are the
-zigzag layout's; the ring's output matches the float64 oracle (float64 inputs, JAX x64 on; to 1e-10)
+zigzag layout's, and no host holds an array of ``seq`` elements to compute them; the ring's output matches the float64 oracle (float64 inputs, JAX x64 on; to 1e-10)
 on 3, 5 and 8 hosts (GQA, b, d > 1, causal and not) and drawn problems; the compiled program has
 ppermutes ``i -> i+1`` (a ring). Then it runs your ``zigzag_ring_attention`` once more with
 ``ring_attention_shard`` replaced by a probe that reports, per token, the host it was attended on and

@@ -16,7 +16,8 @@ Write ``decode_attention_shard(q, k, v, lengths, *, axis_name)``, the per-host f
 "sp")``; it takes your output from every host). The cache is striped, as ``ringattn_fast.inference``
 keeps it: slot ``i`` of host ``r`` holds position ``i * N + r``. q: [b, 1, h, d], this step's query
 (the token at position ``lengths[b] - 1``); k, v: [b, c, hk, d], this host's cache shard (the new
-token's K/V already written; slots at positions ``>= lengths[b]`` hold garbage); lengths: int32 [b],
+token's K/V already written; slots at positions ``>= lengths[b]`` hold garbage: stale tokens that look
+like data, or any value at all, so only ``lengths`` tells which slots are the row's); lengths: int32 [b],
 the tokens each row holds. ``scale = d ** -0.5``; query head ``j`` reads kv head ``j // (h // hk)``.
 Return o [b, 1, h, d] in q's dtype, the same on every host. ``lax.pmax``, ``lax.psum``,
 ``lax.axis_index``, ``lax.axis_size``; a host may see nothing (lse -inf): no NaN.

@@ -20,9 +20,11 @@ abstract inputs (``jax.ShapeDtypeStruct(shape, "float32")``) and measure its scr
 ``(strategy, measured)``: the simplest strategy whose program fits the budget, and ``measured`` =
 ``{strategy: bytes}`` for every strategy you compiled (your justification).
 
-Grade: ``python notebooks/labs/grade.py lab08 your_file.py``. Three scenarios on 8 devices (a short
+Grade: ``python notebooks/labs/grade.py lab08 your_file.py``. Five scenarios on 8 devices (a short
 sequence with ample memory; a long one where the all-gather does not fit; a long one with 6 heads,
-which Ulysses cannot split), budgets set from the library programs measured in the same run. The
+which Ulysses cannot split; then the long one with ample memory and the short one with room for the
+leanest program only: the budget decides, not the shape), budgets set from the library programs
+measured in the same run. The
 grader exports your ``attention`` with your choice, compiles it itself and checks: its scratch memory
 is within the budget; it runs the chosen strategy's collective (all-gather, all-to-all or ppermute);
 its output matches the float64 oracle (1e-4); the choice is the simplest that fits; and

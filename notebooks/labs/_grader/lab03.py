@@ -7,6 +7,8 @@ shapes only). It exports the ring a second time with ``ringattn_fast.ring_attent
 by a *probe* that returns, for every token, the host it sits on and the position it was given: the
 parent runs that program and sees the layout the student's ring really used. So neither dense
 attention (no ppermute), nor the contiguous library ring (its tokens sit on the wrong hosts) passes.
+The positions program's per-host part (read from its StableHLO) may hold no array of ``seq`` elements:
+a solution that builds the whole permutation on every host and slices its shard out fails.
 """
 from __future__ import annotations
 
@@ -113,7 +115,9 @@ def build(tasks):
                 raise Fail(f"property 'the positions inside shard_map are the zigzag layout's' failed on example "
                            f"{size!r}: hosts give {got.reshape(size.n_hosts, -1).tolist()}, zigzag is "
                            f"{want.reshape(size.n_hosts, -1).tolist()}")
-        ok("zigzag_positions: inside shard_map, the zigzag layout's true positions", len(pos_sizes))
+            _check_per_host_memory(prog, size)
+        ok("zigzag_positions: inside shard_map, the zigzag layout's true positions, no sequence-sized array on a "
+           "host", len(pos_sizes))
         for r, task in ring_tasks:
             prog = Program(results.blob(task), "zigzag_ring_attention", r.n_hosts, r)
             # the reorder to and from the layout outside the shard_map may gather or all-reduce the arrays;
@@ -145,6 +149,20 @@ def build(tasks):
         return "the zigzag permutation, its per-host positions and the JAX ring in that layout are exact"
 
     return verify
+
+
+def _check_per_host_memory(prog, size):
+    """Fail if a host's part of the positions program holds an array of ``seq`` elements or more (the whole
+    layout's table, a sequence-long iota, a replicated constant): each host's positions come from its index
+    and the ring size, O(S / N) memory. Read from the exported StableHLO, so nothing XLA folds away hides it."""
+    from .programs import per_host_arrays
+
+    big = [(dtype, shape) for dtype, shape in per_host_arrays(prog.stablehlo) if int(np.prod(shape)) >= size.seq]
+    if big:
+        dtype, shape = max(big, key=lambda a: int(np.prod(a[1])))
+        raise Fail(f"property 'no sequence-sized array on a host (zigzag_positions computes a host's positions from "
+                   f"its index)' failed on example {size!r}: inside the shard_map a host holds {dtype}{list(shape)}, "
+                   f"{int(np.prod(shape))} elements for a shard of {size.seq // size.n_hosts} tokens")
 
 
 def _check_perm(perm, size):

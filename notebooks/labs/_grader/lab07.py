@@ -3,10 +3,14 @@
 Child: wraps the student's per-host ``decode_attention_shard`` in the grader's ``shard_map`` (the
 cache sharded striped, as ``ringattn_fast.inference`` keeps it: host ``r``'s slot ``i`` holds position
 ``i * N + r``) and exports it, traced on shapes only. Parent: fills caches with a history of a different
-length per row (empty slots hold large garbage), then decodes several tokens, appending each one's
-K/V itself and running the program once per token; every host's output is compared with the float64
-oracle over the row's whole history (fixed: 3, 5 and 8 hosts, GQA, rows of length 1, a token with
-logits past ``exp``'s range; plus a draw). From the compiled program: the only collectives are
+length per row, then decodes several tokens, appending each one's K/V itself and running the program
+once per token; every host's output is compared with the float64 oracle over the row's whole history
+(fixed: 3, 5 and 8 hosts, GQA, rows of length 1, a token with logits past ``exp``'s range; plus a
+draw). Only ``lengths`` says which slots hold the row's tokens: in even rows the slots past the row's
+length hold stale tokens that look like data (an earlier, longer sequence's, drawn like the real
+ones), in odd rows they hold the fill value ``GARBAGE`` (large: attended to, it dominates), and the
+first token decoded into an odd row *is* the fill value. So a solution that guesses empty slots from
+their contents, not from ``lengths``, fails one way or the other. From the compiled program: the only collectives are
 all-reduces, at most two per token, each of at most ``b h (d + 1)`` numbers (never the cache).
 """
 from __future__ import annotations
@@ -21,7 +25,7 @@ ALLOWED = ("ringattn_fast.kernels.xla.hop_fwd", "ringattn_fast.schedule.QShard",
            "ringattn_fast.schedule.HopConfig", "ringattn_fast.masks")
 FUNCTIONS = {"decode_attention_shard": "decode_attention_shard(q, k, v, lengths, *, axis_name) -> o"}
 TOL = 1e-10
-GARBAGE = 50.0  # what an empty slot holds: attended to, it dominates every row
+GARBAGE = 50.0  # what an empty slot of an odd row holds (attended to, it dominates), and a real token there
 
 
 @dataclass(frozen=True)
@@ -119,8 +123,14 @@ def build(tasks):
             k_true, v_true = rng.standard_normal((2, b, total, hk, d))  # every row's tokens, in true order
             perm = _striped(p.n_hosts, p.max_seq)
             lengths = np.array(p.history, np.int64)
-            cache_k = np.full((b, p.max_seq, hk, d), GARBAGE)
-            cache_v = np.full((b, p.max_seq, hk, d), -GARBAGE)
+            # empty slots: stale tokens drawn like data in even rows, the fill value in odd rows; the first
+            # token decoded into an odd row is the fill value itself (only lengths tells them apart)
+            stale_k, stale_v = rng.standard_normal((2, b, p.max_seq, hk, d))
+            odd = (np.arange(b) % 2 == 1)[:, None, None, None]
+            cache_k = np.where(odd, GARBAGE, stale_k)
+            cache_v = np.where(odd, -GARBAGE, stale_v)
+            for row in range(1, b, 2):
+                k_true[row, lengths[row]], v_true[row, lengths[row]] = GARBAGE, -GARBAGE
             for row in range(b):
                 for pos in range(lengths[row]):
                     g = int(np.flatnonzero(perm == pos)[0])
@@ -142,7 +152,7 @@ def build(tasks):
                                     f"decode step {step}: host {host}'s output for row {row} is the oracle's over the "
                                     f"row's {n_seen} tokens", p)
         ok("decode: every host's output is the float64 oracle's over the whole history (3 to 8 hosts, GQA, large "
-           f"logits, garbage in empty slots); from the compiled program: {max(counts)} all-reduces per token at most, "
+           f"logits; past each row's length stale tokens or the fill value, and a real token equal to it); from the compiled program: {max(counts)} all-reduces per token at most, "
            "each b h (d + 1) numbers", len(plan))
         return "decode over the sharded cache is exact with at most two small all-reduces per token"
 

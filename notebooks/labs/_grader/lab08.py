@@ -1,10 +1,13 @@
 """Grader of lab 8: choose a sequence-parallel strategy by measuring, and meet a memory budget.
 
-Parent: three scenarios on 8 devices (float32, causal) and, for each, the per-device scratch memory
+Parent: five scenarios on 8 devices (float32, causal) and, for each, the per-device scratch memory
 (``memory_analysis().temp_size_in_bytes``) of the library's three compiled programs
 (``ringattn_fast.allgather_attention``, ``ulysses_attention``, ``ring_attention``), from which it sets
 a budget: ample (everything fits), between Ulysses and the all-gather, and between the ring and the
-all-gather with a head count Ulysses cannot split. Child: calls the student's ``choose`` (which
+all-gather with a head count Ulysses cannot split; then the same shapes again where the budget, not
+the shape, decides: the long sequence with ample memory (the all-gather fits after all) and the short
+sequence with room for only the leanest program. So a ``choose`` that never reads ``memory_budget``
+and picks by shape alone fails. Child: calls the student's ``choose`` (which
 measures the candidates itself) and exports ``attention`` with the strategy chosen. Parent: the
 student's compiled program must fit the budget, use the chosen strategy's collectives and compute
 the oracle's output; the choice must be the simplest strategy that fits (all-gather, then Ulysses,
@@ -13,6 +16,7 @@ what the compiled programs need.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import partial
 
@@ -48,8 +52,10 @@ def _shapes(shape):
     return [(b, s, h, d), (b, s, hk, d), (b, s, hk, d)]
 
 
+@functools.cache
 def _measure(shape):
-    """Per-device scratch bytes of each library strategy's compiled forward (Ulysses only if h % N == 0)."""
+    """Per-device scratch bytes of each library strategy's compiled forward (Ulysses only if h % N == 0);
+    once per shape (the scenarios that vary only the budget share it)."""
     import jax
 
     import ringattn_fast as rf
@@ -78,6 +84,12 @@ def scenarios():
     m = _measure(long_gqa)
     budget = int(np.sqrt(m["ring"] * m["allgather"]))  # the ring fits, the all-gather does not; no Ulysses
     yield Scenario("long sequence, 6 heads on 8 devices", long_gqa, budget, tuple(m.items()))
+    # the budget decides, not the shape: the shapes above again
+    m = _measure(long_mha)
+    yield Scenario("long sequence, 8 heads, ample memory", long_mha, 2 * max(m.values()), tuple(m.items()))
+    m = _measure(short)
+    lean, second = sorted(m.values())[:2]
+    yield Scenario("short sequence, tight memory", short, (lean + second) // 2, tuple(m.items()))  # the leanest only
 
 
 def build(tasks):

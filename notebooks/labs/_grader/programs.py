@@ -80,6 +80,57 @@ class Program:
         return [c for c in self.collectives if c.opcode in opcodes]
 
 
+_TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z]\w*)>")
+_REGION_ARG = re.compile(r"%arg\d+: (tensor<[^>]*>)")
+_FUNC = re.compile(r"\s*func\.func\b[^@]*@([\w.$\-]+)\(")
+_CALL = re.compile(r"\bcall @([\w.$\-]+)")
+
+
+def _block(lines, i):
+    """The lines of the block opened by line ``i`` (which ends with ``{``), up to its closing brace."""
+    depth, body = 1, []
+    for line in lines[i + 1:]:
+        depth += line.count("{") - line.count("}")
+        if depth <= 0:
+            break
+        body.append(line.split(" loc(", 1)[0])
+    return body
+
+
+def per_host_arrays(stablehlo):
+    """``[(dtype, shape), ...]`` of every array a host holds inside the program's ``shard_map`` bodies: the
+    body's arguments (its operands' per-host shards, and any constant the trace hoisted out of the body
+    and passed in whole), every value the body computes, and the same for every function the body calls
+    (a nested ``jax.jit``), read from the exported StableHLO (what the solution traced, before XLA
+    simplifies anything). Shardy's ``sdy.manual_computation`` regions and the older ``shmap_body``
+    functions both count."""
+    lines = stablehlo.splitlines()
+    funcs, regions = {}, []
+    for i, line in enumerate(lines):
+        if not line.rstrip().endswith("{"):
+            continue
+        func = _FUNC.match(line)
+        if func:
+            funcs[func.group(1)] = [line.split(" loc(", 1)[0]] + _block(lines, i)
+            if func.group(1).startswith("shmap_body"):
+                regions.append(func.group(1))
+        elif "sdy.manual_computation(" in line:
+            header = line.split("manual_axes=", 1)[-1]  # the region's arguments, not the global operands
+            regions.append(" ".join(_REGION_ARG.findall(header)).splitlines() + _block(lines, i))
+    seen, texts, todo = set(), [], list(regions)
+    while todo:
+        region = todo.pop()
+        if isinstance(region, str):  # a function, by name
+            if region in seen or region not in funcs:
+                continue
+            seen.add(region)
+            region = funcs[region]
+        texts += region
+        todo += [name for text in region for name in _CALL.findall(text)]
+    return [(dtype, tuple(int(d) for d in dims.split("x") if d)) for text in texts
+            for dims, dtype in _TENSOR.findall(text)]
+
+
 def ring_direction(pairs, n):
     """'i -> i+1', 'i -> i-1' or None for a collective-permute's pairs on ``n`` devices."""
     pairs = set(pairs)
