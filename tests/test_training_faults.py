@@ -167,9 +167,14 @@ def test_resume_skips_a_damaged_step_saying_so_in_one_line(how, tmp_path):
     assert step == 2 and meta["rng"] == {"state": 2}
     np.testing.assert_array_equal(np.asarray(state["w"]), 2 * np.arange(1000, dtype=np.float32))
     lines = said.getvalue().splitlines()
-    assert len(lines) == 2, lines
+    assert len(lines) == 3, lines
     assert lines[0].startswith("checkpoint step 4 of 'ring' in ") and DAMAGE[how] in lines[0], lines
-    assert lines[1] == "resuming 'ring' from step 2, its newest intact checkpoint", lines
+    assert lines[1].startswith("moved the unusable step(s) 4 of 'ring' to "), lines  # step 4 is saved again
+    assert lines[2] == "resuming 'ring' from step 2, its newest intact checkpoint", lines
+    assert sorted(os.listdir(tmp_path / "ck" / "ring")) == ["2"] and os.listdir(tmp_path / "ck" / "ring.damaged") == ["4"]
+    said = io.StringIO()  # a second resume: step 2 as it is, the step set aside is not a model of its own
+    assert Checkpoints(tmp_path / "ck", every=2, config={"seed": 0}, resume=True,
+                       stream=said).restore("ring", like)[0] == 2 and not said.getvalue()
 
 
 def test_a_step_saved_without_digests_is_judged_by_the_reader_in_one_line(tmp_path):
@@ -181,7 +186,7 @@ def test_a_step_saved_without_digests_is_judged_by_the_reader_in_one_line(tmp_pa
     step, _, _ = Checkpoints(tmp_path / "ck", every=2, config={"seed": 0}, resume=True,
                              stream=said).restore("ring", like)
     lines = said.getvalue().splitlines()
-    assert step == 2 and len(lines) == 2 and "step 4 of 'ring'" in lines[0] and "unusable: " in lines[0], lines
+    assert step == 2 and len(lines) == 3 and "step 4 of 'ring'" in lines[0] and "unusable: " in lines[0], lines
 
 
 FLAGS_SMALL = ["--seq", "64", "--devices", "8", "--steps", "4", "--batch", "2", "--checkpoint-every", "2"]
@@ -251,3 +256,32 @@ def test_a_second_run_on_an_out_in_use_is_refused_and_a_stale_lock_is_taken_over
     cli.main(FLAGS_SMALL + ["--out", str(out)])
     assert len(ran) == 1 and "which is gone; taking it over" in capsys.readouterr().err
     assert not (out / lock.NAME).exists()
+
+
+def _cli(out, *extra):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, "-m", "examples.recall.train", *FLAGS_SMALL, "--out", str(out), *extra],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_the_cli_refuses_a_resume_with_no_intact_step_in_a_subprocess(tmp_path):
+    _save_steps(tmp_path / "out" / "checkpoints", config=_cli_config())
+    for step, how in ((4, "truncate"), (2, "flip")):
+        _damage(tmp_path / "out" / "checkpoints" / "ring" / str(step), how)
+    run = _cli(tmp_path / "out", "--resume")
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert "error: --resume: no intact checkpoint of 'ring'" in run.stderr, run.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_cli_resumes_from_the_newest_intact_step_in_a_subprocess(tmp_path):
+    """A real run (4 steps, checkpoints at 2 and 4), its ring model's step 4 bit-flipped, then --resume:
+    one line about step 4, one saying step 2 is used, exit 0 (about 90 s on 2 loaded cores)."""
+    run = _cli(tmp_path / "out")
+    assert run.returncode == 0, run.stderr[-3000:]
+    _damage(tmp_path / "out" / "checkpoints" / "ring" / "4", "flip")
+    run = _cli(tmp_path / "out", "--resume")
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert "checkpoint step 4 of 'ring'" in run.stderr and "changed since it was saved" in run.stderr
+    assert "resuming 'ring' from step 2, its newest intact checkpoint" in run.stderr
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text())["resumed_at"]["ring"] == 2

@@ -20,6 +20,7 @@ same kind ends the process at once.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -128,6 +129,8 @@ class Checkpoints:
         """Before anything is compiled: every model folder with steps must have an intact one (else
         :class:`Unusable`); the damaged ones are reported now, once."""
         for entry in sorted(os.listdir(self.directory)):
+            if "." in entry:  # config.json, NAME.sums, NAME.damaged: a model's folder name has no dot (_folder)
+                continue
             folder = os.path.join(self.directory, entry)
             steps = self._steps(folder)
             if steps and all([self._problem(entry, folder, step) for step in steps]):
@@ -162,6 +165,19 @@ class Checkpoints:
         folder = self._folder(name)
         seal(os.path.join(folder, str(step)), self._sums(folder, step))
 
+    def _set_aside(self, name, folder, steps):
+        """Move damaged ``steps`` to ``FOLDER.damaged/`` (kept for a look, out of the manager's way: the run
+        saves those step numbers again) and forget the manager that listed them."""
+        aside = folder + ".damaged"
+        os.makedirs(aside, exist_ok=True)
+        for step in steps:
+            shutil.rmtree(os.path.join(aside, str(step)), ignore_errors=True)
+            os.replace(os.path.join(folder, str(step)), os.path.join(aside, str(step)))
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._sums(folder, step))
+        self._managers.pop(name, None)
+        print(f"moved the unusable step(s) {', '.join(map(str, steps))} of {name!r} to {aside}", file=self.stream)
+
     def restore(self, name, like):
         """The newest intact checkpoint of model ``name`` as ``(step, state, meta)``, or None if it has none;
         :class:`Unusable` when it has steps and none is intact. ``like``: a pytree of arrays with the shapes,
@@ -185,6 +201,7 @@ class Checkpoints:
                     what = describe(err)
                 else:
                     if n:
+                        self._set_aside(name, folder, steps[:n])
                         print(f"resuming {name!r} from step {step}, its newest intact checkpoint", file=self.stream)
                     return step, got["state"], meta
             self._say(name, step, what)
