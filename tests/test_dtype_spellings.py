@@ -65,3 +65,28 @@ def test_a_dtype_that_is_not_a_float_is_a_value_error_naming_the_argument(bad):
         rf.ring_attention(Q, Q, Q, mesh=rf.make_mesh(4), grad_comm_dtype=bad)
     with pytest.raises(ValueError, match="compute_dtype"):
         model.ModelConfig(vocab=16, compute_dtype=bad)
+
+
+CLIS = ["balance", "masks", "strategies", "decode", "train", "bench_gpu", "bench_tpu", "tune_tpu", "recall"]
+TEXT_SPELLINGS = {"float32": ("float32", "f4", "single", "np.float32", "numpy.float32", "jnp.float32"),
+                  "bfloat16": ("bfloat16", "jnp.bfloat16", "jax.numpy.bfloat16", "ml_dtypes.bfloat16")}
+
+
+@pytest.mark.parametrize("cli", CLIS)
+def test_every_cli_dtype_flag_takes_every_spelling(cli, capsys):
+    """Each command line's ``--dtype`` (``tune_tpu``'s ``--dtypes`` list) takes the dtype as numpy spells it in
+    text, or as Python code names it, and hands the program its canonical name; a non-float is exit 2."""
+    import importlib
+    if cli == "recall":
+        from examples.recall import cli as recall_cli
+        parse, flag = recall_cli.parser().parse_args, "--dtype"
+    else:
+        parse = importlib.import_module(f"benchmarks.{cli}").parse_args
+        flag = "--dtypes" if cli == "tune_tpu" else "--dtype"
+    for name, texts in TEXT_SPELLINGS.items():
+        for text in texts:
+            got = getattr(parse([flag, text]), flag[2:])
+            assert got == ([name] if cli == "tune_tpu" else name), (cli, text, got)
+    with pytest.raises(SystemExit) as exit_:
+        parse([flag, "int8"])
+    assert exit_.value.code == 2 and f"argument {flag}: must be one of" in capsys.readouterr().err

@@ -25,6 +25,8 @@ import os
 import sys
 import tempfile
 
+from benchmarks.flags import dtype_flag
+
 from . import train as experiment
 from .checkpoint import Checkpoints, Stop, Stopped, Unusable
 from .lock import Busy, Lock
@@ -54,7 +56,7 @@ def parser():
     p.add_argument("--layout", default="contiguous", choices=("contiguous", "striped", "zigzag"))
     p.add_argument("--steps", type=at_least(1), help=f"optimizer steps per model (default {f['steps']})")
     p.add_argument("--batch", type=at_least(1), help=f"sequences per step (default {f['batch']})")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), type=dtype_flag(("float32", "bfloat16")))
     p.add_argument("--compare-dtypes", action="store_true", help="also train the ring model in the other dtype")
     p.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--out", default="runs/train", help="output directory (metrics.json, training.png)")
