@@ -90,3 +90,21 @@ def test_every_cli_dtype_flag_takes_every_spelling(cli, capsys):
     with pytest.raises(SystemExit) as exit_:
         parse([flag, "int8"])
     assert exit_.value.code == 2 and f"argument {flag}: must be one of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spelling", list(SPELLINGS))
+def test_the_kernels_tile_defaults_take_every_spelling(spelling):
+    """``default_blocks`` (and the TPU backward's) of each kernel, for a chip named by its device kind: the
+    same tiles for a dtype however it is spelled."""
+    import types
+    from ringattn_fast.kernels import pallas_gpu, pallas_tpu, pallas_tpu_fused
+    tpu = types.SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")
+    gpu = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA A100-SXM4-80GB", compute_capability="8.0")
+    shape = (1, 4096, 8, 128)
+    for name in ("float32", "bfloat16"):
+        dtype = SPELLINGS[spelling][name]
+        for fn, device in ((pallas_tpu.default_blocks, tpu), (pallas_tpu_fused.default_blocks, tpu),
+                           (pallas_gpu.default_blocks, gpu)):
+            assert fn(shape, shape, dtype, device, n=8) == fn(shape, shape, name, device, n=8), (fn, name)
+        assert pallas_tpu.default_bwd_blocks(shape, shape, dtype, tpu) == \
+            pallas_tpu.default_bwd_blocks(shape, shape, name, tpu)
