@@ -238,3 +238,11 @@ def test_jax_shutdown_timeout_alone_ends_the_job():
     assert run.returncode != 0 and elapsed < BOUND_S and to_exit <= FAIL_TO_EXIT_S, (elapsed, to_exit,
                                                                                      run.stderr[-3000:])
     assert "Shutdown barrier has failed" in run.stderr, run.stderr[-3000:]
+
+
+def test_launcher_hook_speaks_for_the_program_not_for_the_pythons_it_starts():
+    """A helper Python process the program runs inherits the environment; its end is not the program's."""
+    program = "import os, subprocess, sys, time; me = os.environ['JAX_PROCESS_ID']; " \
+              "me == '1' and subprocess.run([sys.executable, '-c', 'pass'], check=True); time.sleep(3)"
+    run = launch("--processes", "2", "--exit-grace", "1", "--", sys.executable, "-c", program, timeout=60)
+    assert run.returncode == 0 and "[launch]" not in run.stderr, run.stdout + run.stderr

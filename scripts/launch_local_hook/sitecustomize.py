@@ -17,10 +17,11 @@ and the job hangs. So, in a program that does nothing special:
 
 This runs before ``atexit`` handlers (``threading``'s exit callbacks run first in
 ``Py_FinalizeEx``), so before JAX's barrier. A program that already wrote the exit file (the
-tests' ``_multiprocess_job.run``) keeps its code. Not loaded by ``python -I`` / ``-E`` / ``-S`` or
-non-Python commands, nor with ``LAUNCH_LOCAL_HOOK=off`` in the environment (to see what JAX alone
-does): those get only the launcher's exit watching. Any other ``sitecustomize`` on the path still
-runs (imported after this one).
+tests' ``_multiprocess_job.run``) keeps its code. Not loaded by ``python -I`` / ``-E`` / ``-S``,
+nor with ``LAUNCH_LOCAL_HOOK=off`` in the environment (to see what JAX alone does); non-Python
+commands get only the launcher's exit watching. A shell or ``timeout`` in front of Python is fine:
+the first Python process of the command reports, and the Python processes it starts do not. Any
+other ``sitecustomize`` on the path still runs (imported after this one).
 """
 import importlib.machinery
 import importlib.util
@@ -29,7 +30,14 @@ import sys
 import threading
 import traceback
 
-_FILE = os.environ.get("LAUNCH_LOCAL_EXIT_FILE") if os.environ.get("LAUNCH_LOCAL_HOOK") != "off" else None
+# Only the first Python process of the launched command speaks for it: one it starts (a helper script, a
+# multiprocessing spawn) inherits the environment, and its end must not read as the program's.
+_FILE = os.environ.get("LAUNCH_LOCAL_EXIT_FILE")
+if os.environ.get("LAUNCH_LOCAL_HOOK") == "off" or os.environ.get("LAUNCH_LOCAL_HOOKED"):
+    _FILE = None
+else:
+    os.environ["LAUNCH_LOCAL_HOOKED"] = str(os.getpid())
+_PID = os.getpid()  # a fork inherits the hooks below; they act in this process only
 _requested = [0]  # the last code given to sys.exit
 
 
@@ -57,7 +65,8 @@ def _excepthook(kind, value, tb, _previous=sys.excepthook):
         _previous(kind, value, tb)
     except Exception:  # noqa: BLE001 - the traceback is printed one way or the other
         traceback.print_exception(kind, value, tb)
-    _leave_now(1)
+    if os.getpid() == _PID:
+        _leave_now(1)
 
 
 def _exit(status=None, _previous=sys.exit):
@@ -67,6 +76,8 @@ def _exit(status=None, _previous=sys.exit):
 
 
 def _at_exit():
+    if os.getpid() != _PID:
+        return
     status = _requested[0]
     if status is None or status == 0:
         _report(0)
