@@ -285,3 +285,23 @@ def test_the_cli_resumes_from_the_newest_intact_step_in_a_subprocess(tmp_path):
     assert "checkpoint step 4 of 'ring'" in run.stderr and "changed since it was saved" in run.stderr
     assert "resuming 'ring' from step 2, its newest intact checkpoint" in run.stderr
     assert json.loads((tmp_path / "out" / "metrics.json").read_text())["resumed_at"]["ring"] == 2
+
+
+def test_two_real_runs_on_one_out_the_second_is_refused(tmp_path):
+    """Run A holds ``--out`` (its lock appears at start, before any compile); run B on the same folder exits
+    2 naming A's pid and leaves A's files alone; A, SIGKILLed, leaves a lock the next run takes over."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "examples.recall.train", *FLAGS_SMALL, "--out", str(tmp_path / "out")]
+    a = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "out" / "run.lock").exists() and a.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert a.poll() is None, "run A ended before taking its lock"
+        b = subprocess.run(cmd + ["--seed", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert b.returncode == 2 and f"is in use by process {a.pid}" in b.stderr, b.stderr[-3000:]
+        assert json.loads((tmp_path / "out" / "run.lock").read_text())["pid"] == a.pid
+    finally:
+        a.kill()
+        a.wait()
+    assert (tmp_path / "out" / "run.lock").exists()  # SIGKILL: no cleanup; stale, and taken over by the next run
