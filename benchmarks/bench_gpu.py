@@ -43,6 +43,7 @@ import time
 from functools import partial
 
 from . import gpu_checks
+from .flags import dtype_flag
 from .timing import time_interleaved
 
 TARGET_FWD_RATIO = 0.7
@@ -58,7 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--seqs", type=_ints, help="comma list of sequence lengths (default 4096,8192,16384,32768)")
     p.add_argument("--heads", type=_ints, help="comma list of head counts (default 8,32)")
     p.add_argument("--dim", type=int, help="head dim (default 128; dry run 32)")
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default bfloat16 (dry run float32)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default bfloat16 (dry run float32)",
+                   type=dtype_flag(["bfloat16", "float16", "float32"]))
     p.add_argument("--tokens", type=int, help="batch = max(1, tokens // seq) (default 32768; dry run 1)")
     p.add_argument("--causal", default="both", choices=["both", "true", "false"])
     p.add_argument("--block-q", type=int, help="kernel block_q = FA-2 Br (default: the kernel's default tiles "

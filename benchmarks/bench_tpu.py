@@ -37,6 +37,7 @@ import time
 from functools import partial
 
 from .bench_gpu import _ints, _one_line, attention_flops
+from .flags import dtype_flag
 from .timing import time_interleaved
 
 KINDS = ("ours", "tiles", "fused", "splash", "xla")
@@ -48,7 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--seqs", type=_ints, help="comma list of sequence lengths (default 8192,16384,32768)")
     p.add_argument("--heads", help="comma list of H or H/Hkv (default 8,32/8)")
     p.add_argument("--dim", type=int, help="head dim (default 128)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", type=dtype_flag(["bfloat16", "float32"]))
     p.add_argument("--causal", default="both", choices=["both", "true", "false"])
     p.add_argument("--block-q", type=int, help="ours also with impl='pallas_tpu' at these tiles")
     p.add_argument("--block-kv", type=int, help="(default: as --block-q)")

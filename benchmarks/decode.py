@@ -24,6 +24,7 @@ import re
 import numpy as np
 
 from . import report
+from .flags import dtype_flag
 from .timing import Progress, time_interleaved
 
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
@@ -38,7 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=8, help="query heads")
     p.add_argument("--kv-heads", type=int, default=2, help="K/V heads of the cache")
     p.add_argument("--dim", type=int, default=64, help="head dim")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="cache and token dtype")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="cache and token dtype",
+                   type=dtype_flag(["float32", "bfloat16"]))
     p.add_argument("--repeats", type=int, default=30, help="decode steps timed per length; the median is kept")
     p.add_argument("--out", help="write the JSON lines here instead of stdout")
     p.add_argument("--plot", help="save a figure (latency and per-device memory over S) to this image file")

@@ -37,6 +37,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import report
+from .flags import dtype_flag
 from .timing import Progress, time_interleaved
 
 GROUPS = ("documents", "keywords", "variants")
@@ -188,7 +189,8 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=8192, help="sequence length in tokens (a multiple of devices x block)")
     p.add_argument("--heads", type=int, default=4, help="query heads (= K/V heads)")
     p.add_argument("--dim", type=int, default=64, help="head dim")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="input dtype")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="input dtype",
+                   type=dtype_flag(["float32", "bfloat16"]))
     p.add_argument("--block", type=int, default=128, help="block_q = block_kv, the tile side")
     p.add_argument("--doc-lengths", default=None,
                    help="the documents' lengths, comma list summing to --seq (omitted: 8 documents of "

@@ -26,6 +26,7 @@ from functools import partial
 import numpy as np
 
 from . import report
+from .flags import dtype_flag
 from .timing import Progress, time_interleaved
 
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
@@ -134,7 +135,8 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4, help="query heads (Ulysses needs a multiple of --devices)")
     p.add_argument("--kv-heads", type=int, default=None, help="K/V heads (omitted: --heads)")
     p.add_argument("--dim", type=int, default=64, help="head dim")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="input dtype")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="input dtype",
+                   type=dtype_flag(["float32", "bfloat16"]))
     p.add_argument("--causal", default="false", choices=["true", "false"], help="causal mask")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the median is kept")
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma list of " + ", ".join(STRATEGIES))

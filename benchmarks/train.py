@@ -28,6 +28,7 @@ import numpy as np
 
 from . import report
 from .authors import import_ring_attention
+from .flags import dtype_flag
 from .timing import Progress, time_interleaved
 
 IMPLS = ("ours", "dense", "authors")
@@ -40,7 +41,8 @@ def add_arguments(p):
     p.add_argument("--seq", type=int, default=8192, help="sequence length in tokens")
     p.add_argument("--heads", type=int, default=4, help="attention heads (K/V too)")
     p.add_argument("--dim", type=int, default=64, help="head dim")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="input dtype")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="input dtype",
+                   type=dtype_flag(["float32", "bfloat16", "float16"]))
     p.add_argument("--causal", default="both", choices=["both", "true", "false"], help="causal mask, or both runs")
     p.add_argument("--block", type=int, default=512,
                    help="the authors' query_chunk_size = key_chunk_size, at most seq / devices")

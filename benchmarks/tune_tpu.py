@@ -28,6 +28,7 @@ import time
 from functools import partial
 
 from .bench_gpu import _ints, _one_line
+from .flags import dtype_list_flag
 from .timing import time_interleaved
 
 KERNELS = ("fwd", "bwd_fused", "dq", "dkv", "dkv_qmajor")
@@ -41,7 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, interpreted")
     p.add_argument("--seqs", type=_ints, help="tokens per device (default 4096,16384)")
     p.add_argument("--dims", type=_ints, help="head dims (default 128)")
-    p.add_argument("--dtypes", default=None, help="comma list (default bfloat16)")
+    p.add_argument("--dtypes", default=None, type=dtype_list_flag(["bfloat16", "float32"]),
+                   help="comma list (default bfloat16)")
     p.add_argument("--causal", default="both", choices=["both", "true", "false"])
     p.add_argument("--heads", default=None, help="H/Hkv (default 8/8)")
     p.add_argument("--tiles", type=_ints, help="tile sides to cross (default 256,512,1024,2048)")
@@ -53,7 +55,7 @@ def parse_args(argv=None):
     dry = args.dry_run
     args.seqs = args.seqs or ([256] if dry else [4096, 16384])
     args.dims = args.dims or [128]
-    args.dtypes = (args.dtypes or ("float32" if dry else "bfloat16")).split(",")
+    args.dtypes = args.dtypes or ["float32" if dry else "bfloat16"]
     args.heads = tuple(int(x) for x in (args.heads or ("2/1" if dry else "8/8")).split("/"))
     args.tiles = args.tiles or ([128, 256] if dry else [256, 512, 1024, 2048])
     args.kernels = [k for k in args.kernels.split(",") if k]

@@ -108,10 +108,10 @@ def _top_left(causal, window, shift):
     def mask_fn(q_pos, k_pos, q_seg, k_seg, head):
         i = q_pos - shift
         ok = (k_pos - i) == (k_pos - i)  # all True, broadcast to the tile
-        if causal:
-            ok = ok & (k_pos <= i)
+        if causal:  # jnp, as a user writes a mask_fn (issue 31): eager, traced and on the block table alike
+            ok = jnp.logical_and(ok, k_pos <= i)
         if window is not None:
-            ok = ok & (i - k_pos <= window[0]) & (k_pos - i <= window[1])
+            ok = jnp.logical_and(ok, jnp.logical_and(i - k_pos <= window[0], k_pos - i <= window[1]))
         return ok
     return mask_fn
 

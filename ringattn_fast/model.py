@@ -55,6 +55,18 @@ class ModelConfig:
     ffn_block: int = 32
     rope_base: float = 10000.0
 
+    def __post_init__(self):
+        # Any spelling (np.float32, jnp.bfloat16, "float32", np.dtype...) becomes its name: equal dtypes give
+        # equal (hashable) configs, so one compiled step; anything not a float is refused here, not in a trace.
+        try:
+            dtype = jnp.dtype(self.compute_dtype)
+        except TypeError:
+            dtype = None
+        if dtype is None or dtype.name not in ("float32", "bfloat16"):
+            raise ValueError(f"compute_dtype must be float32 or bfloat16 (any spelling: 'float32', np.float32, "
+                             f"jnp.bfloat16, np.dtype(...)); got {self.compute_dtype!r}")
+        object.__setattr__(self, "compute_dtype", dtype.name)
+
     @property
     def head_dim(self):
         return self.d_model // self.n_heads

@@ -16,8 +16,10 @@ that depends on another (no reduction such as ``q_pos.max()`` or ``s.max(-1)``, 
 matmul, or slice or gather across pairs; no shape of its own). Reading a constant table at indices
 computed from positions (``table[k_pos]``) is elementwise and fine. ``ringattn_fast`` refuses a
 function that breaks the rule before any compute (``ringattn_fast.elementwise``), and a ``score_fn`` must
-return floating-point logits. jax.numpy functions (``jnp.where``, ``jnp.logical_or``...) are fine: the
-ring's block mask evaluates them on concrete positions even under ``jit``.
+return floating-point logits. jax.numpy functions are fine, and the way to write your own, e.g.
+``lambda q_pos, k_pos, q_seg, k_seg, head: jnp.logical_or(k_pos <= q_pos, k_pos < 8)`` or
+``lambda s, q_pos, k_pos, head: jnp.where(k_pos < 8, s, s - 0.1 * jnp.abs(q_pos - k_pos))``: the ring's
+block mask evaluates them on concrete positions even under ``jit``.
 Written with operators and ``x.__array_namespace__()`` (numpy >= 2 and jax.numpy both have it), each
 function here runs on numpy in the oracle and on jax.numpy in a hop or a kernel.
 

@@ -26,7 +26,10 @@ Process i's stdout and stderr are streamed line by line to ours, prefixed ``[i] 
 *left* the program when it exits, or when it writes its exit code (an integer) to
 ``LAUNCH_LOCAL_EXIT_FILE``: a JAX process that returns from its program is still alive, held in
 JAX's shutdown barrier until every process gets there (``shutdown_timeout_seconds``, 300 s by
-default), so only the program can say it has finished (``tests/_multiprocess_job.py``'s ``run`` does). The job
+default), so only the program can say it has finished. A Python program says it without any change:
+the launcher puts ``scripts/launch_local_hook`` first on ``PYTHONPATH``, whose ``sitecustomize``
+writes the file when the program ends, and on an uncaught exception or a non-zero ``sys.exit``
+prints the traceback and hard-exits, skipping the barrier (its docstring says how). The job
 fails fast (every process is stopped: SIGTERM, then SIGKILL after ``KILL_GRACE_S``) when
 
   * a process leaves with a non-zero code: at once, exit code = that code (128 + N for signal N);
@@ -59,8 +62,10 @@ TIMEOUT_EXIT = 124  # what timeout(1) returns
 EARLY_EXIT = 1  # a process left with 0 while others were still inside the program
 KILL_GRACE_S = 5  # SIGTERM, then SIGKILL after this long (JAX's preemption notifier catches SIGTERM)
 EXIT_GRACE_S = 10.0  # default --exit-grace
+SETTLE_S = 0.2  # after the first failure is seen, the others of the same moment are waited for this long
 TAIL_LINES = 20  # stderr lines kept per process, printed for the one that failed
 EXIT_FILE = "LAUNCH_LOCAL_EXIT_FILE"
+HOOK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_local_hook")  # its sitecustomize.py
 
 
 def free_port():
@@ -73,8 +78,9 @@ def free_port():
 def process_env(base, *, port, n, i, devices, exit_file=None):
     """The environment of process ``i`` of ``n`` (see the module docstring)."""
     env = dict(base, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i))
-    if exit_file is not None:
+    if exit_file is not None:  # and the hook that writes it for a Python program that does not
         env[EXIT_FILE] = exit_file
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [HOOK, env.get("PYTHONPATH")]))
     if devices:
         flags = [f for f in env.get("XLA_FLAGS", "").split()
                  if not f.startswith("--xla_force_host_platform_device_count")]
@@ -84,32 +90,43 @@ def process_env(base, *, port, n, i, devices, exit_file=None):
 
 
 class Child:
-    """One process: its Popen, the tail of its stderr, and when and with what code it left the program."""
+    """One process: its Popen, the tail of its stderr, and when and with what code it left the program.
+
+    Times are wall-clock (``time.time()``): the moment an exit file was written (its mtime, set by the
+    process itself) or the process exited (seen by a thread of its own waiting for it)."""
 
     def __init__(self, i, proc, exit_file):
         self.i, self.proc, self.exit_file = i, proc, exit_file
         self.tail = collections.deque(maxlen=TAIL_LINES)
         self.code = self.left_at = None  # set once it has left; the process's own exit code overrides the file's
-        self.exited = False
+        self.exited, self.reported, self.exit_time = False, False, None
 
-    def update(self, now):
-        """Note an exit, or an exit file written, since the last call (``now``: the time of this poll)."""
-        returncode = self.proc.poll()
-        if returncode is not None and self.code in (None, 0):
-            self.code = returncode if returncode >= 0 else 128 - returncode  # signal N: 128 + N, as a shell says
+    def wait(self):
+        """Wait for the exit (in a thread) and note when, closer than a poll would."""
+        self.proc.wait()
+        self.exit_time = time.time()
+
+    def update(self):
+        """Note an exit, or an exit file written, since the last call."""
+        if self.exit_time is not None and not self.exited:
+            returncode = self.proc.returncode
+            if self.code in (None, 0):
+                self.code = returncode if returncode >= 0 else 128 - returncode  # signal N: 128 + N, as a shell says
+                self.left_at = self.exit_time if self.left_at is None else self.left_at
             self.exited = True
         elif self.code is None and os.path.exists(self.exit_file):
             with open(self.exit_file) as f:
                 text = f.read().strip()
             if text:  # empty: being written, read it next time
                 self.code = int(text) % 256 if text.lstrip("-").isdigit() else 1  # what the OS would make of it
-        if self.code is not None and self.left_at is None:
-            self.left_at = now
+                self.reported, self.left_at = True, os.stat(self.exit_file).st_mtime
 
     def order(self):
-        """Who failed first: the earliest poll; in one poll, a process that died before one that reported (a
-        peer's collective fails when the process at its other end dies, and that peer reports an error)."""
-        return self.left_at, not self.exited, self.i
+        """Who failed first. A process that wrote its exit file left before a peer that wrote its own because
+        of it (a collective fails when the process at its other end is gone): the files' times, written by
+        the processes, keep that order. A hard death (no file) is timed by our waiting thread, which may
+        wake late: it counts as ``SETTLE_S`` earlier, so a peer that failed because of it is not blamed."""
+        return self.left_at - (SETTLE_S if self.exited and not self.reported else 0), self.i
 
 
 def stream(pipe, out, prefix, lock, tail=None):
@@ -144,13 +161,17 @@ def watch(children, *, timeout, exit_grace):
     """Poll until every process exits 0 (``(0, None, '')``) or the job fails: ``(code, failed child, why)``."""
     start = time.monotonic()
     while True:
-        now = time.monotonic()
+        now = time.time()
         for c in children:
-            c.update(now)
-        if all(c.proc.returncode is not None for c in children) and all(c.code == 0 for c in children):
+            c.update()
+        if all(c.exited for c in children) and all(c.code == 0 for c in children):
             return 0, None, ""
         failed = [c for c in children if c.code not in (None, 0)]
         if failed:
+            time.sleep(SETTLE_S)  # a peer that failed because of this one may be seen first: let both be seen
+            for c in children:
+                c.update()
+            failed = [c for c in children if c.code not in (None, 0)]
             first, *others = sorted(failed, key=Child.order)
             also = "".join(f"; also process {c.i}, with {c.code}" for c in others)
             return first.code, first, f"process {first.i} failed with exit code {first.code}{also}"
@@ -160,7 +181,7 @@ def watch(children, *, timeout, exit_grace):
             return EARLY_EXIT, first, (f"process {first.i} left the program (exit code 0) {now - first.left_at:.0f} s "
                                        f"ago while process(es) {inside} are still inside it (--exit-grace "
                                        f"{exit_grace:g} s): a peer waiting for it in a collective would hang")
-        if timeout is not None and now - start > timeout:
+        if timeout is not None and time.monotonic() - start > timeout:
             return TIMEOUT_EXIT, None, f"timeout after {timeout:g} s"
         time.sleep(0.05)
 
@@ -196,6 +217,7 @@ def launch(command, *, processes, devices_per_process=None, timeout=None, exit_g
                             threading.Thread(target=stream, args=(proc.stderr, sys.stderr.buffer, prefix, lock,
                                                                   children[-1].tail), daemon=True)]
                 threads[-2].start(), threads[-1].start()
+                threading.Thread(target=children[-1].wait, daemon=True).start()
             code, failed, why = watch(children, timeout=timeout, exit_grace=exit_grace)
             if code:
                 with lock:

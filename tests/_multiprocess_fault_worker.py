@@ -13,6 +13,9 @@ does ``--fault``:
   ``none``   nothing: the control
 
 and the others run the ring again, whose first ``ppermute`` waits for the peer that is gone.
+``--at`` moves the fault: ``before`` the warm-up ring (the others wait in their first collective),
+``between`` the two rings (the default, above), or ``after`` both (the others have finished and
+leave normally: the job must still fail).
 ``--no-report`` leaves out the exit file (``tests/_multiprocess_job.py``), as an unmodified program
 does; ``--heartbeat-timeout`` and ``--shutdown-timeout`` go to ``jax.distributed.initialize``
 (default: the workers' values in ``_multiprocess_job``), to measure what JAX alone does.
@@ -28,6 +31,8 @@ import _multiprocess_job as job
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--fault", choices=("raise", "exit0", "kill", "late", "none"), required=True)
+parser.add_argument("--at", choices=("before", "between", "after"), default="between",
+                    help="when the fault happens: before, between or after the collectives")
 parser.add_argument("--rank", type=int, default=1, help="the process that fails")
 parser.add_argument("--no-report", action="store_true", help="do not write $LAUNCH_LOCAL_EXIT_FILE")
 parser.add_argument("--heartbeat-timeout", type=int, default=job.HEARTBEAT_S)
@@ -43,6 +48,19 @@ B, S, H, D = 1, 16, 2, 8  # [batch, seq, heads, dim]: tiny, the job is the point
 LATE_S = 3.0  # --fault late: well inside the launcher's default --exit-grace
 
 
+def fault(me):
+    """Do ``--fault`` if this is process ``--rank`` (a fault that returns: ``late``, ``none``)."""
+    if me != args.rank or args.fault not in ("raise", "exit0", "kill"):
+        return
+    print(f"process {me}: fault at {time.time():.3f}", flush=True)  # the test times failure -> launcher exit
+    if args.fault == "raise":
+        raise RuntimeError(f"process {me}: injected failure {args.at} the collectives")
+    if args.fault == "exit0":
+        print(f"process {me}: leaving early with exit code 0", flush=True)
+        sys.exit(0)
+    os._exit(9)  # no atexit, no JAX shutdown: like a host that dies
+
+
 def main():
     me = jax.process_index()
     mesh = rf.make_mesh()  # every device of every process: the ring crosses processes
@@ -50,21 +68,17 @@ def main():
     x = np.random.default_rng(0).standard_normal((B, S, H, D)).astype(np.float32)
     q = jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
     ring = jax.jit(lambda q: rf.ring_attention(q, q, q, mesh=mesh, causal=True))
+    if args.at == "before":
+        fault(me)
     jax.block_until_ready(ring(q))
     print(f"process {me}: warm-up ring done", flush=True)
-    failing = me == args.rank
-    if failing and args.fault in ("raise", "exit0", "kill"):
-        print(f"process {me}: fault at {time.time():.3f}", flush=True)  # the test times failure -> launcher exit
-    if failing and args.fault == "raise":
-        raise RuntimeError(f"process {me}: injected failure after the warm-up ring")
-    if failing and args.fault == "exit0":
-        print(f"process {me}: leaving early with exit code 0", flush=True)
-        sys.exit(0)
-    if failing and args.fault == "kill":
-        os._exit(9)  # no atexit, no JAX shutdown: like a host that dies
+    if args.at == "between":
+        fault(me)
     jax.block_until_ready(ring(q))  # hangs here, waiting for the peer that is gone, unless it is still here
     print(f"process {me}: second ring done", flush=True)
-    if failing and args.fault == "late":
+    if args.at == "after":
+        fault(me)
+    if me == args.rank and args.fault == "late":
         time.sleep(LATE_S)  # leaves the program later than the others: a normal end all the same
     return 0
 

@@ -32,9 +32,10 @@ BOUND_S = 60  # a failed launch's whole wall time, start-up included (generous: 
 FAIL_TO_EXIT_S = 30  # from the fault to the launcher's exit: the bound the launcher promises
 
 
-def launch(*args, timeout):
+def launch(*args, timeout, **extra_env):
     """Run the launcher; past ``timeout`` SIGTERM it (it stops its processes) and fail: it hung."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    env.update(extra_env)
     proc = subprocess.Popen(LAUNCH + list(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -45,12 +46,12 @@ def launch(*args, timeout):
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def launch_fault(*worker_args):
+def launch_fault(*worker_args, **extra_env):
     """2 processes x 2 CPU devices of the fault worker: (the run, its wall time in s, the seconds from the
     fault (the worker prints its wall-clock time) to the launcher's exit, or None without a fault)."""
     start = time.monotonic()
     run = launch("--processes", "2", "--devices-per-process", "2", "--", sys.executable, FAULT_WORKER,
-                 *worker_args, timeout=90)
+                 *worker_args, timeout=90, **extra_env)
     elapsed, ended = time.monotonic() - start, time.time()
     fault = re.search(r"fault at ([0-9.]+)$", run.stdout, re.M)
     to_exit = None if fault is None else ended - float(fault.group(1))
@@ -122,6 +123,37 @@ def test_launcher_takes_the_exit_file_and_allows_a_late_finish():
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+# A stand-in for JAX's shutdown barrier: an atexit handler that holds the process (as JAX's does while a
+# peer is stuck in a collective). The launcher's hook reports the exit before it, and skips it on a failure.
+HELD = "import atexit, os, sys, time; atexit.register(time.sleep, 120); me = os.environ['JAX_PROCESS_ID']; "
+
+
+@pytest.mark.parametrize("leave, code", [("raise RuntimeError('boom on ' + me)", 1), ("sys.exit(3)", 3)])
+def test_launcher_hook_ends_a_failing_program_held_at_exit(leave, code):
+    program = HELD + f"{leave} if me == '1' else time.sleep(120)"
+    start = time.monotonic()
+    run = launch("--processes", "2", "--", sys.executable, "-c", program, timeout=60)
+    assert run.returncode == code and time.monotonic() - start < 20, run.stdout + run.stderr
+    assert f"[launch] process 1 failed with exit code {code}" in run.stderr, run.stderr
+    if code == 1:
+        assert "[launch]   1| RuntimeError: boom on 1" in run.stderr.splitlines(), run.stderr
+
+
+def test_launcher_hook_reports_a_clean_exit_held_at_exit():
+    program = HELD + "time.sleep(120) if me == '0' else print('done', flush=True)"
+    run = launch("--processes", "2", "--exit-grace", "1", "--", sys.executable, "-c", program, timeout=60)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "[launch] process 1 left the program (exit code 0)" in run.stderr, run.stderr
+
+
+def test_launcher_hook_keeps_other_sitecustomize(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("import builtins; builtins.OTHER_SITE = 1\n")
+    program = "import builtins, sys; sys.exit(0 if getattr(builtins, 'OTHER_SITE', 0) else 5)"
+    run = launch("--processes", "1", "--", sys.executable, "-c", program, timeout=60,
+                 PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)]))
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
 def test_launcher_timeout_stops_every_process():
     run = launch("--processes", "2", "--timeout", "1", "--", sys.executable, "-c", "import time; time.sleep(120)",
                  timeout=60)
@@ -148,7 +180,28 @@ def test_a_process_that_raises_after_a_warm_up_ends_the_launch():
     assert run.returncode != 0 and elapsed < BOUND_S and to_exit <= FAIL_TO_EXIT_S, (elapsed, to_exit,
                                                                                      run.stderr[-3000:])
     assert "[launch] process 1 failed with exit code 1" in run.stderr, run.stderr[-3000:]
-    assert "[launch]   1| RuntimeError: process 1: injected failure after the warm-up ring" in run.stderr
+    assert "[launch]   1| RuntimeError: process 1: injected failure between the collectives" in run.stderr
+
+
+# An unmodified program (no exit file of its own, JAX's shutdown timeout at its default 300 s): before the
+# launcher's hook, the one that raised sat in JAX's shutdown barrier and the launcher hung (issue 31).
+@pytest.mark.slow
+@pytest.mark.parametrize("at", ["before", "between", "after"])
+def test_an_unmodified_program_that_raises_ends_the_launch(at):
+    run, elapsed, to_exit = launch_fault("--fault", "raise", "--at", at, "--no-report", "--shutdown-timeout", "300")
+    assert run.returncode == 1 and elapsed < BOUND_S and to_exit <= FAIL_TO_EXIT_S, (elapsed, to_exit,
+                                                                                     run.stderr[-3000:])
+    assert "[launch] process 1 failed with exit code 1" in run.stderr, run.stderr[-3000:]
+    assert f"[launch]   1| RuntimeError: process 1: injected failure {at} the collectives" in run.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("at", ["before", "between"])
+def test_an_unmodified_program_that_exits_0_early_ends_the_launch(at):
+    """A clean exit while the peer still has collectives to run (after them all it is a normal end)."""
+    run, elapsed, to_exit = launch_fault("--fault", "exit0", "--at", at, "--no-report", "--shutdown-timeout", "300")
+    assert run.returncode == 1 and to_exit <= FAIL_TO_EXIT_S, (elapsed, to_exit, run.stderr[-3000:])
+    assert "[launch] process 1 left the program (exit code 0)" in run.stderr, run.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -180,7 +233,16 @@ def test_a_process_that_finishes_late_is_a_normal_end():
 def test_jax_shutdown_timeout_alone_ends_the_job():
     """No exit file (an unmodified program): the process that raised waits in JAX's shutdown barrier, which
     after ``shutdown_timeout_seconds`` aborts every process (what ends the job under SLURM or on a TPU pod)."""
-    run, elapsed, to_exit = launch_fault("--fault", "raise", "--rank", "1", "--no-report", "--shutdown-timeout", "5")
+    run, elapsed, to_exit = launch_fault("--fault", "raise", "--rank", "1", "--no-report", "--shutdown-timeout", "5",
+                                         LAUNCH_LOCAL_HOOK="off")
     assert run.returncode != 0 and elapsed < BOUND_S and to_exit <= FAIL_TO_EXIT_S, (elapsed, to_exit,
                                                                                      run.stderr[-3000:])
     assert "Shutdown barrier has failed" in run.stderr, run.stderr[-3000:]
+
+
+def test_launcher_hook_speaks_for_the_program_not_for_the_pythons_it_starts():
+    """A helper Python process the program runs inherits the environment; its end is not the program's."""
+    program = "import os, subprocess, sys, time; me = os.environ['JAX_PROCESS_ID']; " \
+              "me == '1' and subprocess.run([sys.executable, '-c', 'pass'], check=True); time.sleep(3)"
+    run = launch("--processes", "2", "--exit-grace", "1", "--", sys.executable, "-c", program, timeout=60)
+    assert run.returncode == 0 and "[launch]" not in run.stderr, run.stdout + run.stderr

@@ -10,12 +10,17 @@ very batch the stopped one would have drawn next. The evaluation uses its own fr
 run reports the same numbers, bit for bit on CPU, as one never stopped (``tests/test_training.py``).
 
 Orbax writes each checkpoint into a temporary directory and renames it when complete: a run killed
-while saving keeps its previous checkpoint as the latest. A signal only sets a flag (:class:`Stop`);
+while saving keeps its previous checkpoint as the latest. A step damaged afterwards (a flipped bit, a
+file cut short, a missing item) is found by its digests (``integrity.py``): ``--resume`` says in one
+line which step and what is wrong, and goes on from the newest intact step, or, when none is,
+refuses (:class:`Unusable`, exit 2 from the CLI). Two runs on one ``--out`` are kept apart by
+``lock.py``. A signal only sets a flag (:class:`Stop`);
 the training loop polls it between steps, saves, and raises :class:`Stopped`; a second signal of the
 same kind ends the process at once.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,7 +28,12 @@ import shutil
 import signal
 import sys
 
+from .integrity import describe, problem, seal
 from .outputs import strict, write_json
+
+
+class Unusable(ValueError):
+    """``--resume`` found checkpoints of a model, and none of them intact (the lines before say why)."""
 
 
 class Stopped(Exception):
@@ -69,7 +79,8 @@ class Checkpoints:
 
     def __init__(self, directory, *, every, config, resume, stream=None):
         self.directory, self.every, self._managers = os.path.abspath(directory), int(every), {}
-        stream = sys.stderr if stream is None else stream
+        self._reported = set()  # (folder, step): each damaged step is reported once
+        self.stream = stream = sys.stderr if stream is None else stream
         path = os.path.join(self.directory, "config.json")
         config = strict(config)
         if os.path.exists(path):
@@ -80,7 +91,9 @@ class Checkpoints:
                         if saved.get(k) != config.get(k)}
                 raise ValueError(f"--resume: the checkpoints in {self.directory} are of another run; settings "
                                  f"that differ (checkpointed, asked): {diff}")
-            if not resume:
+            if resume:
+                self._check_all()
+            else:
                 print(f"removing the checkpoints of an earlier run in {self.directory} (pass --resume to "
                       f"continue it)", file=stream)
                 shutil.rmtree(self.directory)
@@ -93,33 +106,105 @@ class Checkpoints:
         """Whether ``step`` (updates done) gets a checkpoint: every ``every`` steps, and the last."""
         return step % self.every == 0 or step == steps
 
+    def _folder(self, name):
+        return os.path.join(self.directory, re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_"))
+
+    def _sums(self, folder, step):
+        return os.path.join(folder + ".sums", f"{step}.json")
+
     def _manager(self, name):
         import orbax.checkpoint as ocp
         if name not in self._managers:
-            folder = os.path.join(self.directory, re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_"))
             options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False, create=True)
-            self._managers[name] = ocp.CheckpointManager(folder, options=options)
+            self._managers[name] = ocp.CheckpointManager(self._folder(name), options=options)
         return self._managers[name]
 
+    def _steps(self, folder):
+        """The saved steps in ``folder``, newest first (Orbax names each step's folder by its number)."""
+        names = os.listdir(folder) if os.path.isdir(folder) else []
+        return sorted((int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(folder, n))),
+                      reverse=True)
+
+    def _check_all(self):
+        """Before anything is compiled: every model folder with steps must have an intact one (else
+        :class:`Unusable`); the damaged ones are reported now, once."""
+        for entry in sorted(os.listdir(self.directory)):
+            if "." in entry:  # config.json, NAME.sums, NAME.damaged: a model's folder name has no dot (_folder)
+                continue
+            folder = os.path.join(self.directory, entry)
+            steps = self._steps(folder)
+            if steps and all([self._problem(entry, folder, step) for step in steps]):
+                raise self._unusable(entry, steps)
+
+    def _problem(self, name, folder, step):
+        """``problem`` for one step, reported on the stream in one line when there is one."""
+        what = problem(os.path.join(folder, str(step)), self._sums(folder, step))
+        if what:
+            self._say(name, step, what)
+        return what
+
+    def _say(self, name, step, what):
+        if (self._folder(name), step) in self._reported:
+            return
+        self._reported.add((self._folder(name), step))
+        print(f"checkpoint step {step} of {name!r} in {self.directory} is unusable: {what}", file=self.stream)
+
+    def _unusable(self, name, steps):
+        return Unusable(f"--resume: no intact checkpoint of {name!r} in {self.directory} (steps "
+                        f"{', '.join(map(str, steps))}: see above); remove that folder to start afresh, or drop "
+                        f"--resume")
+
     def save(self, name, step, state, meta):
-        """Save ``state`` (a pytree of arrays) and ``meta`` (JSON) as ``step`` of model ``name``; returns
-        when it is on disk."""
+        """Save ``state`` (a pytree of arrays) and ``meta`` (JSON) as ``step`` of model ``name``, then its
+        digests; returns when both are on disk."""
         import orbax.checkpoint as ocp
         manager = self._manager(name)
         manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                    meta=ocp.args.JsonSave(strict(meta))), force=True)
         manager.wait_until_finished()
+        folder = self._folder(name)
+        seal(os.path.join(folder, str(step)), self._sums(folder, step))
+
+    def _set_aside(self, name, folder, steps):
+        """Move damaged ``steps`` to ``FOLDER.damaged/`` (kept for a look, out of the manager's way: the run
+        saves those step numbers again) and forget the manager that listed them."""
+        aside = folder + ".damaged"
+        os.makedirs(aside, exist_ok=True)
+        for step in steps:
+            shutil.rmtree(os.path.join(aside, str(step)), ignore_errors=True)
+            os.replace(os.path.join(folder, str(step)), os.path.join(aside, str(step)))
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._sums(folder, step))
+        self._managers.pop(name, None)
+        print(f"moved the unusable step(s) {', '.join(map(str, steps))} of {name!r} to {aside}", file=self.stream)
 
     def restore(self, name, like):
-        """The latest checkpoint of model ``name`` as ``(step, state, meta)``, or None if it has none.
-        ``like``: a pytree of arrays with the shapes, dtypes and shardings to restore into."""
+        """The newest intact checkpoint of model ``name`` as ``(step, state, meta)``, or None if it has none;
+        :class:`Unusable` when it has steps and none is intact. ``like``: a pytree of arrays with the shapes,
+        dtypes and shardings to restore into."""
         import jax
         import orbax.checkpoint as ocp
-        manager = self._manager(name)
-        step = manager.latest_step()
-        if step is None:
-            return None
+        folder = self._folder(name)
+        steps = self._steps(folder)
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like)
-        got = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                                            meta=ocp.args.JsonRestore()))
-        return step, got["state"], got["meta"]
+        for n, step in enumerate(steps):
+            what = problem(os.path.join(folder, str(step)), self._sums(folder, step))
+            if not what:
+                try:
+                    got = self._manager(name).restore(step, args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+                    meta = got["meta"]
+                    if not isinstance(meta, dict) or not {"losses", "accuracies", "rng"} <= set(meta):
+                        raise ValueError("its 'meta' item lacks losses, accuracies or rng")
+                except Exception as err:  # noqa: BLE001 - any reader failure is this step's verdict, in one line
+                    self._managers.pop(name, None)  # a reader that failed may be unusable (a closed event loop)
+                    what = describe(err)
+                else:
+                    if n:
+                        self._set_aside(name, folder, steps[:n])
+                        print(f"resuming {name!r} from step {step}, its newest intact checkpoint", file=self.stream)
+                    return step, got["state"], meta
+            self._say(name, step, what)
+        if steps:
+            raise self._unusable(name, steps)
+        return None

@@ -25,8 +25,11 @@ import os
 import sys
 import tempfile
 
+from benchmarks.flags import dtype_flag
+
 from . import train as experiment
-from .checkpoint import Checkpoints, Stop, Stopped
+from .checkpoint import Checkpoints, Stop, Stopped, Unusable
+from .lock import Busy, Lock
 from .outputs import strict
 from .tasks import RecallTask
 
@@ -53,7 +56,7 @@ def parser():
     p.add_argument("--layout", default="contiguous", choices=("contiguous", "striped", "zigzag"))
     p.add_argument("--steps", type=at_least(1), help=f"optimizer steps per model (default {f['steps']})")
     p.add_argument("--batch", type=at_least(1), help=f"sequences per step (default {f['batch']})")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), type=dtype_flag(("float32", "bfloat16")))
     p.add_argument("--compare-dtypes", action="store_true", help="also train the ring model in the other dtype")
     p.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--out", default="runs/train", help="output directory (metrics.json, training.png)")
@@ -124,6 +127,22 @@ def main(argv=None):
             preset[name] = getattr(args, name)
     check(p, args, preset)
     config = dict(preset, layout=args.layout, dtype=args.dtype, seed=args.seed, compare_dtypes=args.compare_dtypes)
+    try:  # one --out, one run (lock.py): held until the run ends, whatever ends it
+        lock = Lock(args.out, stream=sys.stderr).acquire()
+    except Busy as err:
+        p.error(str(err))
+    try:
+        metrics, written = train(p, args, preset, config)
+    finally:
+        lock.release()
+    summary = {k: metrics[k] for k in ("ring_accuracy", "local_accuracy", "chance_accuracy", "seq", "devices",
+                                       "steps", "seconds")}
+    print(json.dumps(strict(summary)))
+    print(f"wrote {' and '.join(written)}")
+
+
+def train(p, args, preset, config):
+    """Train (resuming with ``--resume``) and write the outputs; ``(metrics, files written)``."""
     with devices_and_cache(preset["devices"], sys.stderr), Stop() as stop:
         import jax
         if preset["devices"] > jax.device_count():
@@ -132,18 +151,16 @@ def main(argv=None):
         try:  # after every check: a fresh run (no --resume) clears the old checkpoints
             checkpoints = Checkpoints(args.checkpoint_dir or os.path.join(args.out, "checkpoints"),
                                       every=args.checkpoint_every, config=config, resume=args.resume)
-        except ValueError as err:
+        except ValueError as err:  # another run's checkpoints, or none of them intact (Unusable)
             p.error(str(err))
         try:
             metrics = experiment.run_experiment(layout=args.layout, dtype=args.dtype, seed=args.seed,
                                                 compare_dtypes=args.compare_dtypes, checkpoints=checkpoints,
                                                 stop=stop, **preset)
+        except Unusable as err:  # a step only the reader found damaged, and no older one intact
+            p.error(str(err))
         except Stopped as err:
             print(f"\n{err}: checkpoint saved in {checkpoints.directory}; continue with the same flags and "
                   f"--resume", file=sys.stderr)
             sys.exit(128 + err.signum)
-    written = experiment.write_outputs(metrics, args.out)
-    summary = {k: metrics[k] for k in ("ring_accuracy", "local_accuracy", "chance_accuracy", "seq", "devices",
-                                       "steps", "seconds")}
-    print(json.dumps(strict(summary)))
-    print(f"wrote {' and '.join(written)}")
+    return metrics, experiment.write_outputs(metrics, args.out)

@@ -176,8 +176,8 @@ def run_experiment(*, seq, devices, layout, steps, dtype, batch, d_model, layers
     base = ModelConfig(vocab=task.vocab, d_model=d_model, n_layers=layers, n_heads=4, n_kv_heads=2,
                        d_ff=2 * d_model, compute_dtype=dtype, ffn_block=math.gcd(32, seq // devices))
     configs = {"ring": base, "local": base.__class__(**{**base.__dict__, "window": (task.shard - 1, 0)})}
-    if compare_dtypes:
-        other = "float32" if dtype == "bfloat16" else "bfloat16"
+    if compare_dtypes:  # base.compute_dtype: the dtype's name, however it was spelled
+        other = "float32" if base.compute_dtype == "bfloat16" else "bfloat16"
         configs[f"ring ({other})"] = base.__class__(**{**base.__dict__, "compute_dtype": other})
     start = time.perf_counter()
     runs, seconds = {}, {}
@@ -188,7 +188,7 @@ def run_experiment(*, seq, devices, layout, steps, dtype, batch, d_model, layers
         seconds[name] = time.perf_counter() - t0
     metrics = dict(ring_accuracy=runs["ring"]["accuracy"], local_accuracy=runs["local"]["accuracy"],
                    chance_accuracy=task.chance, seq=seq, devices=devices, layout=layout, steps=steps, batch=batch,
-                   dtype=dtype, d_model=d_model, layers=layers, shard=task.shard, window=[task.shard - 1, 0],
+                   dtype=base.compute_dtype, d_model=d_model, layers=layers, shard=task.shard, window=[task.shard - 1, 0],
                    seconds=time.perf_counter() - start, seconds_per_model=seconds,
                    final_loss={k: float(np.mean(r["losses"][-10:])) for k, r in runs.items()},
                    eval_accuracy={k: r["accuracy"] for k, r in runs.items()},

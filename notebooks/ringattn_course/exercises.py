@@ -1058,7 +1058,7 @@ def check_dilated(dilated):
             raise AssertionError(f"dilated({window}, {dilation}) and then its mask_fn(q_pos, k_pos, q_seg, k_seg, head) "
                                  f"on arrays of shapes {[a.shape for a in args]} raised {type(e).__name__}: {e}") from e
         if got.dtype != np.bool_:
-            raise AssertionError(f"mask_fn must return bools (comparisons joined with & and |); got {got.dtype}")
+            raise AssertionError(f"mask_fn must return bools (comparisons joined with jnp.logical_and / jnp.logical_or, or & and |); got {got.dtype}")
         want = _dilated_rule(window, dilation, q_pos, k_pos)
         if not np.array_equal(np.broadcast_to(got, (1, 1, t, s))[0, 0], want):
             raise AssertionError(f"window={window}, dilation={dilation}, {t} queries at positions {s - t}..{s - 1}: "
