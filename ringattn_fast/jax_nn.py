@@ -139,7 +139,8 @@ def masked_ring_attention(q, k, v, *, bias=None, mask=None, q_lengths=None, kv_l
     :func:`~ringattn_fast.ring_attention` (``jax.nn`` has no dropout; the Flax adapter passes it on).
     Returns o [B, S, N, H] in q's dtype and lse [B, N, S] float32 (float64 for float64 inputs).
     A row that sees no key gets JAX's values (mean of V, ``fill + log S``); padded queries get o = 0.
-    logit_softcap, sinks: as :func:`~ringattn_fast.ring_attention` (beyond ``jax.nn``); with sinks a row
+    logit_softcap, sinks: as :func:`~ringattn_fast.ring_attention` (beyond ``jax.nn``; the cap applies to
+    the scaled logits before ``bias`` and the masks are added, as Gemma 2 does); with sinks a row
     that sees no key gets what a sink column would give it under JAX's fill: o = 0, lse = the sink.
     """
     b, t, h = q.shape[:3]
@@ -188,7 +189,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     attend) broadcastable to [B, N, T, S] (a mask costs O(T * S) memory: prefer ``is_causal``,
     ``local_window_size`` and the seq lengths, which cost O(S)); scale: a Python number (default
     ``H ** -0.5``). ``mesh``, ``axis_name``, ``layout``: as :func:`~ringattn_fast.ring_attention`; so
-    are ``logit_softcap`` and ``sinks`` [N], keywords beyond ``jax.nn``'s. Returns the output like
+    are ``logit_softcap`` and ``sinks`` [N], keywords beyond ``jax.nn``'s. ``logit_softcap`` ``c`` caps
+    the scaled logits *before* ``bias`` (and the masks, which become a ``-inf`` bias) are added, as
+    Gemma 2 does: a masked logit stays ``-inf`` instead of being capped to ``-c``, and the bias stays
+    exact. Tokamax's attention caps after adding the bias, so the two differ wherever a bias is given
+    (they agree without one); see ``ring_attention`` for writing that order as a ``score_fn``. Returns the output like
     query, in its dtype; with ``return_residual`` also the log-sum-exp of each
     row's masked, scaled logits, [B, T, N] (or [T, N]) in key's dtype, without gradient — as ``jax.nn``.
     """

@@ -4,7 +4,8 @@ Ring Attention (arXiv:2310.01889, Algorithm 1) on ``N = axis_size`` hosts inside
 host ``my_idx`` keeps its :class:`~ringattn_fast.schedule.QShard` and, at ring step ``step``, holds
 K/V shard ``kv_idx = (my_idx - step) % N`` (with 4 hosts, at step 1 host 0 holds K/V shard 3). It
 attends to that shard (one hop: ``kernels/xla.py`` or a Pallas kernel, chosen by ``dispatch``), merges
-the hop's ``(o, lse)`` into its running result (``softmax.merge``, in float32 or float64) and passes
+the hop's ``(o, lse)`` into its running result (``softmax.merge_into``: ``(o, m, l)``, float32 or
+float64, lse = ``m + log(l)`` rounded once at the end, not at every hop) and passes
 the :class:`~ringattn_fast.schedule.KVShard` on to host ``my_idx + 1``. K/V travel ``N - 1`` times:
 the send is issued at the top of a step (so it can overlap the hop's compute) and there is none after
 the last step. A hop the mask leaves provably empty is skipped with ``lax.cond`` (for the kernels
@@ -32,7 +33,7 @@ from .dispatch import kernels_for
 from .front import Strategy, check_shard_call, finish, host_inputs, on_mesh
 from .mesh import varying_axes, vary_like
 from .schedule import Dropout, KVShard, QShard, hop_kv, kv_index, ring_loop, send_to_next, single_hop
-from .softmax import acc_dtype, merge
+from .softmax import acc_dtype, merge_into, running_lse
 
 
 def ring_forward(cfg, qs, kv, bias, drop=None, head_offset=None):
@@ -54,34 +55,36 @@ def ring_forward(cfg, qs, kv, bias, drop=None, head_offset=None):
     builtin = masks.can_be_empty(cfg.hop.causal, cfg.hop.window, qs.seg is not None)
     skip = cfg.skip_empty_hops and (builtin or cfg.block_mask is not None)
 
-    def hop(step, kv, o, lse):
+    def hop(step, kv, o, m, l):
         kv = comm.decode(kv, kv_dtype)  # what travels is the wire format (comm_dtype)
         kv_idx = kv_index(my_idx, step, n)
 
-        def attend_hop(o, lse):
+        def attend_hop(o, m, l):
             o_hop, lse_hop = hop_fwd(qs, hop_kv(cfg, kv, bias, kv_idx), cfg.hop,
                                      **block_mask.hop_extras(cfg, my_idx, kv_idx, head_offset))
-            return merge(o, lse, o_hop.astype(acc), lse_hop.astype(acc))
+            return merge_into(o, m, l, o_hop.astype(acc), lse_hop.astype(acc))
 
         if skip:
-            return lax.cond(block_mask.hop_is_empty(cfg, qs, kv, my_idx, step), lambda o, lse: (o, lse), attend_hop, o, lse)
-        return attend_hop(o, lse)
+            return lax.cond(block_mask.hop_is_empty(cfg, qs, kv, my_idx, step), lambda *running: running, attend_hop,
+                            o, m, l)
+        return attend_hop(o, m, l)
 
     def step_fn(carry, step):
-        kv, o, lse = carry
+        kv, o, m, l = carry
         kv_next = send_to_next(kv, cfg.axis_name)  # issued first: overlaps the hop
-        o, lse = hop(step, kv, o, lse)
-        return kv_next, o, lse
+        o, m, l = hop(step, kv, o, m, l)
+        return kv_next, o, m, l
 
     if n == 1:  # one hop: nothing to merge, so no float32 accumulator and no loop (memory at N = 1)
         kv = comm.decode(comm.encode(kv, cfg.comm_dtype), kv_dtype)  # rounded as a ring of N would round it
         return hop_fwd(qs, hop_kv(cfg, kv, bias, 0), single_hop(cfg.hop, qs.q.dtype),
                        **block_mask.hop_extras(cfg, my_idx, 0, head_offset))
     o = jnp.zeros((b, sq, h, kv.v.shape[-1]), acc)  # as wide as v (MLA: d_v != d)
-    lse = jnp.full((b, h, sq), -jnp.inf, acc)
+    m, l = jnp.full((b, h, sq), -jnp.inf, acc), jnp.zeros((b, h, sq), acc)  # lse = m + log(l): merge_into
     axes = varying_axes(*qs, *kv, bias)
-    kv, o, lse = ring_loop(step_fn, (comm.encode(kv, cfg.comm_dtype),) + vary_like((o, lse), axes), n)
-    return hop(n - 1, kv, o, lse)  # the last step: nothing left to send
+    kv, o, m, l = ring_loop(step_fn, (comm.encode(kv, cfg.comm_dtype),) + vary_like((o, m, l), axes), n)
+    o, m, l = hop(n - 1, kv, o, m, l)  # the last step: nothing left to send
+    return o, running_lse(m, l)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -200,8 +203,14 @@ def ring_attention(q, k, v, *, mesh=None, axis_name="sp", causal=False, segment_
       block size; runs in the XLA hop (``impl="auto"`` picks it, a Pallas impl is an error);
     - sinks: float [heads], a learnable logit per query head that joins every row's softmax
       denominator and brings no value (gpt-oss); lse includes it; every impl (``softmax.add_sinks``);
-    - logit_softcap: ``c``: the scaled logits become ``c * tanh(s / c)`` before bias and mask (Gemma 2);
-      every impl (the XLA hop and the Pallas kernels, forward and backward);
+    - logit_softcap: ``c``: the scaled logits become ``c * tanh(s / c)`` *before* the bias and the mask
+      are added (Gemma 2 caps ``q k / sqrt(d)`` itself); every impl (the XLA hop and the Pallas kernels,
+      forward and backward). Why this order: the bias stays exact -- a ``-inf`` (or large negative)
+      masking bias still masks, where capping after it would turn ``-inf`` into ``-c``, a logit like
+      any other (a masked key would get weight ``e^-c`` against a logit of 0), and an ALiBi or position
+      bias keeps its full range. Some libraries
+      (Tokamax) cap after the bias; for that order with a bias of positions and heads, write both in
+      one ``score_fn``, ``c * tanh((s + b(q_pos, k_pos, head)) / c)``, and leave ``logit_softcap`` None;
     - mask_fn(q_pos, k_pos, q_seg, k_seg, head) -> bool / score_fn(s, q_pos, k_pos, head) -> s: user
       functions of true positions (``ringattn_ref.variants``) and global head indices, evaluated per
       tile (a pair attends iff the built-in mask and ``mask_fn`` allow it; ``score_fn`` after the

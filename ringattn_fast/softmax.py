@@ -3,7 +3,8 @@
 Mirrors ``ringattn_ref.softmax.merge``. Two results over disjoint key sets, each normalised within its
 part, combine exactly (FlashAttention-2, arXiv:2307.08691, the rescaling of §3.1.1):
 ``lse = logaddexp(lse1, lse2)``, ``o = exp(lse1 - lse) o1 + exp(lse2 - lse) o2``. With both
-``lse = -inf`` the textbook formula is ``nan``; here it gives ``o = 0, lse = -inf``.
+``lse = -inf`` the textbook formula is ``nan``; here it gives ``o = 0, lse = -inf``. The ring folds its
+hops with :func:`merge_into`, which keeps ``lse`` as ``(m, l)`` until the end (one rounding, not ``N``).
 """
 from __future__ import annotations
 
@@ -26,6 +27,32 @@ def merge(o1, lse1, o2, lse2):
     c1 = jnp.einsum("bhs->bsh", w1 * inv)[..., None]  # (b, s, h, 1)
     c2 = jnp.einsum("bhs->bsh", w2 * inv)[..., None]
     return c1 * o1 + c2 * o2, lse
+
+
+def merge_into(o, m, l, o_hop, lse_hop):
+    """Fold one hop's ``(o_hop, lse_hop)`` into a running ``(o, m, l)``: the result so far, normalised,
+    over keys whose logsumexp is ``m + log(l)``; returns the new ``(o, m, l)`` (:func:`running_lse` ends it).
+
+    The same sum as :func:`merge`, but the large part of the logsumexp (``m``, the largest hop lse so far)
+    is kept apart from the sum of weights ``l``: merging lse itself rounds a number near ``max logit``
+    (20, say: 1e-6 in float32) at every hop, and ``N`` such roundings add up in ``lse`` -- which the
+    backward turns into ``P = exp(S - lse)`` for every key: with 256 queries on 8 keys over 8 hosts, dV
+    off by 1.7e-5 against 1.1e-5. Here each hop's lse is rounded once, and the sum at the end.
+    o: [b, s, h, d]; m, l, lse_hop: [b, h, s]; start from ``m = -inf, l = 0``.
+    """
+    m_new = jnp.maximum(m, lse_hop)
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # no key yet on either side: both weights 0
+    old, new = l * jnp.exp(m - m_safe), jnp.exp(lse_hop - m_safe)  # (b, h, s)
+    l_new = old + new
+    inv = 1.0 / jnp.where(l_new == 0, 1.0, l_new)
+    c_old = jnp.einsum("bhs->bsh", old * inv)[..., None]  # (b, s, h, 1)
+    c_new = jnp.einsum("bhs->bsh", new * inv)[..., None]
+    return c_old * o + c_new * o_hop, m_new, l_new
+
+
+def running_lse(m, l):
+    """The logsumexp of a running ``(m, l)`` (:func:`merge_into`): ``m + log(l)``, ``-inf`` where no key was seen."""
+    return jnp.where(l == 0, -jnp.inf, m + jnp.log(jnp.where(l == 0, 1.0, l)))
 
 
 def add_sinks(o, lse, sinks):

@@ -45,7 +45,9 @@ def attention(q, k, v, *, causal=False, segment_ids=None, bias=None, window=None
       here: a pair attends iff the built-in mask *and* ``mask_fn`` allow it;
     - bias: broadcastable to [batch, heads, t, s], added to the logits;
     - scale: defaults to ``dim ** -0.5``; logit_softcap ``c``: ``s = c * tanh(s / c)`` on the scaled
-      logits (Gemma 2), then ``score_fn``, then the bias, then the mask;
+      logits (Gemma 2), then ``score_fn``, then the bias, then the mask: capped before the bias, so a
+      ``-inf`` bias still masks and a bias keeps its range (``variants.softcap`` says why; Tokamax caps
+      after the bias);
     - sinks: float [heads], a logit per query head that joins every row's softmax denominator and
       brings no value (gpt-oss): ``o = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) + e^(sink - m))``;
     - padding_segment: a segment id whose keys no query sees and whose queries see nothing

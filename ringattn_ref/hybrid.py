@@ -23,12 +23,11 @@ of q, k, v (``c = S / P`` tokens, all heads; ``layouts`` with ``n_hosts = P``). 
 head is repeated ``kv_repeat = U / gcd(kv_heads, U)`` times before the all-to-all (1 when ``kv_heads`` is
 a multiple of ``U``), so every host receives ``lcm(kv_heads, U) / U`` kv heads, whole groups for its query
 heads. Example: 12 heads, 3 kv heads, ``U = 4``: each kv head 4 times, 3 per host; host 1 holds query
-heads 3, 4, 5 and copies of kv heads 0, 1, 1. (``strategies.ulysses_attention`` sends the distinct kv
-heads instead, 2 here; they agree whenever ``kv_heads`` divides or is a multiple of ``U``.)
+heads 3, 4, 5 and copies of kv heads 0, 1, 1 -- exactly what ``strategies.ulysses_attention`` sends on
+``U`` hosts (``strategies.kv_repeat``), so ``R = 1`` is that Ulysses byte for byte, in the trace and in
+``strategy_cost``.
 """
 from __future__ import annotations
-
-from math import gcd
 
 import numpy as np
 
@@ -36,7 +35,7 @@ from .blockwise import attend_kv_shard, bias_tile
 from .ring import Host, Message, send_to_next, setup_ring, swap_buffers
 from .shards import KVShard, QShard
 from .softmax import finalize, init_state
-from .strategies import StrategyTrace, _caller_order
+from .strategies import StrategyTrace, _caller_order, kv_repeat
 from .validation import check_n_hosts, check_qkv
 
 
@@ -71,12 +70,6 @@ def hybrid_splits(heads, devices):
     """Every split ``(ulysses_size, ring_size)`` of ``devices``: ``ulysses_size`` divides ``devices`` and
     ``heads`` (so it never exceeds ``heads``). Example: 4 heads on 8 devices: (1, 8), (2, 4), (4, 2)."""
     return [(u, devices // u) for u in range(1, min(heads, devices) + 1) if devices % u == 0 and heads % u == 0]
-
-
-def kv_repeat(kv_heads, ulysses_size):
-    """How often each kv head is repeated before the all-to-all: ``U / gcd(kv_heads, U)`` (1 when
-    ``kv_heads`` is a multiple of ``U``); each host then receives ``kv_heads * kv_repeat / U`` kv heads."""
-    return ulysses_size // gcd(kv_heads, ulysses_size)
 
 
 def hybrid_attention(q, k, v, *, ulysses_size, ring_size, causal=False, segment_ids=None, bias=None, window=None,

@@ -10,10 +10,13 @@ of q, k, v (``c = seq / N`` tokens, all heads) and must end with its shard of th
 - **Ulysses** (DeepSpeed-Ulysses, arXiv:2309.14509): an all-to-all swaps the sequence split for a
   head split -- host ``j`` receives, from every host, the q/k/v of its heads group ``j``
   (``heads / N`` query heads) -- then attends over the full sequence on its heads, and a second
-  all-to-all sends each host its tokens back. Needs ``heads % N == 0``. With GQA, host ``j`` gets
-  the kv heads its query heads use (``kv_head = q_head // (heads // kv_heads)``): ``kv_heads / N``
-  distinct ones when ``kv_heads >= N`` (and divisible); below that one kv head goes to several hosts
-  (K/V repeated on the wire).
+  all-to-all sends each host its tokens back. Needs ``heads % N == 0``. With GQA the kv heads are
+  split as ``ringattn_fast.ulysses_attention`` splits them (:func:`kv_repeat`): ``kv_heads / N`` each
+  when ``kv_heads`` is a multiple of ``N``; otherwise each kv head is first repeated
+  ``N / gcd(kv_heads, N)`` times, so every host receives ``lcm(kv_heads, N) / N`` (whole groups of its
+  query heads, some kv heads on several hosts). The simulation sends what the compiled program sends,
+  so the cost model (``strategy_cost``) prices the code that runs, and the hybrid at ring size 1 is
+  this Ulysses byte for byte.
 
 Each returns a :class:`StrategyTrace` like the ring's :class:`~ringattn_ref.ring.RingTrace`: bytes
 sent per host per step, the steps, peak live bytes per host.
@@ -21,6 +24,7 @@ sent per host per step, the steps, peak live bytes per host.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import gcd
 
 import numpy as np
 
@@ -118,28 +122,27 @@ def allgather_attention(q, k, v, *, n_hosts, causal=False, segment_ids=None, bia
     return (o, trace) if return_trace else o
 
 
+def kv_repeat(kv_heads, n_hosts):
+    """How often each kv head is repeated before Ulysses's all-to-all over ``n_hosts``: ``N / gcd(kv_heads,
+    N)`` (1 when ``kv_heads`` is a multiple of ``N``). Each host then receives ``kv_heads * kv_repeat / N``
+    kv heads (``lcm(kv_heads, N) / N``), which divides its ``heads / N`` query heads: the tiled all-to-all
+    of ``ringattn_fast`` needs equal parts, and every query head must find its kv head on its host."""
+    return n_hosts // gcd(kv_heads, n_hosts)
+
+
 def ulysses_heads(heads, kv_heads, n_hosts, j):
-    """Host ``j``'s query heads and the kv heads they use: ``(slice(q), slice(kv))``.
+    """Host ``j``'s query heads and its kv heads, as ``(slice(q), slice(kv))``; the kv slice indexes the
+    kv heads as sent, each repeated :func:`kv_repeat` times (copy ``i * rep + a`` is kv head ``i``).
 
     Query heads are cut into ``N`` contiguous groups of ``heads / N``; query head ``t`` uses kv head
-    ``t // (heads // kv_heads)`` (``attention.repeat_kv``). Example: 8 heads, 2 kv heads, 4 hosts:
-    host 1 gets query heads 2, 3 and kv head 0, host 2 gets 4, 5 and kv head 1.
+    ``t // (heads // kv_heads)`` (``attention.repeat_kv``), i.e. copy ``t // (heads // (kv_heads * rep))``.
+    Example: 8 heads, 2 kv heads, 4 hosts: each kv head twice; host 1 gets query heads 2, 3 and copy 1
+    (kv head 0), host 2 gets 4, 5 and copy 2 (kv head 1). 12 heads, 3 kv heads, 4 hosts: each kv head 4
+    times, host 1 gets query heads 3, 4, 5 and copies 3, 4, 5 (kv heads 0, 1, 1).
     """
-    hq, group = heads // n_hosts, heads // kv_heads
-    return slice(j * hq, (j + 1) * hq), slice(j * hq // group, ((j + 1) * hq - 1) // group + 1)
-
-
-def local_kv_index(heads, kv_heads, n_hosts, j):
-    """Which of host ``j``'s received kv heads each of its query heads uses, or None when
-    ``repeat_kv``'s uniform map already pairs them right (``kv_heads`` a multiple or a divisor of
-    the group count). Example: 12 heads, 3 kv heads, 4 hosts: host 1 holds query heads 3, 4, 5 and
-    kv heads 0, 1 -> ``[0, 1, 1]``, a local repeat (no extra bytes on the wire)."""
-    qh, kvh = ulysses_heads(heads, kv_heads, n_hosts, j)
-    want = np.arange(qh.start, qh.stop) // (heads // kv_heads) - kvh.start  # local kv head per q head
-    hq, n_kv = len(want), kvh.stop - kvh.start
-    if hq % n_kv == 0 and np.array_equal(want, np.arange(hq) // (hq // n_kv)):
-        return None
-    return want
+    hq, hk_sent = heads // n_hosts, kv_heads * kv_repeat(kv_heads, n_hosts)
+    per_host = hk_sent // n_hosts
+    return slice(j * hq, (j + 1) * hq), slice(j * per_host, (j + 1) * per_host)
 
 
 def ulysses_attention(q, k, v, *, n_hosts, causal=False, segment_ids=None, bias=None, window=None,
@@ -148,11 +151,12 @@ def ulysses_attention(q, k, v, *, n_hosts, causal=False, segment_ids=None, bias=
 
     Arguments as in :func:`ringattn_ref.ring_attention`; ``heads`` must be divisible by ``n_hosts``.
     Step 0, all-to-all: host ``i`` sends host ``j`` its ``c`` tokens of q on heads group ``j`` and
-    of k, v on the kv heads that group uses (:func:`ulysses_heads`). Step 1: host ``j`` attends
+    of k, v on the kv heads that group uses, repeated as :func:`kv_repeat` says (:func:`ulysses_heads`). Step 1: host ``j`` attends
     over all ``S`` tokens (layout order, true positions) on its ``heads / N`` heads. Step 2,
     all-to-all back: host ``j`` sends host ``i`` the output of ``i``'s tokens on group ``j``.
     Peak per host: the largest of (inputs + received q/k/v), (received q/k/v + o, m, l, one score
-    tile), (o of all tokens + the received output shard). Returns o [batch, seq, heads, dim] float64
+    tile), (o of all tokens + the received output shard); on one host (no all-to-all) only the middle
+    one, as the ring's and the hybrid's. Returns o [batch, seq, heads, dim] float64
     (and the trace if ``return_trace``).
     """
     problem, hosts = setup_ring(q, k, v, n_hosts=n_hosts, causal=causal, segment_ids=segment_ids, bias=bias,
@@ -163,7 +167,8 @@ def ulysses_attention(q, k, v, *, n_hosts, causal=False, segment_ids=None, bias=
     if h % n:
         raise ValueError(f"ulysses_attention splits the heads over the hosts: heads ({h}) must be divisible "
                          f"by n_hosts ({n}); got q {tuple(q.shape)}")
-    heads = [ulysses_heads(h, hk, n, j) for j in range(n)]
+    heads, rep = [ulysses_heads(h, hk, n, j) for j in range(n)], kv_repeat(hk, n)
+    sent = [(hst.held.kv.k.repeat(rep, axis=2), hst.held.kv.v.repeat(rep, axis=2)) for hst in hosts]  # as sent
     bytes_sent, flops, peak = np.zeros((n, 3), np.int64), np.zeros((n, 3)), np.zeros(n, np.int64)
     pos = problem.perm[None]  # (1, S) true positions in layout order
     seg = None if hosts[0].qs.seg is None else np.concatenate([hst.qs.seg for hst in hosts], axis=1)
@@ -171,25 +176,23 @@ def ulysses_attention(q, k, v, *, n_hosts, causal=False, segment_ids=None, bias=
     for j, (qh, kvh) in enumerate(heads):
         # step 0: host j receives from every host i its tokens on j's heads (its own part stays)
         q_j = np.concatenate([hst.qs.q[:, :, qh] for hst in hosts], axis=1)  # (b, S, h/N, d)
-        k_j, v_j = (np.concatenate([getattr(hst.held.kv, name)[:, :, kvh] for hst in hosts], axis=1)
-                    for name in "kv")  # (b, S, kv heads of group j, d)
+        k_j, v_j = (np.concatenate([kv[a][:, :, kvh] for kv in sent], axis=1)
+                    for a in (0, 1))  # (b, S, kv heads of group j, d): whole groups of its query heads
         for i, hst in enumerate(hosts):
             if i != j:
-                bytes_sent[i, 0] += (hst.qs.q[:, :, qh].size + 2 * hst.held.kv.k[:, :, kvh].size) * e
-        idx = local_kv_index(h, hk, n, j)
-        k_loc, v_loc = (k_j, v_j) if idx is None else (k_j[:, :, idx], v_j[:, :, idx])
+                bytes_sent[i, 0] += (hst.qs.q[:, :, qh].size + 2 * sent[i][0][:, :, kvh].size) * e
         bias_j = problem.bias
         if bias_j is not None and bias_j.shape[1] > 1:
             bias_j = bias_j[:, qh]  # (b|1, h/N, s|1, s|1): this group's heads
         # step 1: full-sequence attention on h/N heads
-        o_j, lse_j, computed = _attend(QShard(q_j, pos, seg), KVShard(k_loc, v_loc, pos, seg), problem, bias_j)
+        o_j, lse_j, computed = _attend(QShard(q_j, pos, seg), KVShard(k_j, v_j, pos, seg), problem, bias_j)
         flops[j, 1] = computed * 4 * b * q_j.shape[2] * hop.block_q * hop.block_kv * d
         tile = b * q_j.shape[2] * hop.block_q * hop.block_kv
-        inputs = hosts[j].qs.q.size + hosts[j].held.payload_elements()
+        inputs = hosts[j].qs.q.size + hosts[j].held.payload_elements()  # the repeated copies: views, not counted
         received = q_j.size + k_j.size + v_j.size
-        extra = 0 if k_loc is k_j else k_loc.size + v_loc.size  # a local repeat of kv heads
-        peak[j] = max(inputs + received, received + extra + o_j.size + 2 * lse_j.size + tile,
-                      o_j.size + b * c * h * d) * e
+        peak[j] = (received + o_j.size + 2 * lse_j.size + tile) * e
+        if n > 1:  # the all-to-alls: inputs and what arrived; o and the output shard that arrived
+            peak[j] = max(peak[j], (inputs + received) * e, (o_j.size + b * c * h * d) * e)
         bytes_sent[j, 2] = (n - 1) * b * c * q_j.shape[2] * d * e  # step 2: every other host's tokens
         o_heads.append(o_j)
     shards = [np.concatenate([o_j[:, i * c:(i + 1) * c] for o_j in o_heads], axis=2)  # (b, c, h, d)

@@ -7,7 +7,7 @@ bytes/s per host (a row of Table 2, :data:`ringattn_ref.cost.HARDWARE`)::
                  bytes sent per host             steps   peak memory grows with   comm hidden?
     ring         (N-1) 2 c hk d e                N - 1   c                         when c >= (hk/h)(e/2) F/B
     all-gather   (N-1) 2 c hk d e                N - 1   S  (all K/V)              no: before the attention
-    Ulysses      (N-1) c d (2 h/N + 2 hk/N) e    2       c  (S h/N = c h)          no: before and after
+    Ulysses      (N-1) c d (2 h/N + 2 hk'/N) e   2       c  (S h/N = c h)          no: before and after
 
     hybrid U x R (U-1) c d (2 h/U + 2 hk'/U) e    2 + R-1 c  (S h/N = c h)          the ring's part, when
                  + (R-1) 2 U c (hk'/U) d e                                             U c >= (hk'/h)(e/2) F/B
@@ -16,14 +16,17 @@ All of them compute the same ``4 b h S^2 d / N`` FLOPs per host (non-causal; a c
 alike with a balanced layout). The ring's transfer runs under its compute (paper §3,
 ``cost.min_block_size``); the all-gather and Ulysses wait for their collectives (we assume no
 overlap with other layers, and an all-to-all at the host's full bandwidth ``B``, as on a switch --
-NVSwitch, InfiniBand; on a torus it is slower). Ulysses needs ``h % N == 0``; with
-``hk < N`` one kv head goes to several hosts (``strategies.ulysses_heads``).
+NVSwitch, InfiniBand; on a torus it is slower). Ulysses needs ``h % N == 0``; with GQA each kv head
+is repeated ``kv_repeat = N / gcd(hk, N)`` times before the all-to-all (``hk' = hk * kv_repeat``, 1
+repeat when ``hk`` is a multiple of ``N``; ``strategies.kv_repeat``), as ``ringattn_fast`` does it: the
+bytes are those of the program that runs, not of an ideal that sends each host only its distinct kv heads.
 
 The hybrid (``hybrid.hybrid_attention``; USP, LoongTrain's 2-D attention) runs Ulysses inside groups
 of ``U`` devices and the ring over the ``R = N / U`` groups: two all-to-alls of ``U`` devices around a
 ring of ``R`` steps, each computing ``1/R`` of the work (``R`` times a ring step's) while it sends the
-group's K/V on its heads (``hk' = hk * kv_repeat``, ``hybrid.kv_repeat``). Every split with ``U``
-dividing ``N`` and ``h`` is priced and the fastest kept (``U = 1`` is the ring, ``R = 1`` Ulysses).
+group's K/V on its heads (``hk' = hk * kv_repeat(hk, U)``). Every split with ``U`` dividing ``N`` and
+``h`` is priced and the fastest kept. ``U = 1`` is the ring and ``R = 1`` Ulysses, in bytes sent, peak
+bytes and time alike (the same kv heads sent, the same all-to-all pricing; a property test checks it).
 
 Two tiers of links (``cost.Hardware.group_size``, ``inter_bandwidth_bytes_per_s``): device ``p`` is in
 link group ``p // group_size``. A ring step is as slow as its slowest hop (a hop between groups runs at
@@ -43,8 +46,8 @@ import numpy as np
 
 from .blockwise import default_block
 from .cost import as_hardware
-from .hybrid import check_split, hybrid_splits, kv_repeat
-from .strategies import local_kv_index, ulysses_heads
+from .hybrid import check_split, hybrid_splits
+from .strategies import kv_repeat
 
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
 SIMPLICITY = ("allgather", "ulysses", "ring", "hybrid")  # one collective + any kernel first; two levels last
@@ -175,19 +178,13 @@ def _peaks_and_bytes(*, seq, heads, kv_heads, dim, devices, batch, block):
     allgather = (common + 2 * b * s * hk * d, (n - 1) * kv_shard)
     if h % n:
         return {"ring": ring, "allgather": allgather, "ulysses": None}
-    hq = h // n
-    kv = [ulysses_heads(h, hk, n, j)[1] for j in range(n)]
-    kv = [g.stop - g.start for g in kv]  # kv heads host j receives
-    peak = sent = 0
-    for j in range(n):
-        received = b * s * (hq + 2 * kv[j]) * d  # q on j's heads, k, v on their kv heads, all S tokens
-        repeat = 0 if local_kv_index(h, hk, n, j) is None else 2 * b * s * hq * d  # a local repeat
-        peak = max(peak, b * c * (h + 2 * hk) * d + received,  # step 0: inputs + received
-                   received + repeat + b * s * hq * d + 2 * b * hq * s + b * hq * block * block,  # attend
-                   b * s * hq * d + b * c * h * d)  # step 2: o on j's heads + the received shard
-        sent = max(sent, b * c * ((n - 1) * hq + 2 * (sum(kv) - kv[j])) * d  # step 0: to every other host
-                   + (n - 1) * b * c * hq * d)  # step 2: their tokens' output on j's heads
-    to_each = (b * c * (hq + 2 * np.array(kv)) * d, np.full(n, b * c * hq * d))  # per receiver, steps 0 and 2
+    hq, hk_sent = h // n, hk * kv_repeat(hk, n)  # query heads per host; kv heads as sent (repeated)
+    received = b * s * (hq + 2 * hk_sent // n) * d  # q on j's heads, k, v on its kv heads, all S tokens
+    peak = received + b * s * hq * d + 2 * b * hq * s + b * hq * block * block  # attend: + o, m, l, a tile
+    if n > 1:  # the all-to-alls: inputs + received; o on its heads + the received output shard
+        peak = max(peak, b * c * (h + 2 * hk) * d + received, b * s * hq * d + b * c * h * d)
+    to_each = (np.full(n, b * c * (hq + 2 * hk_sent // n) * d), np.full(n, b * c * hq * d))  # steps 0 and 2
+    sent = (n - 1) * (to_each[0][0] + to_each[1][0])  # to every other host, every host alike
     return {"ring": ring, "allgather": allgather, "ulysses": (peak, sent, to_each)}
 
 
@@ -294,10 +291,8 @@ def strategy_costs(*, seq, heads, kv_heads, dim, devices, hardware, batch=1, dty
         peak, sent = int(pb[0] * e), int(pb[1] * e)
         if name != "ulysses":
             comm = sent / ring_bw
-        elif hw.two_tier:  # each all-to-all at the pace of its slowest device
-            comm = sum(_all_to_all_seconds(hw, to_each * e, n) for to_each in pb[2])
-        else:
-            comm = sent / hw.bandwidth_bytes_per_s
+        else:  # each all-to-all at the pace of its slowest device (on one tier: (N-1) parts at B)
+            comm = sum(_all_to_all_seconds(hw, to_each * e, n) for to_each in pb[2])  # as the hybrid's
         if name == "ring":  # N steps: step compute against the transfer of the next block
             step_c, step_x = compute / n, (comm / (n - 1) if n > 1 else 0.0)
             time, steps, hidden = (n - 1) * max(step_c, step_x) + step_c, n - 1, step_c >= step_x

@@ -104,7 +104,15 @@ def both(*mask_fns):
 
 
 def softcap(c):
-    """Gemma 2's logit soft-capping as a score function: ``c * tanh(s / c)`` (the ``logit_softcap`` keyword)."""
+    """Gemma 2's logit soft-capping as a score function: ``c * tanh(s / c)`` (the ``logit_softcap`` keyword).
+
+    Order: the cap acts on the scaled logits ``s = scale q k`` before the bias and the mask are added
+    (a score function runs before them; ``logit_softcap`` runs first of all), as Gemma 2 caps its
+    attention logits. So a ``-inf`` masking bias still masks (capped after, it would become ``-c``, a
+    finite logit: weight ``e^-c`` against a logit of 0, not 0) and a position bias (ALiBi) keeps its
+    range. Tokamax caps after the bias; that order, for a bias ``b`` of positions and heads, is
+    ``score_fn = lambda s, qp, kp, h: c * tanh((s + b(qp, kp, h)) / c)`` with no ``bias`` argument.
+    """
     def score_fn(s, q_pos, k_pos, head):
         return c * s.__array_namespace__().tanh(s / c)
     return score_fn

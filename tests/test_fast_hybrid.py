@@ -106,3 +106,22 @@ def test_the_compiled_program_sends_what_the_model_says(ring, ulysses, kv_heads)
                 for kind in ("all-to-all", "collective-permute")}
     assert measured == ref.hybrid_bytes_sent(seq=s, heads=h, kv_heads=kv_heads, dim=d, ulysses_size=ulysses,
                                              ring_size=ring, batch=b, dtype_bytes=4)
+
+
+def test_gqa_that_does_not_split_sends_what_the_model_says_in_ulysses_and_the_hybrid_at_one_ring_step():
+    """12 heads, 3 kv heads on 4 devices: each kv head goes out 4 times (3 copies per device). The compiled
+    Ulysses and the compiled hybrid 4 x 1 send the same float bytes over their all-to-alls, and both are what
+    ``strategy_costs`` says for ``"ulysses"`` and for the hybrid at ring size 1 (issue 31, item 7)."""
+    from benchmarks.strategies import collective_bytes
+    b, s, h, hk, d = 1, 64, 12, 3, 8
+    q, k = jnp.zeros((b, s, h, d), jnp.float32), jnp.zeros((b, s, hk, d), jnp.float32)
+    runs = {"ulysses": jax.jit(lambda q, k, v: rf.ulysses_attention(q, k, v, mesh=rf.make_mesh(4), causal=True)),
+            "hybrid": jax.jit(lambda q, k, v: rf.hybrid_attention(q, k, v, mesh=mesh2(1, 4), causal=True))}
+    measured = {}
+    for name, f in runs.items():
+        sent = collective_bytes(f.lower(q, k, k).compile().as_text(), 4, loop_trips=0, by_shape=True)
+        measured[name] = sum(x for (kind, dtype, _), x in sent.items() if kind == "all-to-all" and dtype == "f32")
+    costs = ref.strategy_costs(seq=s, heads=h, kv_heads=hk, dim=d, devices=4, hardware="A100 NVLink", batch=b,
+                               dtype_bytes=4, ulysses_size=4)
+    assert measured["ulysses"] == measured["hybrid"] == costs["ulysses"].bytes_sent == costs["hybrid"].bytes_sent
+    assert costs["ulysses"].bytes_sent == 3 * 16 * d * (3 + 2 * 3 + 3) * 4  # q, k, v (3 copies), o; to 3 others

@@ -275,3 +275,36 @@ def test_pallas_tpu_lane_dense_path_in_the_ring(n_hosts):
     assert max_err(o, want) <= 2e-5
     for got, ref in zip(grads[:3], want_grads[:3]):
         assert max_err(got, ref) <= 2e-5
+
+
+def test_merge_into_folds_hops_as_merge_does_and_rounds_lse_once():
+    """``softmax.merge_into`` (the forward ring's fold: running ``(o, m, l)``) gives ``merge``'s result;
+    rows no part saw stay ``o = 0, lse = -inf``; in float32, over 8 parts whose lse is near 20, its lse
+    is within 1 ulp (1.9e-6 in [16, 32)) of the float64 logsumexp: one rounding at the end, not one per
+    merge (folding with merge itself: 3.2e-6 here)."""
+    from ringattn_fast.softmax import merge, merge_into, running_lse
+    rng = np.random.default_rng(0)
+    b, s, h, d, n = 2, 64, 3, 4, 8
+    lse = 20 + rng.standard_normal((n, b, h, s))
+    lse[:, :, :, :5] = -np.inf  # rows no part saw
+    lse[::2, :, :, 5:9] = -np.inf  # rows only some parts saw
+    o = rng.standard_normal((n, b, s, h, d))
+
+    def fold(dtype):
+        parts = [(jnp.asarray(o[i], dtype), jnp.asarray(lse[i], dtype)) for i in range(n)]
+        o_ref, lse_ref = parts[0]
+        for o_i, lse_i in parts[1:]:
+            o_ref, lse_ref = merge(o_ref, lse_ref, o_i, lse_i)
+        run = (jnp.zeros_like(parts[0][0]), jnp.full(lse.shape[1:], -jnp.inf, dtype), jnp.zeros(lse.shape[1:], dtype))
+        for o_i, lse_i in parts:
+            run = merge_into(*run, o_i, lse_i)
+        return [np.asarray(x) for x in (run[0], running_lse(run[1], run[2]), o_ref, lse_ref)]
+
+    with jax.enable_x64(True):
+        f64 = fold(jnp.float64)
+    for (o_run, lse_run, o_ref, lse_ref), tol in ((f64, 1e-12), (fold(jnp.float32), 1e-5)):
+        np.testing.assert_allclose(o_run, o_ref, atol=tol)
+        np.testing.assert_allclose(lse_run, lse_ref, atol=tol * 20)
+        assert np.all(o_run[:, :5] == 0) and np.all(np.isneginf(lse_run[..., :5]))
+    exact = np.logaddexp.reduce(lse, axis=0)[..., 5:]
+    assert np.abs(lse_run.astype(np.float64)[..., 5:] - exact).max() <= np.spacing(np.float32(16))  # merge: 1.7 ulp

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringattn_ref import (Hardware, attention, choose_strategy, hybrid_attention, hybrid_bytes_sent, hybrid_splits,
+from ringattn_ref import (HARDWARE, Hardware, attention, choose_strategy, hybrid_attention, hybrid_bytes_sent, hybrid_splits,
                           ring_attention, strategy_costs, ulysses_attention)
 from ringattn_ref.strategy_cost import SIMPLICITY
 from ringattn_ref.testing import attention_problems, max_abs_error as max_err
@@ -74,7 +74,7 @@ def test_every_feature_at_once(u, r):
        st.sampled_from([2, 4]), st.integers(1, 2), st.data())
 def test_model_counts_what_the_simulation_counts(u, r, kv_heads, group, c, batch, data):
     """Peak and bytes per host of the hybrid: the model (strategy_costs, hybrid_bytes_sent) == the hosts;
-    U = 1 is the ring's trace, R = 1 Ulysses's (where both send the same kv heads)."""
+    U = 1 is the ring's trace, R = 1 Ulysses's (the same kv heads, repeated alike, on the wire)."""
     heads = kv_heads * group * u // gcd(kv_heads * group, u)  # a multiple of u and of kv_heads
     block = data.draw(st.sampled_from([t for t in (1, 2) if c % t == 0]))
     n, rng = u * r, np.random.default_rng(0)
@@ -91,11 +91,50 @@ def test_model_counts_what_the_simulation_counts(u, r, kv_heads, group, c, batch
                                 batch=batch, dtype_bytes=8)
     assert by_kind == {"all-to-all": trace.bytes_sent[0, [0, -1]].sum(),
                        "collective-permute": trace.bytes_sent[0, 1:-1].sum()}
-    ulysses_alike = r == 1 and n > 1 and (kv_heads % u == 0 or u % kv_heads == 0)
-    for applies, run in ((u == 1, ring_attention), (ulysses_alike, ulysses_attention)):
+    for applies, run in ((u == 1, ring_attention), (r == 1, ulysses_attention)):
         if applies:
             _, other = run(q, k, v, n_hosts=n, **kw)
             assert other.peak_bytes.max() == trace.peak_bytes[0] and other.bytes_sent.sum() == trace.bytes_sent.sum()
+
+
+HARDWARE_ROWS = sorted(HARDWARE) + [TWO_TIER.name]
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]), st.data(), st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]),
+       st.sampled_from(HARDWARE_ROWS), st.sampled_from([None, 1, 2, 4, 8]), st.sampled_from([1, 2, 4]),
+       st.sampled_from([1, 2]), st.sampled_from([16, 64, 128]), st.sampled_from([2, 4]))
+def test_hybrid_at_one_ring_step_is_ulysses_and_at_one_ulysses_host_the_ring(
+        heads, data, devices, row, group_size, tokens, batch, dim, dtype_bytes):
+    """The cost model's identities (issue 31, item 7): ``strategy_costs(..., ulysses_size=N)["hybrid"]``
+    (R = 1) prices Ulysses and ``ulysses_size=1`` (U = 1) the ring, in bytes sent, peak bytes and time,
+    exactly, over heads, kv heads (GQA that splits N ways or not: 12 heads, 3 kv heads on 4 repeat each
+    4 times), device counts, every row of ``HARDWARE`` and two tiers of links in groups of 1 .. 8."""
+    kv_heads = data.draw(st.sampled_from([g for g in range(1, heads + 1) if heads % g == 0]), label="kv_heads")
+    hw = HARDWARE[row] if row in HARDWARE else TWO_TIER
+    if group_size is not None:  # the row's rates, two tiers: groups of group_size at B, 12.5 GB/s across
+        hw = dataclasses.replace(hw, group_size=group_size, inter_bandwidth_bytes_per_s=12.5e9)
+    shape = dict(seq=devices * tokens, heads=heads, kv_heads=kv_heads, dim=dim, devices=devices, hardware=hw,
+                 batch=batch, dtype_bytes=dtype_bytes)
+    fields = ("bytes_sent", "peak_bytes", "time_s")
+    ring = strategy_costs(ulysses_size=1, **shape)
+    assert ({f: getattr(ring["hybrid"], f) for f in fields} == {f: getattr(ring["ring"], f) for f in fields})
+    if heads % devices == 0:  # Ulysses runs: the hybrid with all devices in one Ulysses group is it
+        ulysses = strategy_costs(ulysses_size=devices, **shape)
+        assert ulysses["ulysses"].feasible
+        assert ({f: getattr(ulysses["hybrid"], f) for f in fields} ==
+                {f: getattr(ulysses["ulysses"], f) for f in fields})
+
+
+def test_twelve_heads_three_kv_heads_hybrid_at_ring_size_one_is_ulysses():
+    """The case of issue 31: 12 heads, 3 kv heads on 4 devices (each kv head sent 4 times, 3 per host),
+    A100 NVLink and two nodes of 2: the hybrid 4 x 1 and Ulysses send, hold and take the same."""
+    for hw in ("A100 NVLink", dataclasses.replace(TWO_TIER, group_size=2)):
+        costs = strategy_costs(seq=4096, heads=12, kv_heads=3, dim=64, devices=4, hardware=hw, ulysses_size=4)
+        hybrid, ulysses = costs["hybrid"], costs["ulysses"]
+        assert (hybrid.bytes_sent, hybrid.peak_bytes, hybrid.time_s) == (
+            ulysses.bytes_sent, ulysses.peak_bytes, ulysses.time_s)
+        assert hybrid.bytes_sent == 3 * 1024 * 64 * (3 + 2 * 3 + 3) * 2  # q, k, v (3 copies), o to 3 others, bf16
 
 
 def test_textbook_hybrid_wins_when_heads_are_few_and_links_two_tier():
@@ -125,9 +164,8 @@ def test_ulysses_degree_never_exceeds_heads(devices, heads, group, seq, tier):
     hybrid = costs["hybrid"]
     assert (hybrid.ulysses_size, hybrid.ring_size) in splits
     assert hybrid.time_s <= costs["ring"].time_s * (1 + 1e-12)  # U = 1 is the ring, so never worse
-    if heads % devices == 0:  # R = 1 is Ulysses when the kv heads split alike
-        if kv_heads % devices == 0 or devices % kv_heads == 0:
-            assert hybrid.time_s <= costs["ulysses"].time_s * (1 + 1e-12)
+    if heads % devices == 0:  # R = 1 is Ulysses
+        assert hybrid.time_s <= costs["ulysses"].time_s * (1 + 1e-12)
 
 
 @settings(max_examples=examples(20), deadline=None)

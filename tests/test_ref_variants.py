@@ -83,6 +83,31 @@ def test_alibi_is_a_distance_bias():
                                attention(q, k, v, bias=bias, causal=True), atol=1e-13)
 
 
+def test_softcap_caps_before_the_bias_and_the_other_order_is_a_score_fn():
+    """``logit_softcap`` caps the scaled logits before the bias is added (Gemma 2): a -inf bias still
+    masks exactly. Tokamax's order (bias first, then the cap) is the score function the docstrings
+    give, ``c tanh((s + b) / c)``; the two differ wherever the bias is not 0 (issue 31, item 9)."""
+    q, k, v = qkv(10, 10, h=4, hk=4)
+    c, slopes = 2.0, variants.alibi_slopes(4)
+    pos = np.arange(10)
+    bias = -slopes[None, :, None, None] * np.abs(pos[:, None] - pos[None, :])[None, None]  # (1, h, t, s)
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+
+    def dense(logits):
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        return np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v)
+
+    ours = attention(q, k, v, bias=bias, logit_softcap=c)
+    np.testing.assert_allclose(ours, dense(c * np.tanh(s / c) + bias), atol=1e-13)
+    after = attention(q, k, v, score_fn=lambda s, qp, kp, h: c * np.tanh(
+        (s - slopes[h] * np.abs(qp - kp)) / c))  # the bias of positions and heads, capped with the logits
+    np.testing.assert_allclose(after, dense(c * np.tanh((s + bias) / c)), atol=1e-13)
+    assert np.abs(ours - after).max() > 1e-3
+    masked = np.where(pos[None, None, :, None] >= pos[None, None, None, :], 0.0, -np.inf)  # causal as a bias
+    np.testing.assert_allclose(attention(q, k, v, bias=masked, logit_softcap=c),
+                               attention(q, k, v, causal=True, logit_softcap=c), atol=1e-13)
+
+
 def test_cross_attention_defaults_to_the_last_queries():
     """``t < s`` with no positions: the queries are the last t of the s positions (causal bottom-right)."""
     q, k, v = qkv(12, 12)

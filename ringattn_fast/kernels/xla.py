@@ -195,12 +195,19 @@ def _logits(q_i, k_j, bias_ij, mask_ij, group, acc, *, softcap=None, fns=None):
     return s.reshape(b, hk, gq, bkv)
 
 
-def _logits_t(k_j, qt_i, bias_ij, mask_ij, group, acc, *, softcap=None, fns=None):
-    """The tile's logits transposed, ``S^T = K Q^T`` (b, hk, bkv, group*bq), for the backward: k_j (b, hk, bkv, d),
-    qt_i (b, hk, d, group*bq) pre-scaled; bias, mask, softcap and user functions as in :func:`_logits`.
+def _logits_t(k_j, q_i, bias_ij, mask_ij, group, acc, *, softcap=None, fns=None):
+    """The tile's logits transposed, ``S^T`` (b, hk, bkv, group*bq), for the backward: k_j (b, hk, bkv, d),
+    q_i (b, hk, group*bq, d) pre-scaled; bias, mask, softcap and user functions as in :func:`_logits`.
     Returns ``(S^T, d softcap / d s, score_vjp)``: the softcap's derivative (None without one) and the
-    pullback of ``score_fn`` on dS^T (None without one: autodiff of the user's function, per tile)."""
-    st = jnp.einsum("bksd,bkdq->bksq", k_j, qt_i, preferred_element_type=acc)  # (b, hk, bkv, group*bq)
+    pullback of ``score_fn`` on dS^T (None without one: autodiff of the user's function, per tile).
+
+    ``S`` is the forward's own product (:func:`_logits`' einsum, same operands and layout), transposed
+    after: ``P = exp(S - lse)`` then uses the very logits ``lse`` came from. Written as ``K Q^T`` (or
+    with the transpose folded into the dot, which XLA does unless a barrier stops it), XLA CPU sums the
+    ``d`` products in another order (2x the error on 64 positive terms) and ``P`` no longer matches
+    ``lse``: with 256 queries on 8 keys dV summed that mismatch to 3e-5 (``jax.nn``: 1e-5)."""
+    s = jnp.einsum("bkqd,bksd->bkqs", q_i, k_j, preferred_element_type=acc)  # (b, hk, group*bq, bkv)
+    st = jnp.swapaxes(lax.optimization_barrier(s), -1, -2)  # the barrier keeps the transpose out of the dot
     st, dcap = _softcap(st, softcap)
     hk, score_vjp = st.shape[1], None
     if fns is not None and fns.score_fn is not None:
@@ -400,10 +407,12 @@ def hop_bwd(qs, kv, cfg, *, do, lse, delta, drop=None, tiles=None, head_offset=N
     ``dQ += scale dS K``, ``dK += scale dS^T Q``, ``dbias = dS`` (summed over broadcast axes).
     dQ is accumulated (transposed) in place, block by block, in the loop carry.
 
-    The tile is computed transposed (``S^T = K Q^T``, ``P^T``, ``dS^T``) from ``Q^T`` (laid out once per
-    hop) and ``K^T`` (once per key chunk), so all five matmuls contract a last axis or the lhs's last
-    with the rhs's first (``dQ^T = K^T dS^T``): XLA CPU runs ``P^T dO`` written on the untransposed
-    ``P`` (both operands contracted on their row axis) 1.4-3x slower (measured at 128 and 1024 tiles).
+    The tile is worked on transposed (``S^T``, ``P^T``, ``dS^T``), with ``K^T`` laid out once per key
+    chunk, so the other four matmuls contract a last axis or the lhs's last with the rhs's first
+    (``dQ^T = K^T dS^T``): XLA CPU runs ``P^T dO`` written on the untransposed ``P`` (both operands
+    contracted on their row axis) 1.4-3x slower (measured at 128 and 1024 tiles). ``S`` itself is the
+    forward's product, transposed behind an optimization barrier (:func:`_logits_t`: ``P`` must come
+    from the logits ``lse`` came from).
 
     do: [b, sq, h, d]; lse, delta: [b, h, sq] over all hops (delta = rowsum(do * o_final)); drop: as
     in :func:`hop_fwd` (with the keep multiplier ``keep``: ``dV += (P keep)^T dO``, ``dP = (dO V^T) keep``; D is
@@ -427,8 +436,8 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, tiles, head_offset, per_tile)
     bias_cols = bias is not None and bias.shape[3] > 1
     bias_rows_shape = (bias.shape[0], bias.shape[1], block_q, block_kv if bias_cols else 1) if bias_rows else None
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that saw nothing: every p below is masked to 0
-    qt = jnp.swapaxes(_q_chunks(q.astype(acc) * _q_scale(cfg), hk, block_q), -1, -2)  # Q^T: (nq, b, hk, d, group*bq)
-    q_xs = (jnp.arange(nq), qt, _q_chunks(do.astype(acc), hk, block_q),
+    qc = _q_chunks(q.astype(acc) * _q_scale(cfg), hk, block_q)  # (nq, b, hk, group*bq, d): as the forward's
+    q_xs = (jnp.arange(nq), qc, _q_chunks(do.astype(acc), hk, block_q),
             _stat_chunks(lse, hk, block_q), _stat_chunks(delta, hk, block_q), _pos_chunks(q_pos, block_q),
             _pos_chunks(q_seg, block_q), _drop_rows(drop, q_pos, hk, group, block_q))
     kv_xs = (jnp.arange(nk), _kv_chunks(k, block_kv), _kv_chunks(v, block_kv), _pos_chunks(k_pos, block_kv),
@@ -442,7 +451,7 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, tiles, head_offset, per_tile)
         kt_j = jnp.swapaxes(masks.finite_part(k_j), -1, -2)  # K_j^T: (b, hk, d, bkv); a masked key's nan stays out of dQ
 
         def q_block(carry, xs):
-            i, qt_i, do_i, lse_i, delta_i, q_pos_i, q_seg_i, rows_i = xs  # (b, hk, d, group*bq), (b, hk, group*bq, d), (b, hk, group*bq) x3
+            i, q_i, do_i, lse_i, delta_i, q_pos_i, q_seg_i, rows_i = xs  # (b, hk, group*bq, d) x2, (b, hk, group*bq) x3
             bias_ij = _rows(bias_j, i * block_q, block_q, 2)
 
             def tile(carry, masked):
@@ -450,7 +459,7 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, tiles, head_offset, per_tile)
                 mask = masks.allowed(q_pos_i[:, :, None], k_pos_j[:, None, :], *_seg_pair(q_seg_i, k_seg_j),
                                      causal=cfg.causal, window=cfg.window) if masked else None
                 fns = _user_fns(cfg, q_pos_i, k_pos_j, q_seg_i, k_seg_j, h, masked, head_offset)
-                st, dcap, score_vjp = _logits_t(k_j, qt_i, bias_ij, mask, group, acc, softcap=cfg.logit_softcap,
+                st, dcap, score_vjp = _logits_t(k_j, q_i, bias_ij, mask, group, acc, softcap=cfg.logit_softcap,
                                                 fns=fns)  # S^T: (b, hk, bkv, group*bq)
                 pt = jnp.exp(st - lse_i[:, :, None])  # P^T; masked -> 0
                 keep_t = None if rows_i is None else keep_scale(rows_i[:, :, None, :], k_pos_j[:, None, :, None],
@@ -466,7 +475,7 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, tiles, head_offset, per_tile)
                 if dcap is not None:  # through c tanh(s / c); still 0 where P is 0 (dcap is NaN for a bad key)
                     dst = jnp.where(pt == 0, 0.0, dst * dcap)
                 dqt_i = jnp.einsum("bkds,bksq->bkdq", kt_j, dst) * scale  # dQ^T = K^T dS^T: (b, hk, d, group*bq)
-                dk_j = dk_j + jnp.einsum("bksq,bkdq->bksd", dst, qt_i)  # dK += dS^T Q (q: scale / c; x c below)
+                dk_j = dk_j + jnp.einsum("bksq,bkqd->bksd", dst, q_i)  # dK += dS^T Q (q: scale / c; x c below)
                 db = None
                 if bias is not None:  # dS: (b, hk, bkv, group, bq) -> (b, h, bq, bkv)
                     ds = jnp.transpose(dsb.reshape(b, hk, block_kv, group, block_q), (0, 1, 3, 4, 2))
