@@ -567,3 +567,15 @@ def test_xla_hop_spans_large_tiles_only():
     """The span loop is for tiles of at least 512 x 512 (a TPU's defaults); the CPU's 128 switch per tile."""
     assert xla._spans(HopConfig(block_q=1024, block_kv=1024)) and xla._spans(HopConfig(block_q=512, block_kv=512))
     assert not xla._spans(HopConfig(block_q=128, block_kv=128))
+
+
+@given(problems(blocks=(8, 16), max_tiles=3))
+@settings(max_examples=examples(4))
+def test_xla_hop_backward_in_the_tpu_order_matches_oracle(pb):
+    """On a TPU the XLA hop's backward computes ``S^T = K Q^T`` directly (``xla._forward_order``: no
+    barrier, no transposed tile); forced here on the CPU, it is exact all the same."""
+    saved, xla._forward_order = xla._forward_order, lambda: False
+    try:
+        assert_matches_oracle(run_hop(xla, pb), run_oracle(pb), TOL)
+    finally:
+        xla._forward_order = saved

@@ -195,7 +195,14 @@ def _logits(q_i, k_j, bias_ij, mask_ij, group, acc, *, softcap=None, fns=None):
     return s.reshape(b, hk, gq, bkv)
 
 
-def _logits_t(k_j, q_i, bias_ij, mask_ij, group, acc, *, softcap=None, fns=None):
+def _forward_order():
+    """Whether the backward recomputes the logits as the forward's own product (`_logits_t`): on XLA CPU and
+    GPU, where ``K Q^T`` sums in another order; not on a TPU, where the barrier would cost every tile a
+    transpose through HBM (32 MiB at 1024 x 1024 x 8 heads in float32) and the MXU's order is its own."""
+    return jax.default_backend() != "tpu"
+
+
+def _logits_t(k_j, q_i, bias_ij, mask_ij, group, acc, *, softcap=None, fns=None, forward_order=True):
     """The tile's logits transposed, ``S^T`` (b, hk, bkv, group*bq), for the backward: k_j (b, hk, bkv, d),
     q_i (b, hk, group*bq, d) pre-scaled; bias, mask, softcap and user functions as in :func:`_logits`.
     Returns ``(S^T, d softcap / d s, score_vjp)``: the softcap's derivative (None without one) and the
@@ -205,9 +212,13 @@ def _logits_t(k_j, q_i, bias_ij, mask_ij, group, acc, *, softcap=None, fns=None)
     after: ``P = exp(S - lse)`` then uses the very logits ``lse`` came from. Written as ``K Q^T`` (or
     with the transpose folded into the dot, which XLA does unless a barrier stops it), XLA CPU sums the
     ``d`` products in another order (2x the error on 64 positive terms) and ``P`` no longer matches
-    ``lse``: with 256 queries on 8 keys dV summed that mismatch to 3e-5 (``jax.nn``: 1e-5)."""
-    s = jnp.einsum("bkqd,bksd->bkqs", q_i, k_j, preferred_element_type=acc)  # (b, hk, group*bq, bkv)
-    st = jnp.swapaxes(lax.optimization_barrier(s), -1, -2)  # the barrier keeps the transpose out of the dot
+    ``lse``: with 256 queries on 8 keys dV summed that mismatch to 3e-5 (``jax.nn``: 1e-5). Without
+    ``forward_order`` (a TPU: `_forward_order`) ``S^T = K Q^T`` directly, no transpose of the tile."""
+    if forward_order:
+        s = jnp.einsum("bkqd,bksd->bkqs", q_i, k_j, preferred_element_type=acc)  # (b, hk, group*bq, bkv)
+        st = jnp.swapaxes(lax.optimization_barrier(s), -1, -2)  # the barrier keeps the transpose out of the dot
+    else:
+        st = jnp.einsum("bksd,bkqd->bksq", k_j, q_i, preferred_element_type=acc)  # (b, hk, bkv, group*bq)
     st, dcap = _softcap(st, softcap)
     hk, score_vjp = st.shape[1], None
     if fns is not None and fns.score_fn is not None:
@@ -442,7 +453,7 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, tiles, head_offset, per_tile)
             _pos_chunks(q_seg, block_q), _drop_rows(drop, q_pos, hk, group, block_q))
     kv_xs = (jnp.arange(nk), _kv_chunks(k, block_kv), _kv_chunks(v, block_kv), _pos_chunks(k_pos, block_kv),
              _pos_chunks(k_seg, block_kv))
-    span = per_tile and _spans(cfg)
+    span, order = per_tile and _spans(cfg), _forward_order()
 
     def kv_block(dqt, xs):  # one Bc chunk of keys; its dK_j, dV_j stay in the inner carry
         j, k_j, v_j, k_pos_j, k_seg_j = xs
@@ -460,7 +471,7 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, tiles, head_offset, per_tile)
                                      causal=cfg.causal, window=cfg.window) if masked else None
                 fns = _user_fns(cfg, q_pos_i, k_pos_j, q_seg_i, k_seg_j, h, masked, head_offset)
                 st, dcap, score_vjp = _logits_t(k_j, q_i, bias_ij, mask, group, acc, softcap=cfg.logit_softcap,
-                                                fns=fns)  # S^T: (b, hk, bkv, group*bq)
+                                                fns=fns, forward_order=order)  # S^T: (b, hk, bkv, group*bq)
                 pt = jnp.exp(st - lse_i[:, :, None])  # P^T; masked -> 0
                 keep_t = None if rows_i is None else keep_scale(rows_i[:, :, None, :], k_pos_j[:, None, :, None],
                                                                 cfg.dropout_rate, acc)  # dropout: keep^T
