@@ -36,11 +36,11 @@ def hop_problem(q, k, v, do, q_pos, k_pos, q_seg=None, k_seg=None, **cfg):
 
 
 @st.composite
-def problems(draw, batches=(1, 2), blocks=(8, 16), max_tiles=4):
+def problems(draw, batches=(1, 2), blocks=(8, 16), max_tiles=4, dims=(32, 48, 64, 128)):
     """A small hop: shapes, GQA, blocks, a layout of true positions, masks and a data seed."""
     b = draw(st.sampled_from(batches))
     hk, group = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
-    d = draw(st.sampled_from([32, 48, 64, 128]))  # 48: the Triton wrapper pads it to 64
+    d = draw(st.sampled_from(dims))  # 48: the Triton wrapper pads it to 64
     block_q, block_kv = draw(st.sampled_from(blocks)), draw(st.sampled_from(blocks))
     sq, sk = block_q * draw(st.integers(1, max_tiles)), block_kv * draw(st.integers(1, max_tiles))
     layout = draw(st.sampled_from(["contiguous", "striped", "random"]))
@@ -535,6 +535,16 @@ def test_tpu_lane_dense_path_batch_and_kv_heads(backward, monkeypatch):
     pb = hop_problem(normal(b, s, hk * group, d), normal(b, s, hk, d), normal(b, s, hk, d),
                      normal(b, s, hk * group, d), pos, pos, pos // 100, pos // 100, scale=d ** -0.5, causal=True,
                      block_q=128, block_kv=128)
+    assert_matches_oracle(run_hop(pallas_tpu, pb), run_oracle(pb), TOL)
+
+
+@pytest.mark.slow
+@settings(max_examples=examples(6))
+@given(problems(batches=(1,), blocks=(128,), max_tiles=2, dims=(128,)))
+def test_tpu_lane_dense_path_matches_oracle(pb):
+    """Drawn hops on the lane-dense path the chip's defaults take (d = 128, 128-multiple tiles: the in-place
+    [b, s, h * d] layout, lse / delta rows, the fused backward): any layout of positions, masks, GQA."""
+    assert pallas_tpu._direct(128, 128) and pallas_tpu._stat_rows(pb["cfg"])
     assert_matches_oracle(run_hop(pallas_tpu, pb), run_oracle(pb), TOL)
 
 

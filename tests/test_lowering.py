@@ -217,14 +217,15 @@ def test_global_arrays_and_auto_follow_the_mesh(kind, want):
     assert not kernels_in(with_bias) and "tpu_custom_call" not in with_bias
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("impl", ["auto", "pallas_tpu", "pallas_tpu_fused"])
-def test_a_ring_of_one_chip_lowers(impl):
+def test_a_ring_of_one_chip_lowers(impl, dtype):
     """A ring of one TPU chip (``make_mesh(1)``; what a one-chip machine gives): every TPU impl and the
     default, forward and backward, on global arrays and through ``ring_attention_shard``. The fused
     ring's kernel has no barrier at N = 1, and Mosaic refuses a collective id without one (it raised on
     a real v5e); ``ring_attention`` runs a ring of one as one hop of the per-hop kernels."""
     mesh = abstract_mesh(TPU["v5e"], 1)
-    q, k, v = structs(mesh, 1, 4096, 8, 2, 128, jnp.bfloat16, False)
+    q, k, v = structs(mesh, 1, 4096, 8, 2, 128, jnp.dtype(dtype), False)
 
     def loss(q, k, v):
         return ring_attention(q, k, v, mesh=mesh, causal=True, impl=impl).astype(jnp.float32).sum()
