@@ -14,13 +14,15 @@ The same function object keeps its first compiled program, as with ``jax.jit``: 
 numpy table mutated in place between calls sees the table it was first called with (a new function
 object, or a copy of the table, sees the new values). :data:`MAX_FUNCTIONS` keys are kept, least
 recently used dropped first; the caches downstream are bounded on their own (``front._MAPPED_MAX``
-programs, ``block_mask.tables``' 32 tables).
+programs, ``block_mask.tables``' 32 tables). The function kept has the numpy arrays of its closure as
+``jnp`` arrays (:func:`traceable`), so ``table[k_pos]`` works under ``jit`` as it does eagerly.
 """
 from __future__ import annotations
 
 import collections
 import hashlib
 import threading
+import types
 
 import numpy as np
 
@@ -59,9 +61,36 @@ def function_key(fn, depth=0):
             _value_key(tuple(sorted((fn.__kwdefaults__ or {}).items())), depth), values)
 
 
+def traceable(fn):
+    """``fn`` with each numpy array of its closure and defaults as a ``jnp`` array (the same values):
+    numpy cannot index with a traced position (``table[k_pos]`` inside a jitted ring), ``jnp`` can. A
+    function with no numpy array there is returned as it is. Module globals are left alone: a numpy
+    table at module level still needs ``jnp.asarray(table)[k_pos]``."""
+    import jax
+    import jax.numpy as jnp
+
+    cells = getattr(fn, "__closure__", None) or ()
+    try:
+        values = [c.cell_contents for c in cells]
+    except ValueError:  # an empty cell: leave the function as it is
+        return fn
+    def swap(x):  # concrete even when called inside a trace (a tracer kept here would leak into later calls)
+        if not isinstance(x, np.ndarray):
+            return x
+        with jax.ensure_compile_time_eval():
+            return jnp.asarray(x)
+    defaults = fn.__defaults__ or ()
+    if not any(isinstance(x, np.ndarray) for x in (*values, *defaults)):
+        return fn
+    new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, tuple(map(swap, defaults)) or None,
+                             tuple(types.CellType(swap(x)) for x in values) or None)
+    new.__kwdefaults__, new.__qualname__, new.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
+    return new
+
+
 def canonical(fn):
-    """The first function seen with ``fn``'s key (``fn`` itself when it is the first, not a plain Python
-    function, or None)."""
+    """The first function seen with ``fn``'s key (``fn`` itself, made :func:`traceable`, when it is the
+    first; ``fn`` as it is when it is not a plain Python function, or None)."""
     if fn is None or getattr(fn, "__code__", None) is None:
         return fn
     key = function_key(fn)
@@ -70,7 +99,7 @@ def canonical(fn):
     except TypeError:
         return fn
     with _LOCK:
-        first = _SEEN.pop(key, fn)
+        first = _SEEN.pop(key, None) or traceable(fn)
         _SEEN[key] = first  # most recently used last
         while len(_SEEN) > MAX_FUNCTIONS:
             _SEEN.popitem(last=False)

@@ -54,6 +54,7 @@ from ringattn_ref.inference import EMPTY_SLOT, PADDING_QUERY, VALID
 from ringattn_ref.shards import default_block
 
 from . import masks
+from .fn_keys import canonical
 from .front import cached, check_user_fns, hashable
 from .layouts import permute_axis
 from .mesh import auto_mesh, call_auto, check_mesh_axes, resolve_mesh, spec_of, varying_axes, vary_like
@@ -151,6 +152,7 @@ def _check_variants(heads, *, logit_softcap, sinks, mask_fn, score_fn):
     logit_softcap = val.check_softcap(logit_softcap)
     if val.check_sinks(sinks, heads) is not None:
         sinks = jnp.asarray(sinks)
+    mask_fn, score_fn = canonical(mask_fn), canonical(score_fn)  # numpy closures made traceable, shared programs
     check_user_fns(mask_fn, score_fn, heads)
     return dict(logit_softcap=logit_softcap, mask_fn=mask_fn, score_fn=score_fn), sinks
 

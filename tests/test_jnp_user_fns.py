@@ -88,3 +88,29 @@ def test_variants_builders_compose_with_jnp():
     got = jax.jit(lambda q, k, v: rf.ring_attention(q, k, v, mesh=rf.make_mesh(4), mask_fn=both))(
         *(jnp.asarray(x, jnp.float32) for x in (q, k, v)))
     np.testing.assert_allclose(np.asarray(got, np.float64), attention(q, k, v, mask_fn=both), rtol=0, atol=2e-5)
+
+
+def test_a_closure_over_a_numpy_table_indexed_by_traced_positions():
+    """``table[k_pos]`` with ``table`` a numpy array the function closes over: numpy cannot index with a
+    tracer, so the function the ring keeps holds the table as a ``jnp`` array (``fn_keys.traceable``):
+    eager and under ``jit``, equal to the same mask written over a ``jnp`` table."""
+    import jax
+    import ringattn_fast as rf
+    from ringattn_fast import fn_keys
+
+    table = np.arange(64) % 3 != 1
+
+    def build(t):
+        return lambda qp, kp, qs, ks, h: (kp <= qp) & t[kp]
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 64, 2, 16)), jnp.float32) for _ in range(3))
+    mesh = jax.make_mesh((4,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+    want = rf.ring_attention(q, k, v, mesh=mesh, mask_fn=build(jnp.asarray(table)))
+    eager = rf.ring_attention(q, k, v, mesh=mesh, mask_fn=build(table))
+    jitted = jax.jit(lambda q, k, v: rf.ring_attention(q, k, v, mesh=mesh, mask_fn=build(table.copy())))(q, k, v)
+    np.testing.assert_allclose(eager, want, atol=1e-6)
+    np.testing.assert_allclose(jitted, want, atol=1e-6)
+    kept = fn_keys.traceable(build(table))
+    assert isinstance(kept.__closure__[0].cell_contents, jax.Array)
+    assert fn_keys.traceable(MASKS["logical_or"]) is MASKS["logical_or"]  # nothing to change: itself
