@@ -100,3 +100,18 @@ def test_ffn_peak_is_measured_on_the_blockwise_feedforward():
     assert exercises.check_ffn_peak_elements(3 * 128 * 64, batch=3, seq=512, hidden=16, ffn_hidden=64, block=128)
     with pytest.raises(AssertionError):
         exercises.check_ffn_peak_elements(3 * 512 * 64, batch=3, seq=512, hidden=16, ffn_hidden=64, block=128)
+
+
+def test_fused_ring_checks_follow_the_kernel_protocol(monkeypatch, capsys):
+    """09's checks replay the fused kernel's own protocol (``fused_ring.remote_sends``, ``signal_cap``,
+    ``last_send``): the slots alternate as the kernel writes them, and a kernel that sent one step more
+    would move the expected copies and signals with it."""
+    from ringattn_fast.kernels import fused_ring
+
+    proto = exercises._fused_forward_protocol(4)
+    assert proto["recv"] == [1, 0, 1, 0] and sum(proto["sends"]) == 3 and sum(proto["signals"]) == 2
+    monkeypatch.setattr(fused_ring, "last_send", lambda n, backward=False: n - 1)  # a send after the last hop
+    with pytest.raises(AssertionError):
+        exercises.check_remote_copies(lambda n: n - 1)
+    assert exercises.check_remote_copies(lambda n: n if n > 1 else 0)
+    assert exercises.check_handshake_signals(lambda n: max(n - 1, 0))

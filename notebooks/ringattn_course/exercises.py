@@ -619,13 +619,50 @@ def check_zigzag_host0_tiles(answer, *, n_hosts=4, seq=64, block=4):
 
 # ---- 09 the fused TPU ring -------------------------------------------------------------------------
 
+def _fused_forward_protocol(n):
+    """One device's ring protocol in the fused forward, replayed from the kernel's own functions
+    (``kernels/fused_ring.py``: ``remote_sends``, ``signal_cap``, ``last_send``) at concrete steps ``0 .. n-1``,
+    with recording stand-ins for Pallas' remote copies, semaphores and ``pl.when``: a dict of, per step,
+    the slot the left neighbour's copy lands in (``recv``), whether this device starts its copies
+    (``sends``), and how many handshake signals it gives (``signals``). Nothing is compiled or run."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from ringattn_fast.kernels import fused_ring as fr
+
+    class Indexed:  # buf.at[i] / sem.at[i, j]: the index, as ints
+        def __init__(self):
+            self.at = self
+
+        def __getitem__(self, index):
+            return tuple(int(i) for i in index) if isinstance(index, tuple) else int(index)
+
+    signals = []
+    when = lambda cond: (lambda body: body() if bool(cond) else None)  # noqa: E731 - a concrete step decides
+    copy = lambda src, dst, send, recv, device_id: dst  # noqa: E731 - the slot it writes on the right
+    cfg = SimpleNamespace(handshake=True, axis_name="sp")
+    out = dict(recv=[], sends=[], signals=[])
+    with mock.patch.object(fr.pltpu, "make_async_remote_copy", copy), mock.patch.object(fr.pl, "when", when), \
+            mock.patch.object(fr.pl, "semaphore_signal", lambda *a, **k: signals.append(1)):
+        for step in range(n):
+            ring = fr.Ring(step=step, n=n, slot=step % 2, right=1, left=n - 1, kv_idx=None)
+            sent_by_left = fr.remote_sends(cfg, ((0, Indexed()),), Indexed(), Indexed(), ring.slot, ring.right)
+            out["recv"].append(sent_by_left[0])  # every device runs the same code: my left sends into this slot
+            out["sends"].append(n > 1 and step <= fr.last_send(n))
+            before = len(signals)
+            fr.signal_cap(cfg, ring, Indexed(), fr.last_send(n))
+            out["signals"].append(len(signals) - before)
+    return out
+
+
 def check_recv_slot(recv_slot):
     """09, exercise 1: ``recv_slot(step)``: the slot of the double buffer that a device's left
     neighbour writes into (by remote DMA) during ring step ``step``."""
     if _pending(recv_slot, "recv_slot(step)"):
         return False
+    recv = _fused_forward_protocol(8)["recv"]  # fused_ring.remote_sends, replayed
     for step in range(8):
-        want = 1 - step % 2  # fused_ring.remote_sends: compute on slot step % 2, receive into the other
+        want = recv[step]
         got = _as_int(recv_slot(step), f"recv_slot({step})")
         if got != want:
             raise AssertionError(f"step {step}: the device computes on slot {step % 2}; you say it receives "
@@ -639,9 +676,7 @@ def check_handshake_signals(n_signals):
     if _pending(n_signals, "n_signals(n_devices)"):
         return False
     for n in range(1, 9):
-        # The kernel signals after step `step` when the left neighbour will still write again, i.e.
-        # when it sends at step + 1: sends happen at steps 0 .. n - 2.
-        want = sum(1 for step in range(n) if step < n - 1 and step + 1 <= n - 2)
+        want = sum(_fused_forward_protocol(n)["signals"])  # fused_ring.signal_cap, replayed over the steps
         got = _as_int(n_signals(n), f"n_signals({n})")
         if got != want:
             raise AssertionError(f"n_devices={n}: a device signals {want} times, you say {got} (hint: the "
@@ -654,7 +689,7 @@ def check_remote_copies(n_copies):
     if _pending(n_copies, "n_copies(n_devices)"):
         return False
     for n in range(1, 9):
-        want = sum(1 for step in range(n) if step < n - 1)  # pallas_tpu_fused: no send after the last step
+        want = sum(_fused_forward_protocol(n)["sends"])  # fused_ring.last_send: no send after the last step
         got = _as_int(n_copies(n), f"n_copies({n})")
         if got != want:
             raise AssertionError(f"n_devices={n}: a device starts {want} K/V copies, you say {got}")

@@ -141,6 +141,12 @@ def _barrier(cfg, right, left):
     pl.semaphore_wait(sem, 2)
 
 
+def last_send(n, *, backward=False):
+    """The last ring step at which a device sends: K/V at steps ``0 .. N-2`` in the forward (no send after
+    the last hop), K/V and dK/dV at ``0 .. N-1`` in the backward (the N-th move brings dK/dV home)."""
+    return n - 1 if backward else n - 2
+
+
 def wait_cap(cfg, ring, cap_sem, last_send):
     """Before my send of step ``0 < step <= last_send``: the right neighbour freed the slot I write."""
     if ring.n > 1 and cfg.handshake:

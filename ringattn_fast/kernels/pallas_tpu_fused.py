@@ -170,7 +170,7 @@ def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,    
             cnt_ref[0] = 0
 
     ring = fr.prologue(cfg, ring_ref, [(kv_ring, kv_hbm), (kmeta_ring, kmeta_hbm)], init, sem)
-    n, slot, last_send = ring.n, ring.slot, ring.n - 2  # K/V are sent at steps 0 .. N-2
+    n, slot, last_send = ring.n, ring.slot, fr.last_send(ring.n)  # K/V are sent at steps 0 .. N-2
     copies = [] if n == 1 else fr.remote_sends(cfg, ((0, kv_ring), (1, kmeta_ring)), send_sem, recv_sem, slot,
                                                ring.right)
     fr.wait_cap(cfg, ring, cap_sem, last_send)
@@ -331,7 +331,7 @@ def _bwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,    
             cnt_ref[0] = 0
 
     ring = fr.prologue(cfg, ring_ref, [(kv_ring, kv_hbm), (kmeta_ring, kmeta_hbm)], init, sem)
-    n, slot, last_send = ring.n, ring.slot, ring.n - 1  # dK/dV are sent at steps 0 .. N-1
+    n, slot, last_send = ring.n, ring.slot, fr.last_send(ring.n, backward=True)  # dK/dV: steps 0 .. N-1
     kv_copies, dkv_copies = [], []
     if n > 1:
         kv_copies = fr.remote_sends(cfg, ((0, kv_ring), (1, kmeta_ring)), send_sem, recv_sem, slot, ring.right)
