@@ -582,9 +582,11 @@ def test_xla_hop_spans_large_tiles_only():
 @given(problems(blocks=(8, 16), max_tiles=3))
 @settings(max_examples=examples(4))
 def test_xla_hop_backward_in_the_tpu_order_matches_oracle(pb):
-    """On a TPU the XLA hop's backward computes ``S^T = K Q^T`` directly (``xla._forward_order``: no
-    barrier, no transposed tile); forced here on the CPU, it is exact all the same."""
-    saved, xla._forward_order = xla._forward_order, lambda: False
+    """On a TPU, and wherever a hop holds several key tiles, the XLA hop's backward computes ``S^T = K Q^T``
+    directly (``xla._forward_order``: no barrier, no transposed tile); forced on every hop here, it is exact
+    all the same. On a CPU a hop of one key tile takes the forward's own product."""
+    assert xla._forward_order(1) and not xla._forward_order(8)
+    saved, xla._forward_order = xla._forward_order, lambda n: False
     try:
         assert_matches_oracle(run_hop(xla, pb), run_oracle(pb), TOL)
     finally:

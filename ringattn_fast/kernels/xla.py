@@ -195,11 +195,14 @@ def _logits(q_i, k_j, bias_ij, mask_ij, group, acc, *, softcap=None, fns=None):
     return s.reshape(b, hk, gq, bkv)
 
 
-def _forward_order():
-    """Whether the backward recomputes the logits as the forward's own product (`_logits_t`): on XLA CPU and
-    GPU, where ``K Q^T`` sums in another order; not on a TPU, where the barrier would cost every tile a
-    transpose through HBM (32 MiB at 1024 x 1024 x 8 heads in float32) and the MXU's order is its own."""
-    return jax.default_backend() != "tpu"
+def _forward_order(n_kv_tiles):
+    """Whether the backward recomputes the logits as the forward's own product (`_logits_t`): where the
+    hop's keys are one tile (``n_kv_tiles == 1``: few keys, so each ``P`` is large and every key's dV sums
+    its error over all the queries), off a TPU. XLA CPU sums ``K Q^T`` in another order than ``Q K^T``; the
+    barrier that keeps the forward's order costs a transpose of every tile (8 % of the default CPU
+    benchmark's forward+backward, where a hop holds 8 key tiles and the mismatch is far below float32
+    tolerances), and on a TPU a pass through HBM per tile, where the MXU's order is its own anyway."""
+    return n_kv_tiles == 1 and jax.default_backend() != "tpu"
 
 
 def _logits_t(k_j, q_i, bias_ij, mask_ij, group, acc, *, softcap=None, fns=None, forward_order=True):
@@ -213,12 +216,13 @@ def _logits_t(k_j, q_i, bias_ij, mask_ij, group, acc, *, softcap=None, fns=None,
     with the transpose folded into the dot, which XLA does unless a barrier stops it), XLA CPU sums the
     ``d`` products in another order (2x the error on 64 positive terms) and ``P`` no longer matches
     ``lse``: with 256 queries on 8 keys dV summed that mismatch to 3e-5 (``jax.nn``: 1e-5). Without
-    ``forward_order`` (a TPU: `_forward_order`) ``S^T = K Q^T`` directly, no transpose of the tile."""
-    if forward_order:
+    ``forward_order`` (several key tiles, or a TPU: `_forward_order`) ``S^T = K Q^T`` directly, no
+    transpose of the tile."""
+    if forward_order:  # q_i: Q (b, hk, group*bq, d)
         s = jnp.einsum("bkqd,bksd->bkqs", q_i, k_j, preferred_element_type=acc)  # (b, hk, group*bq, bkv)
         st = jnp.swapaxes(lax.optimization_barrier(s), -1, -2)  # the barrier keeps the transpose out of the dot
-    else:
-        st = jnp.einsum("bksd,bkqd->bksq", k_j, q_i, preferred_element_type=acc)  # (b, hk, bkv, group*bq)
+    else:  # q_i: Q^T (b, hk, d, group*bq), laid out once per hop: a plain matmul
+        st = jnp.einsum("bksd,bkdq->bksq", k_j, q_i, preferred_element_type=acc)  # (b, hk, bkv, group*bq)
     st, dcap = _softcap(st, softcap)
     hk, score_vjp = st.shape[1], None
     if fns is not None and fns.score_fn is not None:
@@ -421,9 +425,9 @@ def hop_bwd(qs, kv, cfg, *, do, lse, delta, drop=None, tiles=None, head_offset=N
     The tile is worked on transposed (``S^T``, ``P^T``, ``dS^T``), with ``K^T`` laid out once per key
     chunk, so the other four matmuls contract a last axis or the lhs's last with the rhs's first
     (``dQ^T = K^T dS^T``): XLA CPU runs ``P^T dO`` written on the untransposed ``P`` (both operands
-    contracted on their row axis) 1.4-3x slower (measured at 128 and 1024 tiles). ``S`` itself is the
-    forward's product, transposed behind an optimization barrier (:func:`_logits_t`: ``P`` must come
-    from the logits ``lse`` came from).
+    contracted on their row axis) 1.4-3x slower (measured at 128 and 1024 tiles). Where the hop's keys are
+    one tile, ``S`` is the forward's product, transposed behind an optimization barrier (:func:`_logits_t`,
+    `_forward_order`: ``P`` comes from the very logits ``lse`` came from).
 
     do: [b, sq, h, d]; lse, delta: [b, h, sq] over all hops (delta = rowsum(do * o_final)); drop: as
     in :func:`hop_fwd` (with the keep multiplier ``keep``: ``dV += (P keep)^T dO``, ``dP = (dO V^T) keep``; D is
@@ -447,13 +451,14 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, tiles, head_offset, per_tile)
     bias_cols = bias is not None and bias.shape[3] > 1
     bias_rows_shape = (bias.shape[0], bias.shape[1], block_q, block_kv if bias_cols else 1) if bias_rows else None
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that saw nothing: every p below is masked to 0
+    span, order = per_tile and _spans(cfg), _forward_order(nk)
     qc = _q_chunks(q.astype(acc) * _q_scale(cfg), hk, block_q)  # (nq, b, hk, group*bq, d): as the forward's
+    qc = qc if order else jnp.swapaxes(qc, -1, -2)  # Q for the forward's product, else Q^T (`_logits_t`)
     q_xs = (jnp.arange(nq), qc, _q_chunks(do.astype(acc), hk, block_q),
             _stat_chunks(lse, hk, block_q), _stat_chunks(delta, hk, block_q), _pos_chunks(q_pos, block_q),
             _pos_chunks(q_seg, block_q), _drop_rows(drop, q_pos, hk, group, block_q))
     kv_xs = (jnp.arange(nk), _kv_chunks(k, block_kv), _kv_chunks(v, block_kv), _pos_chunks(k_pos, block_kv),
              _pos_chunks(k_seg, block_kv))
-    span, order = per_tile and _spans(cfg), _forward_order()
 
     def kv_block(dqt, xs):  # one Bc chunk of keys; its dK_j, dV_j stay in the inner carry
         j, k_j, v_j, k_pos_j, k_seg_j = xs
@@ -462,7 +467,7 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, tiles, head_offset, per_tile)
         kt_j = jnp.swapaxes(masks.finite_part(k_j), -1, -2)  # K_j^T: (b, hk, d, bkv); a masked key's nan stays out of dQ
 
         def q_block(carry, xs):
-            i, q_i, do_i, lse_i, delta_i, q_pos_i, q_seg_i, rows_i = xs  # (b, hk, group*bq, d) x2, (b, hk, group*bq) x3
+            i, q_i, do_i, lse_i, delta_i, q_pos_i, q_seg_i, rows_i = xs  # Q or Q^T, dO (b, hk, group*bq, d), 3 x (b, hk, group*bq)
             bias_ij = _rows(bias_j, i * block_q, block_q, 2)
 
             def tile(carry, masked):
@@ -486,7 +491,8 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, tiles, head_offset, per_tile)
                 if dcap is not None:  # through c tanh(s / c); still 0 where P is 0 (dcap is NaN for a bad key)
                     dst = jnp.where(pt == 0, 0.0, dst * dcap)
                 dqt_i = jnp.einsum("bkds,bksq->bkdq", kt_j, dst) * scale  # dQ^T = K^T dS^T: (b, hk, d, group*bq)
-                dk_j = dk_j + jnp.einsum("bksq,bkqd->bksd", dst, q_i)  # dK += dS^T Q (q: scale / c; x c below)
+                dk_j = dk_j + jnp.einsum("bksq,bkqd->bksd" if order else "bksq,bkdq->bksd", dst, q_i)  # dK += dS^T Q
+                # (q carried scale / c: times c below)
                 db = None
                 if bias is not None:  # dS: (b, hk, bkv, group, bq) -> (b, h, bq, bkv)
                     ds = jnp.transpose(dsb.reshape(b, hk, block_kv, group, block_q), (0, 1, 3, 4, 2))
