@@ -4,7 +4,10 @@ Profiles (choose with ``RINGATTN_HYPOTHESIS_PROFILE``):
   ``ci``        default: deterministic (derandomized), no deadline, a modest number of examples.
   ``thorough``  >= 500 examples per property, for a long local run.
 """
+import gc
 import os
+
+import pytest
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
@@ -41,3 +44,14 @@ settings.load_profile(os.environ.get("RINGATTN_HYPOTHESIS_PROFILE", "ci"))
 def pytest_report_header(config):
     return (f"jax {jax.__version__}, devices: {len(jax.devices())} x {jax.devices()[0].platform}, "
             f"hypothesis profile: {settings._current_profile}")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test module, drop JAX's in-memory caches of traced and compiled programs (the on-disk
+    compilation cache keeps them cheap to get back): the whole suite runs in one process, and CI's full run
+    once aborted inside an XLA compile 45 % of the way through, after the compiled programs of every
+    earlier module had piled up."""
+    yield
+    jax.clear_caches()
+    gc.collect()
