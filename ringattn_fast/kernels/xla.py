@@ -269,12 +269,16 @@ def _by_kind(tile, carry, skipped, where, cfg, *, per_tile, user_kind=None):
     ``mask_fn`` makes every tile that the built-ins leave non-empty partial."""
     if not per_tile:
         return tile(carry, False)
-    kind = masks.tile_kind(*where, causal=cfg.causal, window=cfg.window)
-    if user_kind is not None:
-        kind = block_mask.combine(kind, user_kind)
-    elif cfg.mask_fn is not None:
-        kind = jnp.where(kind == 0, 0, 2)
+    kind = _with_user(cfg, masks.tile_kind(*where, causal=cfg.causal, window=cfg.window), user_kind)
     return lax.switch(kind, [skipped, lambda c: tile(c, False), lambda c: tile(c, True)], carry)
+
+
+def _with_user(cfg, kind, user_kind):
+    """The built-in masks' tile kind(s) with ``mask_fn``'s: combined with its block mask's ``user_kind``, or
+    without one, every tile the built-ins leave non-empty partial (nothing proves ``mask_fn`` full there)."""
+    if user_kind is not None:
+        return block_mask.combine(kind, user_kind)
+    return jnp.where(kind == 0, 0, 2) if cfg.mask_fn is not None else kind
 
 
 def _whole_hop(run, qs, kv, cfg, tiles=None):
@@ -310,10 +314,7 @@ def _kinds(cfg, pos, seg, other_pos, other_seg, user, *, keys_vary):
     def kind(o_pos, o_seg):
         where = (pos, o_pos, seg, o_seg) if keys_vary else (o_pos, pos, o_seg, seg)
         return masks.tile_kind(*where, causal=cfg.causal, window=cfg.window)
-    kinds = jax.vmap(kind)(other_pos, other_seg)
-    if user is not None:
-        return block_mask.combine(kinds, user)
-    return jnp.where(kinds == 0, 0, 2) if cfg.mask_fn is not None else kinds
+    return _with_user(cfg, jax.vmap(kind)(other_pos, other_seg), user)
 
 
 def _span_loop(step, carry, xs, kinds, ys=None):
