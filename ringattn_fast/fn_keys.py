@@ -11,8 +11,9 @@ closure over anything else (an object of the caller's) keys by that object's ide
 shared that might differ.
 
 The same function object keeps its first compiled program, as with ``jax.jit``: a closure over a
-numpy table mutated in place between calls sees the table it was first called with (a new function
-object, or a copy of the table, sees the new values). :data:`MAX_FUNCTIONS` keys are kept, least
+numpy table mutated in place between calls sees the table it was first called with (its key at the
+first call is kept, by a weak reference to the function; a new function object, or a copy of the
+table, sees the new values). :data:`MAX_FUNCTIONS` keys are kept, least
 recently used dropped first; the caches downstream are bounded on their own (``front._MAPPED_MAX``
 programs, ``block_mask.tables``' 32 tables). The function kept has the numpy arrays of its closure as
 ``jnp`` arrays (:func:`traceable`), so ``table[k_pos]`` works under ``jit`` as it does eagerly.
@@ -23,11 +24,13 @@ import collections
 import hashlib
 import threading
 import types
+import weakref
 
 import numpy as np
 
 MAX_FUNCTIONS = 256
 _SEEN = collections.OrderedDict()  # key -> the first function seen with it
+_KEY_OF = weakref.WeakKeyDictionary()  # function object -> its key at its first call (what it keeps)
 _LOCK = threading.Lock()
 
 
@@ -93,11 +96,19 @@ def canonical(fn):
     first; ``fn`` as it is when it is not a plain Python function, or None)."""
     if fn is None or getattr(fn, "__code__", None) is None:
         return fn
-    key = function_key(fn)
-    try:
-        hash(key)
-    except TypeError:
-        return fn
+    with _LOCK:
+        key = _KEY_OF.get(fn)  # the same object keeps its first key: a table mutated since is not seen
+    if key is None:
+        key = function_key(fn)
+        try:
+            hash(key)
+        except TypeError:
+            return fn
+        try:
+            with _LOCK:
+                _KEY_OF[fn] = key
+        except TypeError:  # a function that cannot be weakly referenced: keyed afresh each call
+            pass
     with _LOCK:
         first = _SEEN.pop(key, None) or traceable(fn)
         _SEEN[key] = first  # most recently used last

@@ -23,7 +23,8 @@ so the program starts with::
                                process_id=int(os.environ["JAX_PROCESS_ID"]))
 
 Process i's stdout and stderr are streamed line by line to ours, prefixed ``[i] ``. A process has
-*left* the program when it exits, or when it writes its exit code (an integer) to
+*left* the program when it exits, or when it writes its exit code (an integer, optionally followed by
+a space and ``time.time()``, which orders failures better than the file's mtime) to
 ``LAUNCH_LOCAL_EXIT_FILE``: a JAX process that returns from its program is still alive, held in
 JAX's shutdown barrier until every process gets there (``shutdown_timeout_seconds``, 300 s by
 default), so only the program can say it has finished. A Python program says it without any change:
@@ -89,11 +90,20 @@ def process_env(base, *, port, n, i, devices, exit_file=None):
     return env
 
 
+def _written_at(when, path):
+    """When an exit file was written: the time the program put after its code, else the file's mtime (which
+    can tie between two processes that fail within a tick of the kernel's coarse clock)."""
+    try:
+        return float(when)
+    except ValueError:
+        return os.stat(path).st_mtime
+
+
 class Child:
     """One process: its Popen, the tail of its stderr, and when and with what code it left the program.
 
-    Times are wall-clock (``time.time()``): the moment an exit file was written (its mtime, set by the
-    process itself) or the process exited (seen by a thread of its own waiting for it)."""
+    Times are wall-clock (``time.time()``): the moment an exit file was written (the time in it, or its
+    mtime: set by the process itself) or the process exited (seen by a thread of its own waiting for it)."""
 
     def __init__(self, i, proc, exit_file):
         self.i, self.proc, self.exit_file = i, proc, exit_file
@@ -118,8 +128,9 @@ class Child:
             with open(self.exit_file) as f:
                 text = f.read().strip()
             if text:  # empty: being written, read it next time
-                self.code = int(text) % 256 if text.lstrip("-").isdigit() else 1  # what the OS would make of it
-                self.reported, self.left_at = True, os.stat(self.exit_file).st_mtime
+                code, _, when = text.partition(" ")
+                self.code = int(code) % 256 if code.lstrip("-").isdigit() else 1  # what the OS would make of it
+                self.reported, self.left_at = True, _written_at(when, self.exit_file)
 
     def order(self):
         """Who failed first. A process that wrote its exit file left before a peer that wrote its own because

@@ -23,6 +23,7 @@ fails"):
 """
 import os
 import sys
+import time
 import traceback
 
 import jax
@@ -41,11 +42,12 @@ def initialize(**overrides):
 
 
 def report(code):
-    """Write ``code`` (an int) to ``$LAUNCH_LOCAL_EXIT_FILE`` in one step (the launcher polls the file)."""
+    """Write ``code`` (an int) and the time to ``$LAUNCH_LOCAL_EXIT_FILE`` in one step (the launcher polls
+    the file and orders failures by that time: two files' mtimes can tie, on the kernel's coarse clock)."""
     path = os.environ.get("LAUNCH_LOCAL_EXIT_FILE")
     if path:
         with open(path + ".tmp", "w") as f:
-            f.write(f"{code}\n")
+            f.write(f"{code} {time.time():.6f}\n")
         os.replace(path + ".tmp", path)  # the launcher never reads half a file
 
 

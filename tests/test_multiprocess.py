@@ -123,6 +123,16 @@ def test_launcher_takes_the_exit_file_and_allows_a_late_finish():
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+
+def test_launcher_blames_the_failure_written_first_by_the_time_in_the_file():
+    """Process 1 fails, then process 0 because of it, both inside one tick of the kernel's coarse clock (the
+    files' mtimes tie: CI's run blamed process 0). The time each program writes after its code orders them."""
+    write = "import os, time; me = int(os.environ['JAX_PROCESS_ID']); time.sleep(1); " \
+            "open(os.environ['LAUNCH_LOCAL_EXIT_FILE'], 'w').write(f'{me + 5} {1000.0 - me}'); time.sleep(120)"
+    run = launch("--processes", "2", "--", sys.executable, "-c", write, timeout=60)
+    assert run.returncode == 6, run.stdout + run.stderr
+    assert "[launch] process 1 failed with exit code 6; also process 0, with 5" in run.stderr, run.stderr
+
 # A stand-in for JAX's shutdown barrier: an atexit handler that holds the process (as JAX's does while a
 # peer is stuck in a collective). The launcher's hook reports the exit before it, and skips it on a failure.
 HELD = "import atexit, os, sys, time; atexit.register(time.sleep, 120); me = os.environ['JAX_PROCESS_ID']; "

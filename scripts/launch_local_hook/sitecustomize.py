@@ -28,6 +28,7 @@ import importlib.util
 import os
 import sys
 import threading
+import time
 import traceback
 
 # Only the first Python process of the launched command speaks for it: one it starts (a helper script, a
@@ -45,7 +46,7 @@ def _report(code):
     """Write ``code`` to the exit file in one step, unless the program wrote one itself."""
     if _FILE and not os.path.exists(_FILE):
         with open(_FILE + ".tmp", "w") as f:
-            f.write(f"{code}\n")
+            f.write(f"{code} {time.time():.6f}\n")  # the time orders failures (file mtimes tie)
         os.replace(_FILE + ".tmp", _FILE)
 
 
