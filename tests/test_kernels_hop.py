@@ -552,7 +552,8 @@ def test_tpu_lane_dense_path_matches_oracle(pb):
 @settings(max_examples=examples(8))
 def test_xla_hop_span_loop_matches_oracle(pb):
     """The XLA hop's span loop (``xla._span_loop``: large tiles, a TPU's defaults) on any layout and mask:
-    tiles outside the span never run, those inside run masked; here forced onto small tiles."""
+    tiles outside the span never run, a run of full tiles runs unmasked, the rest masked; here forced onto
+    small tiles."""
     saved, xla.SPAN_MIN_TILE = xla.SPAN_MIN_TILE, 0
     try:
         assert_matches_oracle(run_hop(xla, pb), run_oracle(pb), TOL)
@@ -571,6 +572,22 @@ def test_xla_hop_span_loop_skips_dead_tiles(layout):
     finally:
         xla.SPAN_MIN_TILE = saved
     assert_matches_oracle(got, run_oracle(pb), TOL)
+
+
+@pytest.mark.parametrize("kinds, unmasked, masked", [
+    ([0, 1, 1, 2, 0], [1, 2], [3]),  # a causal row: the full run alone unmasked
+    ([2, 1, 1, 2, 0], [1, 2], [0, 3]),  # a window: partial tiles at both ends
+    ([1, 2, 1, 0], [], [0, 1, 2]),  # two full runs (segments): all masked
+    ([0, 0, 0], [], []),  # an empty row: nothing runs
+    ([0, 2, 0, 2], [], [1, 2, 3]),  # an empty tile inside the span runs masked
+])
+def test_xla_hop_span_loop_visits(kinds, unmasked, masked):
+    """Which tiles ``_span_loop`` runs, and with or without the mask."""
+    def step(seen, j, is_masked):
+        return seen.at[j].set(2 if is_masked else 1), None
+    n = len(kinds)
+    seen, _ = xla._span_loop(step, jnp.zeros(n, jnp.int32), jnp.arange(n), jnp.asarray(kinds))
+    assert [j for j in range(n) if seen[j] == 1] == unmasked and [j for j in range(n) if seen[j] == 2] == masked
 
 
 def test_xla_hop_spans_large_tiles_only():

@@ -303,7 +303,8 @@ def _spans(cfg):
     """Whether tiles are looped over their span (`_span_loop`) rather than switched one by one (`_by_kind`):
     for large tiles (a TPU's defaults). There, on a v5e, slicing a skipped tile's operands and branching
     around it cost more than the tile saved (a causal hop took 0.77-0.81x the plain one's time at 16K-32K
-    tokens), while masking the few tiles of the span costs little; small tiles (the CPU's 128) switch."""
+    tokens), while a loop over the span's tiles costs little (its full ones unmasked); small tiles (the
+    CPU's 128) switch."""
     return cfg.block_q * cfg.block_kv >= SPAN_MIN_TILE
 
 
@@ -318,19 +319,34 @@ def _kinds(cfg, pos, seg, other_pos, other_seg, user, *, keys_vary):
 
 
 def _span_loop(step, carry, xs, kinds, ys=None):
-    """``carry = step(carry, xs[j])`` (``step`` -> ``(carry, y)``) for ``j`` from the first to the last tile
-    that ``kinds`` leaves non-empty (a while loop of dynamic length: no iteration, slicing or branch for
-    the empty tiles outside the span; any inside are computed fully masked, which adds nothing). ``ys``:
-    a zero buffer [n, ...] that collects the ``y``s (skipped tiles keep 0), or None."""
-    n, nonempty = kinds.shape[0], kinds != 0
-    lo = jnp.argmax(nonempty)
-    hi = jnp.where(jnp.any(nonempty), n - jnp.argmax(nonempty[::-1]), lo)
+    """``carry = step(carry, xs[j], masked)`` (``step`` -> ``(carry, y)``) for ``j`` from the first to the last
+    tile that ``kinds`` leaves non-empty: while loops of dynamic length, no iteration, slicing or branch for
+    the empty tiles outside the span. The full tiles, where they are one run (a causal row's, a window's),
+    go through a loop of their own without a mask; the rest of the span is masked (an empty tile inside it
+    adds nothing). ``ys``: a zero buffer [n, ...] that collects the ``y``s (skipped tiles keep 0), or None."""
+    n = kinds.shape[0]
+    lo, hi = _run(kinds != 0, n)
+    f_lo, f_hi = _run(kinds == 1, n)
+    one_run = jnp.sum(kinds == 1) == f_hi - f_lo  # else mask them all: one full run is all this skips
+    f_lo, f_hi = jnp.where(one_run, f_lo, lo), jnp.where(one_run, f_hi, lo)
+    before = f_lo - lo  # the masked tiles: [lo, f_lo), then [f_hi, hi)
 
-    def body(j, state):
-        carry, ys = state
-        carry, y = step(carry, jax.tree.map(lambda x: x[j], xs))
-        return carry, ys if ys is None else lax.dynamic_update_index_in_dim(ys, y.astype(ys.dtype), j, 0)
-    return lax.fori_loop(lo, hi, body, (carry, ys))
+    def body(masked, index):
+        def run(t, state):
+            carry, ys = state
+            j = index(t)
+            carry, y = step(carry, jax.tree.map(lambda x: x[j], xs), masked)
+            return carry, ys if ys is None else lax.dynamic_update_index_in_dim(ys, y.astype(ys.dtype), j, 0)
+        return run
+    state = lax.fori_loop(f_lo, f_hi, body(False, lambda t: t), (carry, ys))
+    return lax.fori_loop(0, before + hi - f_hi, body(True, lambda t: jnp.where(t < before, lo + t, f_hi + t - before)),
+                         state)
+
+
+def _run(flags, n):
+    """``(first, last + 1)`` of the True entries of ``flags`` [n] (``(first, first)`` when there are none)."""
+    lo = jnp.argmax(flags)
+    return lo, jnp.where(jnp.any(flags), n - jnp.argmax(flags[::-1]), lo)
 
 
 def hop_fwd(qs, kv, cfg, drop=None, tiles=None, head_offset=None):
@@ -361,7 +377,7 @@ def _hop_fwd(qs, kv, cfg, drop, tiles, head_offset, *, per_tile):
         i, q_i, q_pos_i, q_seg_i, rows_i = xs
         bias_i = _rows(bias, i * block_q, block_q, 2)
 
-        def kv_block(carry, xs):  # one Bc chunk: the online-softmax update (FA-2 Algorithm 1)
+        def kv_block(carry, xs, span_masked=None):  # one Bc chunk: the online-softmax update (FA-2 Algorithm 1)
             j, k_j, v_j, k_pos_j, k_seg_j = xs
 
             def tile(carry, masked):
@@ -382,8 +398,8 @@ def _hop_fwd(qs, kv, cfg, drop, tiles, head_offset, *, per_tile):
                 pv = jnp.einsum("bkqs,bksd->bkqd", p_v, v_j.astype(acc))
                 return alpha[..., None] * o + pv, m_new, alpha * l + p.sum(axis=-1)
 
-            if span:  # every tile of the span masked (`_span_loop`)
-                return tile(carry, True), None
+            if span:  # `_span_loop` says whether this tile needs the mask
+                return tile(carry, span_masked), None
             where = (q_pos_i, k_pos_j, q_seg_i, k_seg_j)
             user_kind = None if tiles is None else tiles[i, j]
             return _by_kind(tile, carry, lambda c: c, where, cfg, per_tile=per_tile, user_kind=user_kind), None
@@ -467,7 +483,7 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, tiles, head_offset, per_tile)
         k_j, v_j = k_j.astype(acc), v_j.astype(acc)  # (b, hk, bkv, d)
         kt_j = jnp.swapaxes(masks.finite_part(k_j), -1, -2)  # K_j^T: (b, hk, d, bkv); a masked key's nan stays out of dQ
 
-        def q_block(carry, xs):
+        def q_block(carry, xs, span_masked=None):
             i, q_i, do_i, lse_i, delta_i, q_pos_i, q_seg_i, rows_i = xs  # Q or Q^T, dO (b, hk, group*bq, d), 3 x (b, hk, group*bq)
             bias_ij = _rows(bias_j, i * block_q, block_q, 2)
 
@@ -502,8 +518,8 @@ def _hop_bwd(qs, kv, cfg, *, do, lse, delta, drop, tiles, head_offset, per_tile)
                 dqt = lax.dynamic_update_index_in_dim(dqt, dqt[i] + dqt_i, i, 0)  # in place
                 return (dk_j, dv_j, None if bias_rows else db_j, dqt), db if bias_rows else None
 
-            if span:  # every tile of the span masked (`_span_loop`)
-                return tile(carry, True)
+            if span:  # `_span_loop` says whether this tile needs the mask
+                return tile(carry, span_masked)
             zeros = vary_like(jnp.zeros(bias_ij.shape, acc), axes) if bias_rows else None
             where = (q_pos_i, k_pos_j, q_seg_i, k_seg_j)
             user_kind = None if tiles is None else tiles[i, j]
