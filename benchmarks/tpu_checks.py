@@ -14,6 +14,10 @@ causal skipping.
    skips empty tiles: the issue's bar is <= 0.6).
 3. **overhead** (``--checks overhead``, a TPU only): the default call's forward+backward time as shipped
    and with the nan/inf key-marking pass made the identity (a diagnostic of the ring's own passes).
+4. **variants** (``--checks variants``): the default call's forward+backward time with each form of the
+   fused backward's dS K (``pallas_tpu.DQ_FORM``), and with the per-tile non-finite test of K made the
+   identity (a diagnostic, wrong for a bad key: what that test costs), each compiled ahead with its
+   setting in place and timed interleaved; 8 heads, causal and not, ``--variant-seqs``.
 
 One JSON object per check to stdout, a line each to stderr.
 """
@@ -140,12 +144,47 @@ def mark_bad_variants(seq, heads, dim, repeats):
                 ms=dict(zip(("shipped", "boolean", "matmul"), (1e3 * t for t in times))))
 
 
+VARIANTS = {"shipped": {}, "dq_cast": dict(DQ_FORM="cast"), "dq_tn": dict(DQ_FORM="tn"),
+            "no_finite_keys": dict(finite_keys=lambda k: k)}
+
+
+def variants(seq, heads, dim, causal, repeats, dry_run=False):
+    """ms of the default forward+backward under each of :data:`VARIANTS` (``pallas_tpu`` attributes set while
+    the program is traced and compiled), and each one's max |difference| from the shipped outputs."""
+    import jax
+    import jax.numpy as jnp
+    import ringattn_fast as rf
+    from ringattn_fast.kernels import pallas_tpu
+    mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    x = jax.random.normal(jax.random.key(seq), (1, seq, heads, dim), jnp.bfloat16)
+    attn = partial(rf.ring_attention, mesh=mesh, causal=causal, **(dict(impl="pallas_tpu") if dry_run else {}))
+    compiled, outs = {}, {}
+    for name, patch in VARIANTS.items():
+        saved = {a: getattr(pallas_tpu, a) for a in patch}
+        try:
+            for a, value in patch.items():
+                setattr(pallas_tpu, a, value)
+            jax.clear_caches()  # traced afresh, with the patch in place
+            compiled[name] = jax.jit(lambda q: jax.vjp(attn, q, q, q)[1](q)).lower(x).compile()
+        finally:
+            for a, value in saved.items():
+                setattr(pallas_tpu, a, value)
+        outs[name] = jax.block_until_ready(compiled[name](x))
+    jax.clear_caches()
+    times = time_interleaved([partial(compiled[n], x) for n in compiled], repeats, 1)
+    diff = {n: max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                   for a, b in zip(outs[n], outs["shipped"])) for n in outs}
+    return dict(check="variants", seq=seq, heads=heads, dim=dim, causal=causal,
+                ms={n: 1e3 * t for n, t in zip(compiled, times)}, max_diff=diff)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.tpu_checks", description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--xla-seqs", default=None, help="comma list (default 16384,32768)")
-    p.add_argument("--checks", default="numerics,xla", help="comma list of numerics, xla, overhead")
+    p.add_argument("--checks", default="numerics,xla", help="comma list of numerics, xla, overhead, variants")
     p.add_argument("--overhead-seqs", default=None, help="comma list (default 8192,16384)")
+    p.add_argument("--variant-seqs", default=None, help="comma list (default 8192,16384)")
     args = p.parse_args(argv)
     checks = set(args.checks.split(","))
     import jax
@@ -163,6 +202,10 @@ def main(argv=None):
         seqs = [int(s) for s in (args.overhead_seqs or "8192,16384").split(",")]
         jobs += [partial(mark_bad_variants, s, 8, dim, 20) for s in seqs]
         jobs += [partial(overhead, s, 8, dim, 5) for s in seqs]
+    if "variants" in checks:
+        seqs = [int(s) for s in (args.variant_seqs or ("256" if args.dry_run else "8192,16384")).split(",")]
+        jobs += [partial(variants, s, 2 if args.dry_run else 8, dim, causal, 1 if args.dry_run else 10, args.dry_run)
+                 for s in seqs for causal in (False, True)]
     ok = True
     for job in jobs:  # printed as each finishes: a run cut short keeps what it measured
         row = job()

@@ -59,3 +59,17 @@ def test_tune_and_checks_dry_runs(capsys):
     checks = _json_lines(capsys.readouterr().out)
     assert sum(c["check"] == "numerics" for c in checks) == 8 and all(c.get("ok", True) for c in checks)
     assert [c["check"] for c in checks][-1] == "xla hop"
+
+
+def test_fused_backward_variants_dry_run(capsys):
+    """``tpu_checks --checks variants`` on CPU: every dS K form of the fused backward (``pallas_tpu.DQ_FORM``)
+    gives the shipped outputs, and the module's settings are restored after the check."""
+    from ringattn_fast.kernels import pallas_tpu
+    before = pallas_tpu.DQ_FORM, pallas_tpu.finite_keys
+    assert tpu_checks.main(["--dry-run", "--checks", "variants"]) == 0
+    rows = _json_lines(capsys.readouterr().out)
+    assert [r["causal"] for r in rows] == [False, True]
+    for r in rows:
+        assert set(r["ms"]) == set(tpu_checks.VARIANTS)
+        assert r["max_diff"]["dq_cast"] == r["max_diff"]["dq_tn"] == 0, r  # a transpose is exact
+    assert (pallas_tpu.DQ_FORM, pallas_tpu.finite_keys) == before

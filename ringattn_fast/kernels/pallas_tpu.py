@@ -488,7 +488,7 @@ def _bwd_fused_kernel(qb_ref, kb_ref, res_ref,
         rows = pl.ds(pl.multiple_of(j * bk, bk), bk)
         dv_sc[rows, :] += _dot(pt.astype(do.dtype), do, _NN)  # dV_j += P^T dO_i
         dk_sc[rows, :] += _dot(dst.astype(q.dtype), q, _NN)  # dK_j += dS^T (scale Q_i)
-        dq_sc[...] += _dot(dst.T.astype(k.dtype), finite_keys(k), _NN)  # dQ_i += dS K_j (scale at the end)
+        dq_sc[...] += _dq_tile(dst, finite_keys(k))  # dQ_i += dS K_j (scale at the end)
 
     _by_kind(_compute, qb_ref, kb_ref, (bi, i, j, n_q, n_kv), cfg, q_seg_ref is not None)
 
@@ -500,6 +500,18 @@ def _bwd_fused_kernel(qb_ref, kb_ref, res_ref,
     def _finish_kv():
         dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+def _dq_tile(dst, k):
+    """dS K from the key-major dS^T (block_kv, block_q) float32 and K (block_kv, d), in the form
+    :data:`DQ_FORM` names: ``"transpose"`` dS^T transposed in float32, then cast (splash attention's);
+    ``"cast"`` cast to K's dtype first, a 16-bit transpose; ``"tn"`` no transpose written, the matmul
+    contracts dS^T's first axis (Mosaic places the transpose)."""
+    if DQ_FORM == "cast":
+        return _dot(dst.astype(k.dtype).T, k, _NN)
+    if DQ_FORM == "tn":
+        return _dot(dst.astype(k.dtype), k, _TN)
+    return _dot(dst.T.astype(k.dtype), k, _NN)
 
 
 def _fused_specs(cfg, d, d_v, sk, group, n_q, n_kv):
@@ -540,6 +552,7 @@ def _fused_footprint(cfg, q_shape, k_shape, dtype, d_v):
                              "ring_hop_bwd_fused_tpu")
 
 
+DQ_FORM = "transpose"  # how `_bwd_fused_kernel` forms dS K (`_dq_tile`; benchmarks/tpu_checks.py --checks variants)
 FUSED_BWD = True  # `_bwd_fused_kernel` where it applies and fits (benchmarks/tune_tpu.py measures both)
 KEY_MAJOR_DKV = True  # `_dkv_key_major_kernel` where it applies (benchmarks/tune_tpu.py measures both)
 
