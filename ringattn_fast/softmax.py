@@ -1,7 +1,8 @@
 """Merging partial attention results, safe when a part saw no key (``lse = -inf``); the accumulation dtype.
 
 Mirrors ``ringattn_ref.softmax.merge``. Two results over disjoint key sets, each normalised within its
-part, combine exactly (FlashAttention-2, arXiv:2307.08691, the rescaling of §3.1.1):
+part, combine exactly (the blockwise merge of Rabe & Staats, arXiv:2112.05682 §3, on Milakov &
+Gimelshein's online normaliser, arXiv:1805.02867; FlashAttention-2 rescales a running sum instead):
 ``lse = logaddexp(lse1, lse2)``, ``o = exp(lse1 - lse) o1 + exp(lse2 - lse) o2``. With both
 ``lse = -inf`` the textbook formula is ``nan``; here it gives ``o = 0, lse = -inf``. The ring folds its
 hops with :func:`merge_into`, which keeps ``lse`` as ``(m, l)`` until the end (one rounding, not ``N``).

@@ -62,7 +62,9 @@ def finalize(m, l, o):
 
 
 def merge(o1, lse1, o2, lse2):
-    """Combine two normalised partial results over disjoint key sets (FA-2's combine).
+    """Combine two normalised partial results over disjoint key sets: the blockwise merge of Rabe &
+    Staats (arXiv:2112.05682, §3) on Milakov & Gimelshein's online normaliser (arXiv:1805.02867).
+    FlashAttention-2 never merges two normalised partials (its one pass rescales a running sum).
 
     o1, o2: [b, q, h, d]; lse1, lse2: [b, h, q]. Returns ``(o, lse)`` with
     ``lse = logaddexp(lse1, lse2)`` and ``o = exp(lse1 - lse) o1 + exp(lse2 - lse) o2``.

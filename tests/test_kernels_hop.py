@@ -318,7 +318,7 @@ def test_kernels_take_named_refs():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MODULES)
 def test_two_hops_merge_with_final_lse(name):
-    """Ring use: per-hop (o, lse) merged with FA-2's combine; backward per hop from the final lse."""
+    """Ring use: per-hop (o, lse) merged as (o, lse) pairs (``softmax.merge``); backward per hop from the final lse."""
     rng = np.random.default_rng(1)
     b, s, h, hk, d = 1, 32, 2, 1, 48  # d = 48: not a power of two (the Triton wrapper pads it)
     pos = np.arange(2 * s).reshape(s, 2).T.reshape(1, -1)  # striped over 2 hosts

@@ -97,7 +97,7 @@ def test_merge_associative_commutative_and_safe(seed):
 
 @given(st.integers(0, 2**32 - 1), st.integers(1, 4))
 def test_merge_of_halves_equals_attention(seed, split):
-    """Two partials over disjoint key sets merge into the full result (FA-2 combine)."""
+    """Two partials over disjoint key sets merge into the full result (the (o, lse) merge)."""
     rng = np.random.default_rng(seed)
     q, k, v = (rng.normal(size=(2, 6, 2, 3)) for _ in range(3))
     full = attention(q, k, v, return_lse=True)

@@ -14,7 +14,8 @@ the true position of the token placed at layout position ``p``; host ``r`` owns 
 
 Task 2, ``zigzag_positions(seq_local, axis_name)``: inside ``jax.shard_map``, the true positions
 (int32 [seq_local]) of this host's tokens, computed from ``lax.axis_index(axis_name)`` and
-``lax.axis_size(axis_name)`` (no table of size seq: that is the point of computing it per host).
+``lax.axis_size(axis_name)`` (no array larger than the shard, no table of size seq: that is the point of
+computing it per host).
 
 Task 3, ``zigzag_ring_attention(q, k, v, *, mesh, causal)``: ring attention of global arrays in true
 order (q [b, seq, h, d], k, v [b, seq, hk, d]) on the 1-D ``mesh`` (axis name ``"sp"``): reorder
@@ -26,7 +27,7 @@ positions (int32 [b, seq_local]), and bring the output back to true order. Retur
 Grade: ``python notebooks/labs/grade.py lab03 your_file.py``. The grader checks: the permutation
 is a permutation of range(seq); every host gets the same number of causal (query, key) pairs; host
 ``r`` owns chunks ``r`` and ``2N-1-r``; your positions inside shard_map (3, 5 and 8 hosts) are the
-zigzag layout's, and no host holds an array of ``seq`` elements to compute them; the ring's output matches the float64 oracle (float64 inputs, JAX x64 on; to 1e-10)
+zigzag layout's, and no host holds an array of more elements than its shard has tokens to compute them; the ring's output matches the float64 oracle (float64 inputs, JAX x64 on; to 1e-10)
 on 3, 5 and 8 hosts (GQA, b, d > 1, causal and not) and drawn problems; the compiled program has
 ppermutes ``i -> i+1`` (a ring). Then it runs your ``zigzag_ring_attention`` once more with
 ``ring_attention_shard`` replaced by a probe that reports, per token, the host it was attended on and

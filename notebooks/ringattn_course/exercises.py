@@ -718,6 +718,23 @@ def _pallas_buffers(fn, *args):
     return outputs, scratch
 
 
+def measured_kv_buffer(batch, shard, kv_heads, dim, dtype, *, n=2):
+    """``(shape, bytes)`` of the fused ring's K/V double buffer on one device, read from the outputs its
+    ``pallas_call`` declares for a ring of ``n`` (traced, nothing runs; 09, exercise 4 and its answer)."""
+    import jax.numpy as jnp
+
+    import ringattn_fast
+
+    mesh = ringattn_fast.make_mesh(n)
+    q = jnp.zeros((batch, n * shard, 2 * kv_heads, dim), dtype)
+    kv = jnp.zeros((batch, n * shard, kv_heads, dim), dtype)
+    outputs, _ = _pallas_buffers(lambda q, k, v: ringattn_fast.ring_attention(
+        q, k, v, mesh=mesh, causal=True, impl="pallas_tpu_fused", block_q=8, block_kv=8), q, kv, kv)
+    slots = (2, 2, batch, kv_heads, shard, dim)                               # (slot, K|V, b, hk, s, d)
+    shape, dt = next(o for o in outputs if tuple(o[0]) == slots and o[1] == dtype)
+    return tuple(shape), int(np.prod(shape)) * np.dtype(dt).itemsize
+
+
 def check_kv_double_buffer(kv_buffer_bytes):
     """09, exercise 4: ``kv_buffer_bytes(batch, shard, kv_heads, dim, itemsize)``: bytes of the fused
     forward's K/V double buffer (both slots, K and V), measured from the ``pallas_call``: the buffer is
@@ -730,14 +747,7 @@ def check_kv_double_buffer(kv_buffer_bytes):
 
     for batch, shard, kv_heads, dim, n, dtype in ((1, 8, 2, 8, 4, jnp.float32), (2, 16, 1, 8, 2, jnp.bfloat16),
                                                   (1, 8, 3, 16, 3, jnp.float32)):
-        mesh = ringattn_fast.make_mesh(n)
-        q = jnp.zeros((batch, n * shard, 2 * kv_heads, dim), dtype)
-        kv = jnp.zeros((batch, n * shard, kv_heads, dim), dtype)
-        outputs, _ = _pallas_buffers(lambda q, k, v: ringattn_fast.ring_attention(
-            q, k, v, mesh=mesh, causal=True, impl="pallas_tpu_fused", block_q=8, block_kv=8), q, kv, kv)
-        slots = (2, 2, batch, kv_heads, shard, dim)                           # (slot, K|V, b, hk, s, d)
-        shape, dt = next(o for o in outputs if tuple(o[0]) == slots and o[1] == dtype)
-        want = int(np.prod(shape)) * np.dtype(dt).itemsize
+        shape, want = measured_kv_buffer(batch, shard, kv_heads, dim, dtype, n=n)
         itemsize = np.dtype(dtype).itemsize
         got = _as_int(kv_buffer_bytes(batch, shard, kv_heads, dim, itemsize), "the byte count")
         if got != want:
@@ -867,11 +877,9 @@ def check_cache_bytes_per_host(cache_bytes_per_host):
                     "so 1M tokens need 128 GiB on one host, 2 GiB each on 64")
 
 
-def check_decode_collective_bytes(decode_collective_bytes, *, n_devices=8):
-    """11, exercise 4: ``decode_collective_bytes(batch, heads, dim)``: the sorted operand bytes of the all-reduces
-    of ``ringattn_fast.decode_step``'s compiled program, measured with ``hlo.collective_messages``."""
-    if _pending(decode_collective_bytes, "decode_collective_bytes(batch, heads, dim)"):
-        return False
+def decode_collectives(batch, heads, kv_heads, dim, *, n_devices=8):
+    """The collectives (``hlo.collective_messages``) of ``ringattn_fast.decode_step``'s compiled program for
+    one float32 token against a cache over ``n_devices`` hosts (11, exercise 4 and its answer)."""
     import jax
     import jax.numpy as jnp
 
@@ -879,12 +887,20 @@ def check_decode_collective_bytes(decode_collective_bytes, *, n_devices=8):
     from ringattn_course import hlo
 
     mesh = ringattn_fast.make_mesh(n_devices)
+    cache = ringattn_fast.init_cache(batch, 8 * n_devices, kv_heads, dim, mesh=mesh)
+    q, kv = jnp.zeros((batch, 1, heads, dim)), jnp.zeros((batch, 1, kv_heads, dim))
+    text = jax.jit(lambda q, k, v, c: ringattn_fast.decode_step(q, k, v, c, mesh=mesh)).lower(
+        q, kv, kv, cache).compile().as_text()
+    return hlo.collective_messages(text)
+
+
+def check_decode_collective_bytes(decode_collective_bytes, *, n_devices=8):
+    """11, exercise 4: ``decode_collective_bytes(batch, heads, dim)``: the sorted operand bytes of the all-reduces
+    of ``ringattn_fast.decode_step``'s compiled program, measured with ``hlo.collective_messages``."""
+    if _pending(decode_collective_bytes, "decode_collective_bytes(batch, heads, dim)"):
+        return False
     for batch, heads, kv_heads, dim in ((2, 4, 2, 8), (1, 8, 2, 16), (3, 2, 1, 4)):
-        cache = ringattn_fast.init_cache(batch, 8 * n_devices, kv_heads, dim, mesh=mesh)
-        q, kv = jnp.zeros((batch, 1, heads, dim)), jnp.zeros((batch, 1, kv_heads, dim))
-        text = jax.jit(lambda q, k, v, c: ringattn_fast.decode_step(q, k, v, c, mesh=mesh)).lower(
-            q, kv, kv, cache).compile().as_text()
-        messages = hlo.collective_messages(text)
+        messages = decode_collectives(batch, heads, kv_heads, dim, n_devices=n_devices)
         want = sorted(m.nbytes for m in messages if m.opcode.startswith("all-reduce"))
         got = sorted(_as_int(x, "a byte count") for x in decode_collective_bytes(batch, heads, dim))
         if len(want) != len(messages) or got != want:
@@ -1118,7 +1134,9 @@ def check_chunked_empty_hops(chunked_empty_hops):
     from ringattn_ref import variants
     from ringattn_ref.block_mask import ring_block_mask
 
-    for seq, n, chunk in ((256, 8, 64), (256, 8, 16), (256, 8, 48), (96, 4, 40), (64, 8, 64), (128, 4, 256)):
+    # (256, 8, 24): a chunk smaller than the shard that does not divide it straddles shards (not N^2 - N)
+    for seq, n, chunk in ((256, 8, 64), (256, 8, 16), (256, 8, 48), (256, 8, 24), (96, 4, 40), (64, 8, 64),
+                          (128, 4, 256)):
         shard = seq // n
         bm = ring_block_mask(variants.chunked_local(chunk), seq, n, block_q=shard, block_kv=shard)
         want = int((~bm.hops).sum())

@@ -3,7 +3,8 @@
 Implements the per-hop contract of docs/design.md on ``(QShard, KVShard, HopConfig)``
 (``ringattn_fast.schedule``): ``hop_fwd`` returns this hop's ``(o, lse)`` (``o`` normalised within
 the hop), ``hop_bwd`` recomputes each tile from the *final* ``lse`` and returns
-``HopGrads(dq, dk, dv, None)``. The ring (Liu et al. 2023, Alg. 1) merges hops with FA-2's combine.
+``HopGrads(dq, dk, dv, None)``. The ring (Liu et al. 2023, Alg. 1) merges hops with the
+(o, lse) merge (``ringattn_fast.softmax``; Rabe & Staats, arXiv:2112.05682).
 
 Notation: FlashAttention-2 (Dao 2023, arXiv:2307.08691) -> code
 

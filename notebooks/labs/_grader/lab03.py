@@ -7,8 +7,9 @@ shapes only). It exports the ring a second time with ``ringattn_fast.ring_attent
 by a *probe* that returns, for every token, the host it sits on and the position it was given: the
 parent runs that program and sees the layout the student's ring really used. So neither dense
 attention (no ppermute), nor the contiguous library ring (its tokens sit on the wrong hosts) passes.
-The positions program's per-host part (read from its StableHLO) may hold no array of ``seq`` elements:
-a solution that builds the whole permutation on every host and slices its shard out fails.
+The positions program's per-host part (read from its StableHLO) may hold no array larger than the
+host's shard: a solution that builds the whole permutation, or half-sequence iotas, on every host and
+slices its shard out fails.
 """
 from __future__ import annotations
 
@@ -152,17 +153,19 @@ def build(tasks):
 
 
 def _check_per_host_memory(prog, size):
-    """Fail if a host's part of the positions program holds an array of ``seq`` elements or more (the whole
-    layout's table, a sequence-long iota, a replicated constant): each host's positions come from its index
-    and the ring size, O(S / N) memory. Read from the exported StableHLO, so nothing XLA folds away hides it."""
+    """Fail if a host's part of the positions program holds an array of more elements than its shard has
+    tokens (the whole layout's table, a sequence-long iota, half-sequence iotas, a replicated constant):
+    each host's positions come from its index and the ring size, O(S / N) memory. Read from the exported
+    StableHLO, so nothing XLA folds away hides it."""
     from .programs import per_host_arrays
 
-    big = [(dtype, shape) for dtype, shape in per_host_arrays(prog.stablehlo) if int(np.prod(shape)) >= size.seq]
+    shard = size.seq // size.n_hosts
+    big = [(dtype, shape) for dtype, shape in per_host_arrays(prog.stablehlo) if int(np.prod(shape)) > shard]
     if big:
         dtype, shape = max(big, key=lambda a: int(np.prod(a[1])))
-        raise Fail(f"property 'no sequence-sized array on a host (zigzag_positions computes a host's positions from "
-                   f"its index)' failed on example {size!r}: inside the shard_map a host holds {dtype}{list(shape)}, "
-                   f"{int(np.prod(shape))} elements for a shard of {size.seq // size.n_hosts} tokens")
+        raise Fail(f"property 'no sequence-sized array on a host: none larger than its shard (zigzag_positions "
+                   f"computes a host's positions from its index)' failed on example {size!r}: inside the shard_map "
+                   f"a host holds {dtype}{list(shape)}, {int(np.prod(shape))} elements for a shard of {shard} tokens")
 
 
 def _check_perm(perm, size):
