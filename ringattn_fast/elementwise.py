@@ -6,23 +6,44 @@ at once, so a function whose value at one pair depends on other pairs (a reducti
 pairs' values) sees a tile instead of the row and is silently wrong. :func:`first_cross_pair_op` reads the
 function's jaxpr and names the first operation that mixes pairs; ``front.check_user_fns`` refuses it.
 
-What is allowed: every elementwise op, broadcasting, reshapes of the arguments, constants, and reading a
-*constant* array (a closure over a concrete jnp or numpy table) at indices computed from the arguments
-(``table[k_pos]``: a gather whose operand is the constant). What is refused: the primitives below applied
-to anything computed from the arguments, and a slice / gather that reads such an array across pairs.
+What is allowed (an allow-list: a primitive not named below, applied to values computed from the
+arguments, is refused, so a new or rare primitive such as ``split``, ``searchsorted`` or ``approx_top_k``
+cannot slip through): the elementwise ops of :data:`ELEMENTWISE` (arithmetic, comparisons, logic,
+``where``, casts, transcendental functions), broadcasting and reshapes of the arguments, constants, calls
+(``jit``, ``custom_jvp``, ``cond``) whose bodies obey the same rule, and reading a *constant* array (a
+closure over a concrete jnp or numpy table) at indices computed from the arguments (``table[k_pos]``: a
+gather whose operand is the constant). A slice, split or gather that reads an argument across pairs is
+refused. The check is by primitive, not by axis: an elementwise maximum written as a reduction over a
+stacked axis (``jnp.stack([a, b]).max(0)``) is refused too; write ``jnp.maximum(a, b)``.
 """
 from __future__ import annotations
 
-# Primitives that combine several elements of an operand into one (or move them between positions).
-MIXING = frozenset({
-    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor",
-    "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort", "top_k",
-    "dot_general", "conv_general_dilated", "fft", "rev", "transpose", "reduce_window", "reduce_window_sum",
-    "reduce_window_max", "reduce_window_min", "scatter", "scatter-add", "scatter_add", "scatter_mul",
-    "scatter_min", "scatter_max", "dynamic_update_slice", "concatenate", "pad", "psum", "all_gather",
+# Primitives whose every output element depends on the same element of each operand (or that only
+# broadcast, reshape or relabel it), by their names in JAX 0.10-0.12.
+ELEMENTWISE = frozenset({
+    # arithmetic and comparisons
+    "add", "add_any", "sub", "mul", "div", "rem", "pow", "integer_pow", "max", "min", "neg", "sign", "abs",
+    "floor", "ceil", "round", "nextafter", "square", "sqrt", "rsqrt", "cbrt", "clamp", "eq", "ne", "lt", "le",
+    "gt", "ge", "eq_to", "lt_to", "le_to", "is_finite", "select_n", "mulhi",
+    # logic and bits
+    "and", "or", "xor", "not", "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count",
+    "clz",
+    # transcendental
+    "exp", "exp2", "log", "log2", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "asin", "acos",
+    "atan", "atan2", "sinh", "cosh", "asinh", "acosh", "atanh", "one_minus_square", "erf", "erfc", "erf_inv",
+    "lgamma", "digamma", "polygamma", "zeta", "igamma", "igammac", "igamma_grad_a", "regularized_incomplete_beta",
+    "bessel_i0e", "bessel_i1e", "real", "imag", "conj", "complex",
+    # dtypes, shapes and annotations
+    "convert_element_type", "bitcast_convert_type", "reduce_precision", "copy", "copy_p", "broadcast_in_dim",
+    "reshape", "squeeze", "expand_dims", "stop_gradient", "sharding_constraint", "pvary", "pcast",
+    "optimization_barrier",
 })
 # Primitives that read an operand at positions: fine on a constant table, mixing on the arguments.
-READING = frozenset({"gather", "dynamic_slice", "slice"})
+READING = frozenset({"gather", "dynamic_slice", "slice", "split"})
+# Call-like primitives: their bodies (sub-jaxprs) are checked instead. ``scan`` and ``while`` loops are
+# not among them: a loop over a tile's axis mixes pairs, so they are refused as any unlisted primitive.
+CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+                   "custom_vjp_call_jaxpr", "remat", "checkpoint", "cond", "custom_lin"})
 
 
 def _is_jaxpr(x):
@@ -45,9 +66,9 @@ def _sub_jaxprs(eqn):
 
 
 def _slice_mixes(eqn):
-    """A static slice that drops part of an axis of size > 1 reads other pairs' values."""
-    (x,), (out,) = eqn.invars, eqn.outvars
-    return any(n > 1 and m != n for n, m in zip(x.aval.shape, out.aval.shape))
+    """A static slice (or split) that drops part of an axis of size > 1 reads other pairs' values."""
+    x = eqn.invars[0]
+    return any(n > 1 and m != n for out in eqn.outvars for n, m in zip(x.aval.shape, out.aval.shape))
 
 
 def first_cross_pair_op(jaxpr, dependent=None):
@@ -58,11 +79,12 @@ def first_cross_pair_op(jaxpr, dependent=None):
         ins = [not _is_literal(v) and id(v) in dep for v in eqn.invars]
         name = eqn.primitive.name
         if any(ins):
-            if name in MIXING:
+            if name in READING:
+                if ins[0] and (name not in ("slice", "split") or _slice_mixes(eqn)):
+                    return name
+            elif name not in ELEMENTWISE and name not in CALLS:
                 return name
-            if name in READING and ins[0] and (name != "slice" or _slice_mixes(eqn)):
-                return name
-            for sub, _ in _sub_jaxprs(eqn):
+            for sub, _ in _sub_jaxprs(eqn) if name in CALLS else ():
                 if len(sub.invars) == len(eqn.invars):
                     found = first_cross_pair_op(sub, ins)
                 elif len(sub.invars) < len(eqn.invars):  # cond: the predicate comes first

@@ -15,8 +15,9 @@ numpy table mutated in place between calls sees the table it was first called wi
 first call is kept, by a weak reference to the function; a new function object, or a copy of the
 table, sees the new values). :data:`MAX_FUNCTIONS` keys are kept, least
 recently used dropped first; the caches downstream are bounded on their own (``front._MAPPED_MAX``
-programs, ``block_mask.tables``' 32 tables). The function kept has the numpy arrays of its closure as
-``jnp`` arrays (:func:`traceable`), so ``table[k_pos]`` works under ``jit`` as it does eagerly.
+programs, ``block_mask.tables``' 32 tables). The function kept has the numpy arrays of its closure, and
+of the module globals it reads, as ``jnp`` arrays (:func:`traceable`), so ``table[k_pos]`` works under
+``jit`` as it does eagerly.
 """
 from __future__ import annotations
 
@@ -54,21 +55,33 @@ def _value_key(x, depth=0):
 
 
 def function_key(fn, depth=0):
-    """The key :func:`canonical` compares: code, globals, defaults and closure values of ``fn``."""
+    """The key :func:`canonical` compares: code, globals (and the numpy arrays ``fn`` reads from them, by value),
+    defaults and closure values of ``fn``."""
     cells = getattr(fn, "__closure__", None) or ()
     try:
         values = tuple(_value_key(c.cell_contents, depth) for c in cells)
     except ValueError:  # an empty cell (a function defined before its closure variable is set)
         return ("id", id(fn))
+    tables = tuple((name, _value_key(fn.__globals__[name], depth)) for name in sorted(_global_names(fn.__code__))
+                   if isinstance(fn.__globals__.get(name), np.ndarray))  # read as jnp copies (`traceable`)
     return (fn.__code__, id(fn.__globals__), _value_key(fn.__defaults__, depth),
-            _value_key(tuple(sorted((fn.__kwdefaults__ or {}).items())), depth), values)
+            _value_key(tuple(sorted((fn.__kwdefaults__ or {}).items())), depth), values, tables)
+
+
+def _global_names(code):
+    """The global names ``code`` and the functions defined inside it read."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
 
 
 def traceable(fn):
-    """``fn`` with each numpy array of its closure and defaults as a ``jnp`` array (the same values):
-    numpy cannot index with a traced position (``table[k_pos]`` inside a jitted ring), ``jnp`` can. A
-    function with no numpy array there is returned as it is. Module globals are left alone: a numpy
-    table at module level still needs ``jnp.asarray(table)[k_pos]``."""
+    """``fn`` with each numpy array of its closure, its defaults and the module globals it reads as a ``jnp``
+    array (the same values): numpy cannot index with a traced position (``table[k_pos]`` inside a jitted
+    ring), ``jnp`` can. A function with no numpy array there is returned as it is; one that reads a numpy
+    global gets a copy of its module's globals with those arrays swapped (a snapshot, as the closure's)."""
     import jax
     import jax.numpy as jnp
 
@@ -83,9 +96,14 @@ def traceable(fn):
         with jax.ensure_compile_time_eval():
             return jnp.asarray(x)
     defaults = fn.__defaults__ or ()
-    if not any(isinstance(x, np.ndarray) for x in (*values, *defaults)):
+    tables = [name for name in _global_names(fn.__code__) if isinstance(fn.__globals__.get(name), np.ndarray)]
+    if not tables and not any(isinstance(x, np.ndarray) for x in (*values, *defaults)):
         return fn
-    new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, tuple(map(swap, defaults)) or None,
+    module = fn.__globals__
+    if tables:
+        module = dict(module)
+        module.update({name: swap(module[name]) for name in tables})
+    new = types.FunctionType(fn.__code__, module, fn.__name__, tuple(map(swap, defaults)) or None,
                              tuple(types.CellType(swap(x)) for x in values) or None)
     new.__kwdefaults__, new.__qualname__, new.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
     return new

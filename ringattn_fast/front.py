@@ -167,7 +167,7 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
     scale, causal = val.check_scale(scale, q.shape[-1]), val.check_bool(causal, "causal")
     window = val.check_window(window, window_seq)
     logit_softcap = val.check_softcap(logit_softcap)
-    val.check_sinks(sinks, q.shape[2])  # not a setting: sinks join after the strategy (``finish``)
+    sinks = val.check_sinks(sinks, q.shape[2])  # not a setting: sinks join after the strategy (``finish``)
     mask_fn, score_fn = canonical(mask_fn), canonical(score_fn)  # equal functions share one compiled program
     check_user_fns(mask_fn, score_fn, q.shape[2])
     split = heads_split or strategy.check_heads is not None or strategy.splits_heads
@@ -302,15 +302,19 @@ def check_user_fns(mask_fn, score_fn, heads):
         try:
             closed, out = jax.make_jaxpr(fn, return_shape=True)(*args)
         except Exception as e:  # noqa: BLE001 - the user's function: say how it was called
+            hint = (" (numpy functions cannot take the traced positions or scores: write them with jax.numpy; "
+                    "indexing a numpy table by positions, table[k_pos], is fine)"
+                    if type(e).__name__ == "TracerArrayConversionError" else "")
             raise ValueError(f"{name} is not traceable by jax (it must use array operations only): "
-                             f"{type(e).__name__}: {e}; called with arrays of shapes {shapes(*args)}") from e
+                             f"{type(e).__name__}: {e}; called with arrays of shapes {shapes(*args)}{hint}") from e
         mixing = first_cross_pair_op(closed.jaxpr)
         if mixing is not None:
             raise ValueError(f"{name} must be elementwise in the (query, key) pairs (it is evaluated per tile, so "
                              f"a value that depends on other pairs would see a tile, not the row); found "
-                             f"{mixing!r} applied to its arguments. Reductions, cumulative ops, sorts, matmuls "
-                             f"and slices or gathers across pairs are refused; a constant table indexed by "
-                             f"positions is fine")
+                             f"{mixing!r} applied to its arguments (an operation that mixes pairs, or one not on "
+                             f"the list of elementwise ones: ringattn_fast.elementwise.ELEMENTWISE). Reductions, "
+                             f"cumulative ops, sorts, matmuls and slices or gathers across pairs are refused; a "
+                             f"constant table indexed by positions is fine")
         dtype, shape = getattr(out, "dtype", type(out)), tuple(getattr(out, "shape", ()))
         if name == "score_fn" and not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"score_fn must return floating-point logits of the shape of s, {need}; got "
@@ -472,8 +476,8 @@ def on_mesh(strategy, q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
     run = partial(_run, _Call(strategy, settings, auto_mesh(mesh), axes, return_lse))
     qb, qseq, qh, _ = spec_of(q, 4)
     out_specs = (jax.P(qb, qseq, qh, None), jax.P(qb, qh, qseq)) if return_lse else jax.P(qb, qseq, qh, None)
-    arrays = dict(q=q, k=k, v=v, segment_ids=segment_ids, bias=bias, seed=seed, sinks=sinks,
-                  kv_segment_ids=kv_segment_ids)
+    arrays = dict(q=q, k=k, v=v, segment_ids=segment_ids, bias=bias, seed=seed,
+                  sinks=None if sinks is None else jnp.asarray(sinks), kv_segment_ids=kv_segment_ids)
     return call_auto(mesh, run, arrays, out_specs=out_specs)
 
 

@@ -64,6 +64,6 @@ def add_sinks(o, lse, sinks):
     ``lse' = sink``. Differentiable in all three (the ring's backward takes lse's cotangent), so every
     impl and strategy gets sinks, and their gradient, from this one function.
     """
-    total = jnp.logaddexp(lse, sinks.astype(lse.dtype)[None, :, None])  # (b, h, s)
+    total = jnp.logaddexp(lse, jnp.asarray(sinks).astype(lse.dtype)[None, :, None])  # (b, h, s)
     w = jnp.einsum("bhs->bsh", jnp.exp(lse - total))[..., None]  # (b, s, h, 1); 0 where lse = -inf
     return (w * o.astype(w.dtype)).astype(o.dtype), total

@@ -43,7 +43,7 @@ from .masks import allowed, mark_bad_keys
 from .ring import Host, Message, send_to_next, swap_buffers
 from .shards import HopConfig, KVShard, QShard
 from .softmax import finalize, init_state, merge, online_update
-from .validation import check_qkv, check_scale, check_sinks, check_softcap, check_window
+from .validation import check_qkv, check_scale, check_sinks, check_softcap, check_window, is_float_dtype
 
 VALID, PADDING_QUERY, EMPTY_SLOT = 0, -1, -2  # segment ids: only VALID queries and keys meet
 
@@ -119,7 +119,14 @@ def init_cache(batch, max_seq, kv_heads, dim, *, n_hosts, dtype=np.float64, valu
     if max_seq % n_hosts:
         raise ValueError(f"max_seq ({max_seq}) must be divisible by n_hosts ({n_hosts}): position p lives "
                          f"on host p % n_hosts, every host has max_seq / n_hosts slots")
+    try:  # every spelling numpy understands: np.float32, "float32", np.dtype(...)
+        cache_dtype = np.dtype(dtype)
+    except TypeError:
+        cache_dtype = None
+    if cache_dtype is None or not is_float_dtype(cache_dtype):
+        raise ValueError(f"dtype must be a floating-point dtype (the cache holds K and V); got {dtype!r}")
     shape = (n_hosts, batch, max_seq // n_hosts, kv_heads)
+    dtype = cache_dtype
     return KVCache(np.zeros(shape + (dim,), dtype), np.zeros(shape + (value_dim,), dtype), np.zeros(batch, np.int64))
 
 

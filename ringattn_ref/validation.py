@@ -94,10 +94,18 @@ def check_softcap(logit_softcap):
 
 
 def check_sinks(sinks, heads):
-    """``sinks``: None, or one float logit per query head, shape ``[heads]``."""
+    """``sinks``: None, or one float logit per query head, shape ``[heads]``; returned as an array (a list
+    or tuple of floats becomes a float32 numpy array; an array is returned as it is)."""
     if sinks is None:
         return None
-    shape, dtype = tuple(np.shape(sinks)), getattr(sinks, "dtype", None) or np.asarray(sinks).dtype
+    if not hasattr(sinks, "dtype"):
+        try:
+            sinks = np.asarray(sinks)
+        except (TypeError, ValueError):
+            raise ValueError(f"sinks must be a floating-point array of shape [heads] = ({heads},); got "
+                             f"{type(sinks).__name__} {sinks!r:.80}") from None
+        sinks = sinks.astype(np.float32) if sinks.dtype == np.float64 else sinks
+    shape, dtype = tuple(np.shape(sinks)), sinks.dtype
     if shape != (heads,) or not is_float_dtype(dtype):
         raise ValueError(f"sinks must be a floating-point array of shape [heads] = ({heads},), one logit per "
                          f"query head; got {dtype} {shape}")

@@ -108,3 +108,11 @@ def test_the_kernels_tile_defaults_take_every_spelling(spelling):
             assert fn(shape, shape, dtype, device, n=8) == fn(shape, shape, name, device, n=8), (fn, name)
         assert pallas_tpu.default_bwd_blocks(shape, shape, dtype, tpu) == \
             pallas_tpu.default_bwd_blocks(shape, shape, name, tpu)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, "int8", np.dtype(bool)])
+def test_the_reference_cache_refuses_a_non_float_dtype(dtype):
+    """``ringattn_ref.inference.init_cache`` refuses what the fast one refuses (an int cache was accepted)."""
+    from ringattn_ref import inference as ref_inference
+    with pytest.raises(ValueError, match="dtype must be a floating-point dtype"):
+        ref_inference.init_cache(1, 8, 1, 4, n_hosts=2, dtype=dtype)

@@ -2,10 +2,13 @@
 cross-attention (T != S) x mask_fn x score_fn x layouts x GQA x segments, on 1-8 simulated devices, for
 every strategy that takes them, against the float64 oracle (``ringattn_ref.attention``, forward) and a
 dense ``jax.numpy`` float64 autodiff reference (``helpers.dense_attention``, gradients)."""
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -125,11 +128,44 @@ CROSS_PAIR = {
     "cumsum": dict(mask_fn=lambda qp, kp, qs, ks, h: jnp.cumsum(kp, -1) > 3, op="cumsum"),
     "sort": dict(score_fn=lambda s, qp, kp, h: jnp.sort(s, -1), op="sort"),
     "s[..., :1]": dict(score_fn=lambda s, qp, kp, h: s - s[..., :1], op="slice"),
+    # primitives a list of refused ops missed (the contract is now an allow-list: `elementwise.ELEMENTWISE`)
+    "jnp.split": dict(mask_fn=lambda qp, kp, qs, ks, h: (kp <= jnp.split(kp, [1], axis=-1)[0]) | (kp == qp),
+                      op="split"),
+    "approx_max_k": dict(score_fn=lambda s, qp, kp, h: s - lax.approx_max_k(s, 1)[0], op="approx_top_k"),
+    "searchsorted": dict(mask_fn=lambda qp, kp, qs, ks, h: jnp.searchsorted(kp.ravel(), qp.ravel()).reshape(
+        qp.shape) % 2 == 0, op=None),  # its primitive's name differs between JAX versions
+}
+_TABLE = np.arange(64) % 3 == 0
+# Elementwise functions written many ways: all accepted (the allow-list must not refuse them).
+ELEMENTWISE_FNS = {
+    "where, abs, %": dict(mask_fn=lambda qp, kp, qs, ks, h: jnp.where(jnp.abs(qp - kp) % 7 < 5, kp <= qp, False)),
+    "//, clip, minimum": dict(mask_fn=lambda qp, kp, qs, ks, h: jnp.clip(qp // 8, 0, 4) >= jnp.minimum(kp // 8, 4)),
+    "isnan, isinf, logical_*": dict(mask_fn=lambda qp, kp, qs, ks, h: jnp.logical_and(
+        ~jnp.isnan(qp.astype(float)), jnp.logical_or(kp <= qp, jnp.isinf(kp.astype(float))))),
+    "bits": dict(mask_fn=lambda qp, kp, qs, ks, h: ((qp >> 3) & 1) == ((kp >> 3) & 1)),
+    "a numpy table": dict(mask_fn=lambda qp, kp, qs, ks, h: (kp <= qp) | _TABLE[kp]),
+    "softplus, log2, power, sign": dict(score_fn=lambda s, qp, kp, h: jax.nn.softplus(s) * jnp.tanh(s) + jnp.log2(
+        1.0 + jnp.abs(s)) - jnp.power(jnp.abs(s) + 1, 0.5) * jnp.sign(s) + jnp.sqrt(jnp.abs(s))),
+    "erf, exp2, round, floor, ceil": dict(score_fn=lambda s, qp, kp, h: s + lax.erf(s) + jnp.exp2(-jnp.abs(s))
+                                          + jnp.round(s) - jnp.floor(s) + 0 * jnp.ceil(s)),
+    "ALiBi per head": dict(score_fn=lambda s, qp, kp, h: s - 2.0 ** (-(h + 1).astype(jnp.float32))
+                           * jnp.abs(qp - kp).astype(jnp.float32)),
+    "square, reciprocal, expm1, log1p, sigmoid": dict(score_fn=lambda s, qp, kp, h: jnp.square(s) * 0.01 + jnp.reciprocal(
+        1.0 + jnp.abs(s)) + jnp.expm1(-jnp.abs(s)) + jnp.log1p(jnp.abs(s)) + jax.nn.sigmoid(s)),
 }
 
 
+@pytest.mark.parametrize("name", list(ELEMENTWISE_FNS))
+def test_elementwise_functions_written_many_ways_are_accepted(name):
+    """Every elementwise jnp spelling tried is accepted by the allow-list and equals the oracle."""
+    q, k, v = (jnp.asarray(np.random.default_rng(i).standard_normal((1, 64, 4, 8)), jnp.float32) for i in range(3))
+    kw = ELEMENTWISE_FNS[name]
+    assert_close(rf.ring_attention(q, k, v, mesh=rf.make_mesh(4), **kw), dense_attention(q, k, v, **kw), name,
+                 tol=1e-5)
+
+
 @pytest.mark.parametrize("name", list(CROSS_PAIR))
-@pytest.mark.parametrize("strategy", ["ring", "allgather", "ulysses"])
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "ulysses", "hybrid"])
 def test_functions_that_mix_pairs_are_refused(name, strategy):
     """The elementwise contract enforced (issue 31): a reduction, cumulative op, sort or cross-pair slice
     in mask_fn / score_fn is a ValueError naming the function and the op, before any compute (they
@@ -138,8 +174,14 @@ def test_functions_that_mix_pairs_are_refused(name, strategy):
     op = kw.pop("op")
     fn_name = next(iter(kw))
     q = jnp.ones((1, 64, 4, 8), jnp.float32)
-    with pytest.raises(ValueError, match=rf"{fn_name} must be elementwise .* found '{op}'"):
-        getattr(rf, f"{strategy}_attention")(q, q, q, mesh=rf.make_mesh(4), **kw)
+    if strategy == "hybrid":
+        mesh = jax.make_mesh((2, 2), ("sp", "ulysses"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                             devices=jax.devices()[:4])
+        call = partial(rf.hybrid_attention, mesh=mesh, ring_axis="sp", ulysses_axis="ulysses")
+    else:
+        call = partial(getattr(rf, f"{strategy}_attention"), mesh=rf.make_mesh(4))
+    with pytest.raises(ValueError, match=rf"{fn_name} must be elementwise .* found '{op or ''}"):
+        call(q, q, q, **kw)
 
 
 def test_a_score_fn_must_return_floats():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ringattn_fast as rf
-from helpers import rel_err
+from helpers import assert_close, rel_err
 from ringattn_fast import inference
 from ringattn_fast.model import ModelConfig, forward, sharded_forward
 from ringattn_fast.padding import NO_KEY, PADDING
@@ -207,6 +207,20 @@ def test_the_twins_sinks_are_float_per_head(sinks):
     x = jnp.ones((1, 8, 4, 8), jnp.float32)
     with pytest.raises(ValueError, match=r"sinks must be a floating-point array of shape \[heads\] = \(4,\)"):
         rf.dot_product_attention(x, x, x, mesh=rf.make_mesh(2), sinks=sinks)
+
+
+@pytest.mark.parametrize("spelling", ["list", "tuple", "numpy", "jnp"])
+def test_sinks_as_a_list_or_tuple_of_floats(spelling):
+    """sinks given as a Python list or tuple of floats work as the array does, in the ring, the twin and the
+    reference (they passed the check and then failed inside with AttributeError: no .astype)."""
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 16, 4, 8)), jnp.float32)
+    values = [0.5, -1.0, 2.0, 0.0]
+    sinks = {"list": values, "tuple": tuple(values), "numpy": np.asarray(values, np.float32),
+             "jnp": jnp.asarray(values)}[spelling]
+    want = rf.ring_attention(x, x, x, mesh=rf.make_mesh(2), sinks=jnp.asarray(values))
+    assert_close(rf.ring_attention(x, x, x, mesh=rf.make_mesh(2), sinks=sinks), want, tol=0)
+    assert_close(rf.dot_product_attention(x, x, x, mesh=rf.make_mesh(2), sinks=sinks), want, tol=1e-6)
+    assert_close(attention(*(np.asarray(t, np.float64) for t in (x, x, x)), sinks=sinks), want, tol=1e-5)
 
 
 SPELLINGS = {"bfloat16": ("bfloat16", jnp.bfloat16, np.dtype(jnp.bfloat16), jnp.dtype("bfloat16")),

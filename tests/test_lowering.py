@@ -392,3 +392,19 @@ def test_default_forward_tiles_of_wide_heads():
         top = pallas_tpu.TUNED[fwd]
         assert pallas_tpu.default_blocks(q, k, jnp.bfloat16, device) == (top, top), d
         assert pallas_tpu.default_bwd_blocks(q, k, jnp.bfloat16, device) == (pallas_tpu.TUNED["bwd"],) * 2, d
+
+
+@pytest.mark.parametrize("chip_name, unit", [("H100", "KiB"), ("TPU v5e", "MiB")])
+@pytest.mark.parametrize("shape, names_16_bit", [("head dim 1024, float32", True), ("head dim 1024, bfloat16", False)])
+def test_a_budget_error_names_sizes_and_remedies_that_apply(chip_name, unit, shape, names_16_bit):
+    """The chip's limit in a unit that shows it (a GPU's shared memory read "0 MiB"), and "a 16-bit dtype" as a
+    remedy only when the inputs are not 16-bit already."""
+    from ringattn_fast.kernels import budgets
+    chip = budgets.chip(chip_name)
+    too_big = lambda bq, bk: [budgets.Footprint(2 * chip.max_limit, 0, "kernel")]  # noqa: E731
+    with pytest.raises(ValueError) as err:
+        budgets.check_fit("pallas", chip, too_big, block_q=64, block_kv=64, q_blocks=[64], kv_blocks=[64],
+                          shape=shape)
+    message = str(err.value)
+    assert re.search(rf"of the [0-9.]+ {unit} a kernel may use", message) and " 0 MiB" not in message, message
+    assert ("16-bit dtype" in message) == names_16_bit, message

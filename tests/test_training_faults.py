@@ -232,6 +232,44 @@ def test_resume_of_another_configuration_names_the_fields_and_writes_nothing(tmp
     assert _tree(tmp_path / "out") == before
 
 
+def test_a_refused_start_leaves_no_new_out_behind(tmp_path, monkeypatch, capsys):
+    """Another run's checkpoints in --checkpoint-dir: refused, and the new --out it named is not left behind
+    as an empty directory (the writability check created it)."""
+    _save_steps(tmp_path / "ck", config=_cli_config())
+    _no_training(monkeypatch)
+    out = tmp_path / "new" / "out"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(FLAGS_SMALL + ["--out", str(out), "--checkpoint-dir", str(tmp_path / "ck"), "--resume",
+                                "--seed", "5"])
+    assert exit_.value.code == 2 and "'seed': (0, 5)" in capsys.readouterr().err
+    assert not out.exists() and not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("text, says", [('{"seq": 64, "dev', "is unreadable (JSONDecodeError"),
+                                         ("[]", "holds a JSON list, not the run's settings")])
+def test_a_damaged_config_json_is_named_in_one_line(text, says, tmp_path, monkeypatch, capsys):
+    """A truncated or hand-edited ``config.json``: exit 2 naming the file (it said only JSON's own message,
+    or ended in an AttributeError traceback)."""
+    _save_steps(tmp_path / "out" / "checkpoints", config=_cli_config())
+    (tmp_path / "out" / "checkpoints" / "config.json").write_text(text)
+    _no_training(monkeypatch)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(FLAGS_SMALL + ["--out", str(tmp_path / "out"), "--resume"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err, err
+    assert f"{tmp_path / 'out' / 'checkpoints' / 'config.json'} {says}" in err, err
+
+
+def test_a_digest_file_that_is_not_a_map_makes_its_step_unusable(tmp_path):
+    from examples.recall.checkpoint import Checkpoints
+    like = _save_steps(tmp_path / "ck")
+    (tmp_path / "ck" / "ring.sums" / "4.json").write_text("[1, 2]")
+    said = io.StringIO()
+    step, _, _ = Checkpoints(tmp_path / "ck", every=2, config={"seed": 0}, resume=True,
+                             stream=said).restore("ring", like)
+    assert step == 2 and "is not a map of files to digests (a JSON list)" in said.getvalue(), said.getvalue()
+
+
 def test_a_second_run_on_an_out_in_use_is_refused_and_a_stale_lock_is_taken_over(tmp_path, monkeypatch, capsys):
     from examples.recall import lock
     out = tmp_path / "out"

@@ -69,6 +69,21 @@ class Stop:
         self.signum = signum
 
 
+def _read_config(path):
+    """The run settings saved in ``path`` (a JSON object), or a ValueError naming the file (a truncated or
+    hand-edited ``config.json`` ended the CLI with only JSON's own message, or an AttributeError)."""
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path} is unreadable ({type(err).__name__}: {err}); remove it, or its checkpoint "
+                         f"directory, to start afresh") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} holds a JSON {type(saved).__name__}, not the run's settings; remove it, or its "
+                         f"checkpoint directory, to start afresh")
+    return saved
+
+
 class Checkpoints:
     """The checkpoints of one run: ``every`` steps (and the last one) per model, in ``directory``.
 
@@ -84,8 +99,7 @@ class Checkpoints:
         path = os.path.join(self.directory, "config.json")
         config = strict(config)
         if os.path.exists(path):
-            with open(path) as f:
-                saved = json.load(f)
+            saved = _read_config(path)
             if resume and saved != config:
                 diff = {k: (saved.get(k), config.get(k)) for k in sorted(set(saved) | set(config))
                         if saved.get(k) != config.get(k)}

@@ -67,14 +67,28 @@ def parser():
 
 
 def writable_dir(path):
-    """Create ``path`` if needed and prove it takes a file; the OSError's reason otherwise, else None."""
+    """Prove ``path`` can be a directory this process writes, creating nothing (a refused start leaves no
+    trace): it takes a file, or, where it does not exist yet, its nearest existing parent does. The
+    OSError's reason otherwise, else None."""
+    missing = _missing_dirs(path)
+    existing = os.path.dirname(missing[-1]) if missing else os.path.abspath(path)
     try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(20, "Not a directory", existing)
+        with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as err:
         return f"{type(err).__name__}: {err.strerror or err}"
     return None
+
+
+def _missing_dirs(path):
+    """The folders ``os.makedirs(path)`` would create, deepest first."""
+    missing, path = [], os.path.abspath(path)
+    while not os.path.exists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
 
 
 def check(p, args, preset):
@@ -127,6 +141,8 @@ def main(argv=None):
             preset[name] = getattr(args, name)
     check(p, args, preset)
     config = dict(preset, layout=args.layout, dtype=args.dtype, seed=args.seed, compare_dtypes=args.compare_dtypes)
+    created = _missing_dirs(args.out)  # made here; removed again if the start is refused
+    os.makedirs(args.out, exist_ok=True)
     try:  # one --out, one run (lock.py): held until the run ends, whatever ends it
         lock = Lock(args.out, stream=sys.stderr).acquire()
     except Busy as err:
@@ -135,6 +151,9 @@ def main(argv=None):
         metrics, written = train(p, args, preset, config)
     finally:
         lock.release()
+        for path in created:  # a refused start leaves no --out behind, nor the folders made for it
+            if os.path.isdir(path) and not os.listdir(path):
+                os.rmdir(path)
     summary = {k: metrics[k] for k in ("ring_accuracy", "local_accuracy", "chance_accuracy", "seq", "devices",
                                        "steps", "seconds")}
     print(json.dumps(strict(summary)))

@@ -53,6 +53,8 @@ def problem(step_dir, sums_file):
             sums = json.load(f)
     except (OSError, ValueError) as err:
         return f"its digest file {sums_file} is unreadable ({type(err).__name__})"
+    if not isinstance(sums, dict):
+        return f"its digest file {sums_file} is not a map of files to digests (a JSON {type(sums).__name__})"
     for rel, want in sums.items():
         path = os.path.join(step_dir, rel)
         if not os.path.exists(path):

@@ -198,14 +198,21 @@ def check_fit(impl, chip_, estimate: Callable, *, block_q, block_kv, q_blocks, k
         return vmem_limit(chip_, footprints)
     f, memory = bad[0], "VMEM" if chip_.platform == "tpu" else "shared memory"
     good = largest_fitting(chip_, hint_estimate or estimate, q_blocks, kv_blocks)
+    sixteen = any(name in shape for name in ("bfloat16", "float16"))
     hint = (f"block_q={good[0]}, block_kv={good[1]} fit, forward and backward" if good else
-            f"no block sizes fit this shard{' at ' + shape if shape else ''}: a smaller head dim or a 16-bit "
-            f"dtype needs less")
+            f"no block sizes fit this shard{' at ' + shape if shape else ''}: a smaller head dim"
+            + ("" if sixteen else " or a 16-bit dtype") + " needs less")
     raise ValueError(f"impl={impl!r}: block_q={block_q}, block_kv={block_kv} do not fit a {chip_.name}: "
-                     f"{f.what} needs an estimated {f.vmem / MiB:.2f} MiB of {memory}"
+                     f"{f.what} needs an estimated {_size(f.vmem)} of {memory}"
                      + (f" and {f.smem / KiB:.0f} KiB of SMEM" if f.smem else "")
-                     + f", more than {HEADROOM:.0%} of the {chip_.max_limit / MiB:.0f} MiB a kernel may use"
+                     + f", more than {HEADROOM:.0%} of the {_size(chip_.max_limit)} a kernel may use"
                      + (f" (SMEM {chip_.smem / KiB:.0f} KiB)" if chip_.smem else "") + f"; {hint}")
+
+
+def _size(nbytes):
+    """Bytes for a message: MiB from 1 MiB up (a TPU's VMEM), else KiB (a GPU's shared memory: 227 KiB on
+    an H100 printed as "0 MiB")."""
+    return f"{nbytes / MiB:.2f} MiB" if nbytes >= MiB else f"{nbytes / KiB:.0f} KiB"
 
 
 def default_tiles(chip_, estimate: Callable, sq, sk, *, q_multiple, kv_multiple, top=128):
