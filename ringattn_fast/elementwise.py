@@ -38,10 +38,11 @@ ELEMENTWISE = frozenset({
     "reshape", "squeeze", "expand_dims", "stop_gradient", "sharding_constraint", "pvary", "pcast",
     "optimization_barrier",
 })
-# Primitives that read an operand at positions: fine on a constant table, mixing on the arguments.
-READING = frozenset({"gather", "dynamic_slice", "slice", "split"})
-# Call-like primitives: their bodies (sub-jaxprs) are checked instead. ``scan`` and ``while`` loops are
-# not among them: a loop over a tile's axis mixes pairs, so they are refused as any unlisted primitive.
+# Primitives that read their first operand at positions: fine on a constant table, mixing on the arguments
+# (``searchsorted`` of a position into a constant sorted array, ``variants.documents``, reads it so).
+READING = frozenset({"gather", "dynamic_slice", "slice", "split", "searchsorted"})
+# Call-like primitives: their bodies (sub-jaxprs) are checked instead. Loops are checked apart
+# (`_loop_bodies`): a ``scan`` over an argument's axis mixes pairs and is refused.
 CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
                    "custom_vjp_call_jaxpr", "remat", "checkpoint", "cond", "custom_lin"})
 
@@ -71,15 +72,46 @@ def _slice_mixes(eqn):
     return any(n > 1 and m != n for out in eqn.outvars for n, m in zip(x.aval.shape, out.aval.shape))
 
 
+def _name(eqn):
+    """The primitive's name; for JAX 0.12's generic ``call_hi_primitive``, the name of the op it wraps
+    (``jnp.searchsorted`` is one: ``SearchSorted``)."""
+    name = eqn.primitive.name
+    wrapped = eqn.params.get("_prim") if name == "call_hi_primitive" else None
+    return name if wrapped is None else type(wrapped).__name__.lower()
+
+
+def _loop_bodies(eqn, ins):
+    """``[(jaxpr, dependent flags of its inputs)]`` of a loop whose iterations do not walk an axis of an
+    argument (a ``while``, a ``scan`` with no ``xs``: JAX 0.10's ``jnp.searchsorted`` is a binary search
+    so), else None. A carry counts as computed from the arguments whenever any input is."""
+    name, carry = eqn.primitive.name, any(ins)
+    if name == "scan":
+        consts, carried = eqn.params["num_consts"], eqn.params["num_carry"]
+        if len(eqn.invars) != consts + carried:
+            return None  # it scans over xs: an axis of its operand, pair by pair
+        return [(eqn.params["jaxpr"].jaxpr, list(ins[:consts]) + [carry] * carried)]
+    if name == "while":
+        nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        rest = [carry] * (len(ins) - nc - nb)
+        return [(eqn.params["cond_jaxpr"].jaxpr, list(ins[:nc]) + rest),
+                (eqn.params["body_jaxpr"].jaxpr, list(ins[nc:nc + nb]) + rest)]
+    return None
+
+
 def first_cross_pair_op(jaxpr, dependent=None):
     """The name of the first operation of ``jaxpr`` (a ``jax.core.Jaxpr``) that mixes pairs of values
     computed from its inputs (``dependent``: which invars count, default all), or None."""
     dep = {id(v) for v, d in zip(jaxpr.invars, dependent or [True] * len(jaxpr.invars)) if d}
     for eqn in jaxpr.eqns:
         ins = [not _is_literal(v) and id(v) in dep for v in eqn.invars]
-        name = eqn.primitive.name
+        name = _name(eqn)
         if any(ins):
-            if name in READING:
+            loops = _loop_bodies(eqn, ins)
+            if loops is not None:
+                found = next((f for body, flags in loops if (f := first_cross_pair_op(body, flags))), None)
+                if found:
+                    return found
+            elif name in READING:
                 if ins[0] and (name not in ("slice", "split") or _slice_mixes(eqn)):
                     return name
             elif name not in ELEMENTWISE and name not in CALLS:

@@ -144,6 +144,7 @@ ELEMENTWISE_FNS = {
         ~jnp.isnan(qp.astype(float)), jnp.logical_or(kp <= qp, jnp.isinf(kp.astype(float))))),
     "bits": dict(mask_fn=lambda qp, kp, qs, ks, h: ((qp >> 3) & 1) == ((kp >> 3) & 1)),
     "a numpy table": dict(mask_fn=lambda qp, kp, qs, ks, h: (kp <= qp) | _TABLE[kp]),
+    "searchsorted into a constant": dict(mask_fn=variants.documents([20, 30, 14])),  # a loop on JAX 0.10
     "softplus, log2, power, sign": dict(score_fn=lambda s, qp, kp, h: jax.nn.softplus(s) * jnp.tanh(s) + jnp.log2(
         1.0 + jnp.abs(s)) - jnp.power(jnp.abs(s) + 1, 0.5) * jnp.sign(s) + jnp.sqrt(jnp.abs(s))),
     "erf, exp2, round, floor, ceil": dict(score_fn=lambda s, qp, kp, h: s + lax.erf(s) + jnp.exp2(-jnp.abs(s))
