@@ -146,7 +146,7 @@ def flax_attention_fn(*, mesh=None, axis_name="sp", causal=False, window=None, l
         mask = None if mask is None else jnp.asarray(mask).astype(jnp.bool_)
         bias, mask = (_flatten_batch(x, batch) for x in (bias, mask))
         is_causal = val.check_bool(is_causal, "is_causal")  # nnx passes it per call
-        val.check_sinks(sinks, q.shape[2])  # masked_ring_attention and the ring take it as an array
+        val.check_sinks(sinks, q.shape[2])
         ring = dict(causal=causal or is_causal, window=window, impl=impl, layout=layout, mesh=mesh,
                     axis_name=axis_name, dropout_rate=dropout_rate, dropout_key=dropout_key,
                     logit_softcap=logit_softcap)

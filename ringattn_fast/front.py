@@ -167,7 +167,7 @@ def check_settings(strategy, q, k, v, *, n, s_local, axis_name, causal, window, 
     scale, causal = val.check_scale(scale, q.shape[-1]), val.check_bool(causal, "causal")
     window = val.check_window(window, window_seq)
     logit_softcap = val.check_softcap(logit_softcap)
-    sinks = val.check_sinks(sinks, q.shape[2])  # not a setting: sinks join after the strategy (``finish``)
+    val.check_sinks(sinks, q.shape[2])  # not a setting: sinks join after the strategy (``finish``)
     mask_fn, score_fn = canonical(mask_fn), canonical(score_fn)  # equal functions share one compiled program
     check_user_fns(mask_fn, score_fn, q.shape[2])
     split = heads_split or strategy.check_heads is not None or strategy.splits_heads
@@ -476,8 +476,8 @@ def on_mesh(strategy, q, k, v, *, mesh=None, axis_name="sp", causal=False, segme
     run = partial(_run, _Call(strategy, settings, auto_mesh(mesh), axes, return_lse))
     qb, qseq, qh, _ = spec_of(q, 4)
     out_specs = (jax.P(qb, qseq, qh, None), jax.P(qb, qh, qseq)) if return_lse else jax.P(qb, qseq, qh, None)
-    arrays = dict(q=q, k=k, v=v, segment_ids=segment_ids, bias=bias, seed=seed,
-                  sinks=None if sinks is None else jnp.asarray(sinks), kv_segment_ids=kv_segment_ids)
+    arrays = dict(q=q, k=k, v=v, segment_ids=segment_ids, bias=bias, seed=seed, sinks=sinks,
+                  kv_segment_ids=kv_segment_ids)
     return call_auto(mesh, run, arrays, out_specs=out_specs)
 
 

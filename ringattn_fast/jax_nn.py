@@ -147,7 +147,7 @@ def masked_ring_attention(q, k, v, *, bias=None, mask=None, q_lengths=None, kv_l
     s = k.shape[1]
     for name, x in (("bias", bias), ("mask", mask)):
         _check_broadcastable(x, name, (b, h, t, s))
-    sinks = val.check_sinks(sinks, h)  # float [N] only: before any compute (add_sinks would broadcast [N + 1] late)
+    val.check_sinks(sinks, h)  # float [N] only: before any compute (add_sinks would broadcast [N + 1] late)
     mask_fn = None
     if t != s and (causal or window is not None):  # jax.nn's top-left alignment
         mask_fn, causal, window = _top_left(causal, window, s - t), False, None
