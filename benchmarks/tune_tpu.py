@@ -31,10 +31,10 @@ from .bench_gpu import _ints, _one_line
 from .flags import dtype_list_flag
 from .timing import time_interleaved
 
-KERNELS = ("fwd", "bwd_fused", "dq", "dkv", "dkv_qmajor")
+KERNELS = ("fwd", "bwd_fused", "dq", "dkv", "dkv_qmajor", "fused_fwd", "fused_bwd")
 # what each measured kernel sets in kernels/pallas_tpu.py while it is traced: (FUSED_BWD, KEY_MAJOR_DKV)
 FLAGS = {"fwd": (True, True), "bwd_fused": (True, True), "dq": (False, True), "dkv": (False, True),
-         "dkv_qmajor": (False, False)}
+         "dkv_qmajor": (False, False), "fused_fwd": (True, True), "fused_bwd": (True, True)}
 
 
 def parse_args(argv=None):
@@ -85,6 +85,8 @@ def problem(dtype, d, s, h, hk, seed=0):
 def kernel_fn(name, cfg):
     """A jittable function of (qs, kv, do, lse, delta) that runs one kernel (``KERNELS``)."""
     from ringattn_fast.kernels import pallas_tpu
+    if name.startswith("fused_"):
+        return _fused_fn(name, cfg)
 
     def run(qs, kv, do, lse, delta):
         if name == "fwd":
@@ -92,6 +94,24 @@ def kernel_fn(name, cfg):
         g = pallas_tpu.hop_bwd(qs, kv, cfg, do=do, lse=lse, delta=delta)
         return {"dq": g.dq, "dkv": (g.dk, g.dv)}.get(name, (g.dq, g.dk, g.dv))
     return run
+
+
+def _fused_fn(name, cfg):
+    """The fused ring's forward or backward kernel (``pallas_tpu_fused``) on a ring of one device, in a
+    ``shard_map`` as the ring calls it. The backward is timed with dO standing in for O (the timing does
+    not depend on the values) and no lse cotangent."""
+    import jax
+    import jax.numpy as jnp
+    from ringattn_fast.kernels import pallas_tpu_fused as fused
+    mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+
+    def body(qs, kv, do, lse):
+        fcfg = fused.make_config(qs, kv, cfg, axis_name="sp")
+        if name == "fused_fwd":
+            return fused._forward(fcfg, qs, kv)[:2]
+        return fused._backward(fcfg, qs, kv, o=do, lse=lse, do=do, dlse=jnp.zeros_like(lse))[:3]
+    ring = jax.shard_map(body, mesh=mesh, in_specs=jax.P(), out_specs=jax.P(), check_vma=False)
+    return lambda qs, kv, do, lse, delta: ring(qs, kv, do, lse)
 
 
 def lower_one(name, cfg, data):
@@ -120,9 +140,9 @@ def compile_one(lowered):
 
 def flops(name, s, h, d, causal):
     """Matmul FLOPs one kernel does: forward 2 matmuls, dQ 3 (S, dP, dQ), dK/dV 4 (S, dP, dV, dK), fused
-    backward 5 (S, dP, dV, dK, dQ)."""
+    backward 5 (S, dP, dV, dK, dQ), the fused ring's backward 7 (its two passes: S and dP in each)."""
     per_matmul = 2 * s * s * h * d // (2 if causal else 1)
-    return per_matmul * {"fwd": 2, "dq": 3, "bwd_fused": 5}.get(name, 4)
+    return per_matmul * {"fwd": 2, "fused_fwd": 2, "dq": 3, "bwd_fused": 5, "fused_bwd": 7}.get(name, 4)
 
 
 def sweep(args, dtype, d, s, causal, start):
@@ -171,6 +191,14 @@ def sweep(args, dtype, d, s, causal, start):
     fwd, bwd = (ms.get((k,) + tuple(t or ())) for k, t in (("fwd", default[0]), ("bwd_fused", default[1])))
     if fwd and bwd and best.get("fwd") and best.get("bwd_fused"):
         summary.update(default_ms=fwd + bwd, default_over_best=(fwd + bwd) / (best["fwd"]["ms"] + best["bwd_fused"]["ms"]))
+    if best.get("fused_fwd") and best.get("fused_bwd"):  # the fused ring's defaults against its best tiles
+        from ringattn_fast.kernels import pallas_tpu_fused
+        bwd_blocks = getattr(pallas_tpu_fused, "default_bwd_blocks", pallas_tpu_fused.default_blocks)
+        fused = (pallas_tpu_fused.default_blocks(*shapes, n=1), bwd_blocks(*shapes, n=1))
+        fwd, bwd = (ms.get((k,) + tuple(t or ())) for k, t in zip(("fused_fwd", "fused_bwd"), fused))
+        summary.update(fused_default=fused)
+        if fwd and bwd:
+            summary.update(fused_default_over_best=(fwd + bwd) / (best["fused_fwd"]["ms"] + best["fused_bwd"]["ms"]))
     return rows, summary
 
 
