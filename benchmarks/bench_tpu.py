@@ -11,7 +11,8 @@
   ring of one: the per-hop Pallas TPU kernel at its default tiles, ``kernels/pallas_tpu.py``), and with
   ``--block-q/--block-kv`` the same call with ``impl="pallas_tpu"`` at those tiles;
 - **fused**: the fused ring's kernel itself (``fused_ring_attention_shard`` in a ``shard_map`` of one
-  device, its default tiles; ``ring_attention`` runs a ring of one as one hop instead);
+  device, at the tiles ``ring_attention`` gives it on a larger ring, ``pallas_tpu_fused.default_blocks``;
+  ``ring_attention`` runs a ring of one as one hop instead);
 - **splash**: ``splash_attention_kernel.make_splash_mha_single_device`` (vmapped over the batch) in its own
   layout, ``[heads, seq, dim]`` with q pre-scaled, prepared outside the timed call; each of
   ``--splash-blocks`` (every block size of ``BlockSizes`` set to it) and, at the largest, its fused
@@ -113,10 +114,14 @@ def functions(args, seq, h, hk, causal):
         out["tiles"] = _fwd_bwd(partial(rf.ring_attention, mesh=mesh, causal=causal, impl="pallas_tpu",
                                         block_q=args.block_q, block_kv=args.block_kv))
     if not args.no_fused:
+        shapes = ((1, seq, h, args.dim), (1, seq, hk, args.dim), jnp.dtype(args.dtype), jax.devices()[0])
+        tiles = pallas_tpu_fused.default_blocks(*shapes, n=1) or (None, None)  # as ring_attention picks them
+
         def fused(q, k, v):
             pos = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32)[None], q.shape[:2])
-            return pallas_tpu_fused.fused_ring_attention_shard(QShard(q, pos), KVShard(k, v, pos),
-                                                               HopConfig(causal=causal), axis_name="sp")
+            return pallas_tpu_fused.fused_ring_attention_shard(
+                QShard(q, pos), KVShard(k, v, pos), HopConfig(causal=causal, block_q=tiles[0], block_kv=tiles[1]),
+                axis_name="sp")
         spec = jax.P(None, "sp")
         out["fused"] = _fwd_bwd(jax.shard_map(fused, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
     mask = sm.MultiHeadMask([(sm.CausalMask if causal else sm.FullMask)((seq, seq))] * h)

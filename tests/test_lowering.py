@@ -354,7 +354,9 @@ def test_default_tiles_fit_every_target_at_32k():
             dt = jnp.dtype(dtype)
             if chip.platform == "tpu":
                 bq, bk = fused.default_blocks(q, k, dt, device, n=8)
-                assert (bq, bk) == (128, 128)
+                assert 128 <= min(bq, bk) and max(bq, bk) <= fused.TUNED, (kind, dtype, bq, bk)
+                if chip.name in ("v5e", "v6e"):  # the chip-measured target itself
+                    assert (bq, bk) == (fused.TUNED, fused.TUNED), (kind, dtype, bq, bk)
                 assert all(budgets.fits(chip, f) for f in fused.footprints(HopConfig(block_q=bq, block_kv=bk), q, k,
                                                                             dt, n=8))
                 # the per-hop kernel: the chip-measured targets (pallas_tpu.TUNED), shrunk to fit

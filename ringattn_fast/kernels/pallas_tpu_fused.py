@@ -16,7 +16,7 @@ travelling K/V (and, backward, dK/dV) double buffers, the running statistics. A 
 Q tile and a stream of double-buffered K/V tiles into VMEM (`fused_ring.stream_tiles`: tile j + 1's DMA
 overlaps tile j's compute), so its VMEM is a few tiles, whatever ``s_local``; the remote DMA of the
 whole next shard runs, HBM to HBM, underneath (`budgets`: 0.63 MiB forward, 1.51 MiB backward at 128 x 128
-tiles, d = 128, bf16).
+tiles, 12 and 23 MiB at the default 1024 x 1024, d = 128, bf16).
 
 Notation (FlashAttention-2, Dao 2023, Algorithms 1 and 2):
 
@@ -84,8 +84,8 @@ Failure modes (JAX "Distributed computing in Pallas for TPUs" style):
 On TPU use ``block_q`` a multiple of 8 and ``block_kv`` a multiple of 128 (or the whole shard).
 Lowered for TPU v4 / v5e / v5p / v6e in CI (``tests/test_lowering.py``) and compiled for 4-chip slices of
 each (``tests/test_compile.py``, libtpu with no chip). On a real chip it has run only as a ring of one (a
-v5e, 2026-12-05: 16-20 TFLOP/s forward+backward at its 128 x 128 tiles, docs/benchmarks.md); its remote
-DMA has run only in the CPU TPU interpreter. ``ring_attention`` runs a ring of one as one hop of the
+v5e; its tiles tuned there, :data:`TUNED`; docs/benchmarks.md); its remote DMA has run only in the CPU TPU
+interpreter. ``ring_attention`` runs a ring of one as one hop of the
 per-hop kernel instead (nothing to overlap).
 """
 import functools
@@ -571,15 +571,25 @@ def footprints(hop, q_shape, k_shape, dtype, *, n, has_seg=True):
                               "the fused backward")]
 
 
+# The tile side measured on a TPU v5e (JAX 0.10.2, `benchmarks/tune_tpu.py --kernels fused_fwd,fused_bwd`,
+# 2026-12-06; benchmarks/results/tpu_v5e_2026-12-06_tune_fused.jsonl): a ring of one chip, bfloat16, d = 128,
+# 8 heads, 4K and 16K tokens, causal or not, every pair of {512, 1024, 2048}. 1024 x 1024 was within 3 % of
+# the best pair of each kernel in every case (the best: the forward 2048 x 1024 non-causal, 1024 x 1024
+# causal; the backward 1024 x 1024 but at 16K non-causal, 2048 x 2048, 2.7 % faster); the earlier cap of
+# 128 ran 4-6x slower. The chip's VMEM budget shrinks it where it does not fit.
+TUNED = 1024
+
+
 def default_blocks(q_shape, k_shape, dtype, device, *, n=8):
     """``(block_q, block_kv)`` when the caller gives none, compiled for ``device``: the largest tiles up
-    to 128 that Mosaic's tile rule allows and that fit the chip; None (``default_block``) when
-    interpreted. ``n``: the ring size (the SMEM tables grow with it)."""
+    to the chip-measured :data:`TUNED` side that Mosaic's tile rule allows and that fit the chip (forward
+    and backward kernel); None (``default_block``) when interpreted. ``n``: the ring size (the SMEM
+    tables grow with it)."""
     if device.platform != "tpu":
         return None
     est = lambda bq, bk: footprints(HopConfig(block_q=bq, block_kv=bk), q_shape, k_shape, dtype, n=n)  # noqa: E731
     return budgets.default_tiles(budgets.chip(device.device_kind), est, q_shape[1], k_shape[1],
-                                 q_multiple=SUBLANES, kv_multiple=LANES)
+                                 q_multiple=SUBLANES, kv_multiple=LANES, top=TUNED)
 
 
 def make_config(qs, kv, cfg, *, axis_name, interpret=None, _handshake=True, count=False):
