@@ -410,3 +410,17 @@ def test_a_budget_error_names_sizes_and_remedies_that_apply(chip_name, unit, sha
     message = str(err.value)
     assert re.search(rf"of the [0-9.]+ {unit} a kernel may use", message) and " 0 MiB" not in message, message
     assert ("16-bit dtype" in message) == names_16_bit, message
+
+
+def test_float32_budgets_leave_room_for_full_precision_matmuls():
+    """Under ``jax.default_matmul_precision("highest")`` Mosaic splits float32 matmul operands into bfloat16
+    parts: the fused backward at 1024 x 1024 tiles (float32, a window and segment ids, 2K tokens) needed
+    33.24 MiB of scoped VMEM on a v5e under JAX 0.10.2 and was planned 33 MiB, so the default call failed
+    to compile on the chip. float32 footprints count those parts; 16-bit ones do not change."""
+    from ringattn_fast.kernels import pallas_tpu
+    chip = budgets.chip("TPU v5 lite")
+    cfg = HopConfig(block_q=1024, block_kv=1024, window=(384, 0))
+    shape = (1, 2048, 8, 128)
+    limit = lambda dt: budgets.vmem_limit(chip, [pallas_tpu._fused_footprint(cfg, shape, shape, dt, 128)])  # noqa: E731
+    assert limit(jnp.float32) >= 36 * 2 ** 20  # 33.24 MiB needed, with room to spare
+    assert pallas_tpu._split_temps(jnp.float32) == 2 and pallas_tpu._split_temps(jnp.bfloat16) == 0

@@ -536,6 +536,15 @@ def _fused_scratch(cfg, d, d_v, sk, dtype):
             ((sk, d_v), jnp.float32)]
 
 
+def _split_temps(dtype):
+    """Score-sized float32 temporaries to add for float32 inputs: at ``jax.default_matmul_precision("highest")``
+    Mosaic splits each float32 matmul operand into bfloat16 parts. Without them the fused backward at 1024 x
+    1024 tiles (float32, window and segment ids, 2K tokens) asked for 33.24 MiB against the 33 MiB limit
+    planned for it and failed to compile under JAX 0.10.2 on a v5e (2026-12-06; at the default precision,
+    and under JAX 0.12, it fit)."""
+    return 2 if jnp.dtype(dtype) == jnp.float32 else 0
+
+
 def _fused_footprint(cfg, q_shape, k_shape, dtype, d_v):
     """`budgets.Footprint` of `_bwd_fused_kernel` (its dK/dV scratch and output blocks grow with the shard)."""
     (b, sq, h, d), (sk, hk) = q_shape, k_shape[1:3]
@@ -547,7 +556,7 @@ def _fused_footprint(cfg, q_shape, k_shape, dtype, d_v):
     outs = [of(sp["q"], odt), of(sp["dk"], odt), of(sp["dv"], odt)]
     n_q, n_kv = sq // cfg.block_q, sk // cfg.block_kv
     smem = 4 * (b * n_q * 4 + b * n_kv * 4 + b * n_q * n_kv)
-    temps = [((cfg.block_kv, cfg.block_q), f32)] * 3
+    temps = [((cfg.block_kv, cfg.block_q), f32)] * (3 + _split_temps(dtype))
     return budgets.Footprint(budgets.tpu_vmem_bytes(ins + outs, _fused_scratch(cfg, d, d_v, sk, dtype), temps), smem,
                              "ring_hop_bwd_fused_tpu")
 
@@ -693,7 +702,7 @@ def footprints(cfg, q_shape, k_shape, dtype, backward, d_v=None):
         odt = _out_dtype(cfg)
         outs = ([of(sp["o"], odt), of(sp["stat"], f32)] if not backward else
                 [of(sp["q"], odt)] if name.endswith("dq_tpu") else [of(sp["kv"], odt), of(sp["v"], odt)])
-        temps = [((bq, bk), f32)] * (2 if not backward else 3)  # s, p (and dp / ds)
+        temps = [((bq, bk), f32)] * ((2 if not backward else 3) + _split_temps(dtype))  # s, p (and dp / ds)
         out.append(budgets.Footprint(budgets.tpu_vmem_bytes(ins + outs, scratch, temps), smem, name))
     return out
 
@@ -712,9 +721,12 @@ def _blocks(sq, sk):
 # past d = 128 the forward's 2048 x 2048 tile fell off a cliff (2.2x slower than 1024 x 1024 causal at
 # d = 256, 16K), so wide heads get "fwd_wide". Every chip gets these targets; its VMEM budget (`budgets`)
 # shrinks them where they do not fit.
-# At d = 64 and 1K tokens the forward was fastest with two 512-query tiles (0.75 vs 0.94 ms causal, 0.76 vs
-# 0.78 not; at 16K, where 2048-query tiles leave many tiles, they were within 1 %): heads of at most NARROW
-# get at least two Q tiles in the forward (at d = 128 and 256 one 1024 tile was the faster).
+# At d = 64 and 1K tokens the forward was fastest with two 512-query tiles in the first sweep (0.75 vs 0.94
+# ms causal, 0.76 vs 0.78 not): heads of at most NARROW get at least two Q tiles in the forward (at d = 128
+# and 256 one 1024 tile was the faster; at 16K, with many tiles either way, nothing changes). At 1K the
+# times are mostly dispatch (a 2-GFLOP forward): a second sweep (tune_d64, 2026-12-06) put this default at
+# 1.07 / 1.09x its best pair (non-causal / causal), the single 1024 tile at 1.02 / 1.07x; the first, 1.00
+# against 1.12x.
 TUNED = {"fwd": 2048, "fwd_wide": 1024, "bwd": 1024}
 NARROW = 64
 
