@@ -50,11 +50,13 @@ def test_bench_dry_run(capsys):
 
 @pytest.mark.slow
 def test_tune_and_checks_dry_runs(capsys):
-    assert tune_tpu.main(["--dry-run", "--causal", "true", "--tiles", "128", "--kernels", "fwd,bwd_fused,dq,dkv"]) == 0
+    kernels = {"fwd", "bwd_fused", "dq", "dkv", "fused_fwd", "fused_bwd"}
+    assert tune_tpu.main(["--dry-run", "--causal", "true", "--tiles", "128", "--kernels", ",".join(sorted(kernels))]) == 0
     objs = _json_lines(capsys.readouterr().out)
     (summary,) = [o for o in objs if o.get("summary")]
-    assert set(summary["best"]) == {"fwd", "bwd_fused", "dq", "dkv"} and summary["best_pair"] == [128, 128]
-    assert {o["kernel"] for o in objs if "kernel" in o} == {"fwd", "bwd_fused", "dq", "dkv"}
+    assert set(summary["best"]) == kernels and summary["best_pair"] == [128, 128]
+    assert {o["kernel"] for o in objs if "kernel" in o} == kernels and all("ms" in o for o in objs if "kernel" in o)
+    assert summary["fused_default"] == [None, None]  # interpreted: the kernels' own default_block
     assert tpu_checks.main(["--dry-run"]) == 0
     checks = _json_lines(capsys.readouterr().out)
     assert sum(c["check"] == "numerics" for c in checks) == 8 and all(c.get("ok", True) for c in checks)
