@@ -117,20 +117,22 @@ class Child:
         self.exit_time = time.time()
 
     def update(self):
-        """Note an exit, or an exit file written, since the last call."""
-        if self.exit_time is not None and not self.exited:
-            returncode = self.proc.returncode
-            if self.code in (None, 0):
-                self.code = returncode if returncode >= 0 else 128 - returncode  # signal N: 128 + N, as a shell says
-                self.left_at = self.exit_time if self.left_at is None else self.left_at
-            self.exited = True
-        elif self.code is None and os.path.exists(self.exit_file):
+        """Note an exit file written, or an exit, since the last call. The file is read first, also when the
+        exit is seen at the same poll: its time, not our waiting thread's (which may wake late on a busy
+        host), orders the failures (CI blamed process 0 when both exits were seen before either file)."""
+        if self.code is None and os.path.exists(self.exit_file):
             with open(self.exit_file) as f:
                 text = f.read().strip()
             if text:  # empty: being written, read it next time
                 code, _, when = text.partition(" ")
                 self.code = int(code) % 256 if code.lstrip("-").isdigit() else 1  # what the OS would make of it
                 self.reported, self.left_at = True, _written_at(when, self.exit_file)
+        if self.exit_time is not None and not self.exited:
+            returncode = self.proc.returncode
+            if self.code in (None, 0):
+                self.code = returncode if returncode >= 0 else 128 - returncode  # signal N: 128 + N, as a shell says
+                self.left_at = self.exit_time if self.left_at is None else self.left_at
+            self.exited = True
 
     def order(self):
         """Who failed first. A process that wrote its exit file left before a peer that wrote its own because

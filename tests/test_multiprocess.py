@@ -133,6 +133,18 @@ def test_launcher_blames_the_failure_written_first_by_the_time_in_the_file():
     assert run.returncode == 6, run.stdout + run.stderr
     assert "[launch] process 1 failed with exit code 6; also process 0, with 5" in run.stderr, run.stderr
 
+def test_launcher_reads_the_exit_files_of_processes_seen_gone():
+    """Process 1 writes its file first but exits 0.1 s after process 0: both exits are seen before either
+    file is read (CI: the waiting threads woke in the other order and process 0 was blamed). The files'
+    times, not the exits', decide."""
+    write = "import os, time; me = int(os.environ['JAX_PROCESS_ID']); time.sleep(1); " \
+            "open(os.environ['LAUNCH_LOCAL_EXIT_FILE'], 'w').write(f'{me + 5} {1000.0 - me}'); " \
+            "time.sleep(0.1 * me); os._exit(me + 5)"
+    run = launch("--processes", "2", "--", sys.executable, "-c", write, timeout=60)
+    assert run.returncode == 6, run.stdout + run.stderr
+    assert "[launch] process 1 failed with exit code 6; also process 0, with 5" in run.stderr, run.stderr
+
+
 # A stand-in for JAX's shutdown barrier: an atexit handler that holds the process (as JAX's does while a
 # peer is stuck in a collective). The launcher's hook reports the exit before it, and skips it on a failure.
 HELD = "import atexit, os, sys, time; atexit.register(time.sleep, 120); me = os.environ['JAX_PROCESS_ID']; "
