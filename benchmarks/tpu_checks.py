@@ -8,8 +8,9 @@ causal skipping.
    kernel) against ``impl="xla"`` computed in float32 at ``jax.default_matmul_precision("highest")``,
    forward and gradients, next to ``jax.nn.dot_product_attention`` (XLA) in the same input dtype against
    the same reference, for float32 and bfloat16 and four configurations (causal + GQA; window + segment
-   ids; soft-cap + sinks; plain). A row passes when ours is within 2x jax.nn's own error (and 1e-5 for
-   float32 under "highest").
+   ids; soft-cap + sinks; plain), and for float32 ours at "highest" too (``err_highest``: the kernel's own
+   error). A row passes when ours is within 2x jax.nn's own error. Every row's programs are compiled up
+   front in parallel threads (one after another they took about 110 s a row on a v5e's host).
 2. **xla hop**: ``ring_attention(impl="xla")`` forward+backward time, causal over non-causal (the hop
    skips empty tiles: the issue's bar is <= 0.6).
 3. **overhead** (``--checks overhead``, a TPU only): the default call's forward+backward time as shipped
@@ -36,13 +37,15 @@ CONFIGS = {"causal_gqa": dict(causal=True, kv_heads=2), "window_segments": dict(
            "softcap_sinks": dict(causal=True, logit_softcap=30.0, sinks=True), "plain": dict()}
 
 
-def numerics(seq, heads, dim, dtype, name):
-    """Errors of ours and of jax.nn (same dtype) against the float32 "highest" XLA ring (a JSON-able dict)."""
+def numerics_programs(seq, heads, dim, dtype, name):
+    """``(meta, {kind: lowered})`` of one numerics row: the float32 "highest" XLA ring (``ref``), ours in
+    ``dtype`` (and, for float32, ours at "highest"), jax.nn where it applies. Each program takes no
+    arguments (its inputs are constants) and returns [o, dq, dk, dv] in float32. Lowered here, in the
+    calling thread (the matmul precision is read when a program is traced); compiled by the caller."""
     import jax
     import jax.numpy as jnp
     import ringattn_fast as rf
 
-    start = time.perf_counter()
     opts = dict(CONFIGS[name])
     hk, seg, sinks = opts.pop("kv_heads", heads), opts.pop("segments", False), opts.pop("sinks", False)
     keys = jax.random.split(jax.random.key(seq + heads), 5)
@@ -54,29 +57,58 @@ def numerics(seq, heads, dim, dtype, name):
         opts["sinks"] = jax.random.normal(keys[4], (heads,), jnp.float32)
     mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
 
-    def grads(attn, dt):
-        cast = lambda x: x.astype(dt)  # noqa: E731
-        o, vjp = jax.vjp(attn, cast(q), cast(k), cast(v))
-        return [x.astype(jnp.float32) for x in (o,) + vjp(cast(do))]
+    def lowered(attn, dt, precision=None):
+        def grads():
+            cast = lambda x: x.astype(dt)  # noqa: E731
+            o, vjp = jax.vjp(attn, cast(q), cast(k), cast(v))
+            return [x.astype(jnp.float32) for x in (o,) + vjp(cast(do))]
+        with jax.default_matmul_precision(precision):
+            return jax.jit(grads).lower()
 
-    with jax.default_matmul_precision("highest"):
-        ref = jax.jit(lambda: grads(partial(rf.ring_attention, mesh=mesh, impl="xla", **opts), jnp.float32))()
-    ours = jax.jit(lambda: grads(partial(rf.ring_attention, mesh=mesh, **opts), jnp.dtype(dtype)))()
-    err = {n: float(jnp.max(jnp.abs(a - b))) for n, a, b in zip(NAMES, ours, ref)}
-    row = dict(check="numerics", config=name, seq=seq, heads=heads, kv_heads=hk, dim=dim, dtype=dtype, err=err)
+    ring = partial(rf.ring_attention, mesh=mesh, **opts)
+    out = {"ref": lowered(partial(ring, impl="xla"), jnp.float32, "highest"), "ours": lowered(ring, jnp.dtype(dtype))}
     if dtype == "float32":  # the kernel itself is exact: at "highest" its errors are float32 rounding
-        with jax.default_matmul_precision("highest"):
-            best = jax.jit(lambda: grads(partial(rf.ring_attention, mesh=mesh, **opts), jnp.float32))()
-        row["err_highest"] = {n: float(jnp.max(jnp.abs(a - b))) for n, a, b in zip(NAMES, best, ref)}
+        out["ours_highest"] = lowered(ring, jnp.float32, "highest")
     if not opts.get("logit_softcap") and not sinks and not seg and opts.get("window") is None:
-        nn = jax.jit(lambda: grads(partial(jax.nn.dot_product_attention, is_causal=bool(opts.get("causal")),
-                                           implementation="xla"), jnp.dtype(dtype)))()
-        row["jax_nn_err"] = {n: float(jnp.max(jnp.abs(a - b))) for n, a, b in zip(NAMES, nn, ref)}
-    tol = {n: 2 * row["jax_nn_err"][n] if "jax_nn_err" in row else (3e-2 if dtype == "bfloat16" else 5e-3)
+        out["jax_nn"] = lowered(partial(jax.nn.dot_product_attention, is_causal=bool(opts.get("causal")),
+                                        implementation="xla"), jnp.dtype(dtype))
+    return dict(check="numerics", config=name, seq=seq, heads=heads, kv_heads=hk, dim=dim, dtype=dtype), out
+
+
+def numerics_row(meta, compiled):
+    """Errors of ours and of jax.nn (same dtype) against the float32 "highest" XLA ring (a JSON-able dict),
+    from `numerics_programs`' programs compiled. A row passes when ours is within 2x jax.nn's own error
+    (else 3e-2 bfloat16, 5e-3 float32), and 1e-5 always."""
+    import jax.numpy as jnp
+
+    got = {kind: fn() for kind, fn in compiled.items()}
+    errors = lambda kind: {n: float(jnp.max(jnp.abs(a - b))) for n, a, b in zip(NAMES, got[kind], got["ref"])}  # noqa: E731
+    row = dict(meta, err=errors("ours"))
+    if "ours_highest" in got:
+        row["err_highest"] = errors("ours_highest")
+    if "jax_nn" in got:
+        row["jax_nn_err"] = errors("jax_nn")
+    tol = {n: 2 * row["jax_nn_err"][n] if "jax_nn_err" in row else (3e-2 if meta["dtype"] == "bfloat16" else 5e-3)
            for n in NAMES}
-    row["ok"] = all(err[n] <= max(tol[n], 1e-5) for n in NAMES)
-    row["seconds"] = time.perf_counter() - start
+    row["ok"] = all(row["err"][n] <= max(tol[n], 1e-5) for n in NAMES)
     return row
+
+
+def numerics_jobs(seq, heads, dim, threads):
+    """Every numerics row's programs lowered, then compiled in ``threads`` parallel threads (compiling
+    dominates: about 110 s a row one after another on the chip's host); returns a job per row."""
+    import concurrent.futures
+    start = time.perf_counter()
+    rows = [numerics_programs(seq, heads, dim, dt, name) for dt in ("float32", "bfloat16") for name in CONFIGS]
+    kinds = [(i, kind) for i, (_, programs) in enumerate(rows) for kind in programs]
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        done = list(pool.map(lambda ik: rows[ik[0]][1][ik[1]].compile(), kinds))
+    compiled = [{} for _ in rows]
+    for (i, kind), fn in zip(kinds, done):
+        compiled[i][kind] = fn
+    seconds = time.perf_counter() - start
+    return [partial(lambda meta, c: dict(numerics_row(meta, c), compile_seconds=seconds), meta, c)
+            for (meta, _), c in zip(rows, compiled)]
 
 
 def xla_hop(seq, heads, dim, repeats):
@@ -201,7 +233,7 @@ def main(argv=None):
     seq, heads, dim = (256, 4, 128) if args.dry_run else (2048, 8, 128)
     jobs = []
     if "numerics" in checks:
-        jobs += [partial(numerics, seq, heads, dim, dt, name) for dt in ("float32", "bfloat16") for name in CONFIGS]
+        jobs += numerics_jobs(seq, heads, dim, 1 if args.dry_run else 12)
     if "xla" in checks:
         xla_seqs = [int(s) for s in (args.xla_seqs or ("512" if args.dry_run else "16384,32768")).split(",")]
         jobs += [partial(xla_hop, s, 8 if not args.dry_run else 2, dim, 1 if args.dry_run else 3) for s in xla_seqs]
