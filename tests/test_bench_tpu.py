@@ -73,5 +73,6 @@ def test_fused_backward_variants_dry_run(capsys):
     assert [r["causal"] for r in rows] == [False, True]
     for r in rows:
         assert set(r["ms"]) == set(tpu_checks.VARIANTS)
-        assert r["max_diff"]["dq_cast"] == r["max_diff"]["dq_tn"] == 0, r  # a transpose is exact
+        # a transpose is exact; the "tn" matmul may add in another order on CPU (5.8e-11 seen in CI)
+        assert r["max_diff"]["dq_cast"] == 0 and r["max_diff"]["dq_tn"] < 1e-6, r
     assert (pallas_tpu.DQ_FORM, pallas_tpu.finite_keys) == before
