@@ -10,7 +10,8 @@ that Mosaic's tile rule and the chip's VMEM budget accept (``kernels/budgets.py`
 kernels of ``kernels/pallas_tpu.py`` apart: the forward (``hop_fwd``), the fused backward (``hop_bwd``
 with ``FUSED_BWD``), and the two-kernel backward's dQ kernel and dK/dV kernel (``hop_bwd`` with only
 dq, or only dk and dv, kept: XLA drops the other ``pallas_call``), the dK/dV kernel in both
-orientations (``KEY_MAJOR_DKV``). Programs are compiled ahead of time in parallel
+orientations (``KEY_MAJOR_DKV``); and, with ``--kernels fused_fwd,fused_bwd``, the fused ring's two
+kernels (``kernels/pallas_tpu_fused.py``) on a ring of one chip. Programs are compiled ahead of time in parallel
 threads (the host has many cores; compiling dominates a sweep), then timed one after another (median
 of ``--repeats`` after a warm-up). One JSON object per measurement and one summary per configuration
 go to stdout (best tiles per kernel, the best single pair for all three, and what
