@@ -100,12 +100,9 @@ def numerics_jobs(seq, heads, dim, threads):
     import concurrent.futures
     start = time.perf_counter()
     rows = [numerics_programs(seq, heads, dim, dt, name) for dt in ("float32", "bfloat16") for name in CONFIGS]
-    kinds = [(i, kind) for i, (_, programs) in enumerate(rows) for kind in programs]
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        done = list(pool.map(lambda ik: rows[ik[0]][1][ik[1]].compile(), kinds))
-    compiled = [{} for _ in rows]
-    for (i, kind), fn in zip(kinds, done):
-        compiled[i][kind] = fn
+        futures = [{kind: pool.submit(lowered.compile) for kind, lowered in programs.items()} for _, programs in rows]
+        compiled = [{kind: f.result() for kind, f in row.items()} for row in futures]  # every row submitted first
     seconds = time.perf_counter() - start
     return [partial(lambda meta, c: dict(numerics_row(meta, c), compile_seconds=seconds), meta, c)
             for (meta, _), c in zip(rows, compiled)]

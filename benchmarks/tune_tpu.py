@@ -194,8 +194,7 @@ def sweep(args, dtype, d, s, causal, start):
         summary.update(default_ms=fwd + bwd, default_over_best=(fwd + bwd) / (best["fwd"]["ms"] + best["bwd_fused"]["ms"]))
     if best.get("fused_fwd") and best.get("fused_bwd"):  # the fused ring's defaults against its best tiles
         from ringattn_fast.kernels import pallas_tpu_fused
-        bwd_blocks = getattr(pallas_tpu_fused, "default_bwd_blocks", pallas_tpu_fused.default_blocks)
-        fused = (pallas_tpu_fused.default_blocks(*shapes, n=1), bwd_blocks(*shapes, n=1))
+        fused = (pallas_tpu_fused.default_blocks(*shapes, n=1),) * 2  # one pair for both of its kernels
         fwd, bwd = (ms.get((k,) + tuple(t or ())) for k, t in zip(("fused_fwd", "fused_bwd"), fused))
         summary.update(fused_default=fused)
         if fwd and bwd:

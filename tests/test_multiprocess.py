@@ -133,6 +133,7 @@ def test_launcher_blames_the_failure_written_first_by_the_time_in_the_file():
     assert run.returncode == 6, run.stdout + run.stderr
     assert "[launch] process 1 failed with exit code 6; also process 0, with 5" in run.stderr, run.stderr
 
+
 def test_launcher_reads_the_exit_files_of_processes_seen_gone():
     """Process 1 writes its file first but exits 0.1 s after process 0: both exits are seen before either
     file is read (CI: the waiting threads woke in the other order and process 0 was blamed). The files'

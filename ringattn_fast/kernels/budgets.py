@@ -215,10 +215,10 @@ def _size(nbytes):
     return f"{nbytes / MiB:.2f} MiB" if nbytes >= MiB else f"{nbytes / KiB:.0f} KiB"
 
 
-def default_tiles(chip_, estimate: Callable, sq, sk, *, q_multiple, kv_multiple, top=128):
+def default_tiles(chip_, estimate: Callable, sq, sk, *, q_multiple, kv_multiple, top=128, q_top=None):
     """A kernel's default ``(block_q, block_kv)`` on ``chip_``: the largest tiles up to ``top`` (the
-    library's ``default_block`` target) allowed by the tile rule (multiples of ``q_multiple`` /
-    ``kv_multiple``, or the whole shard) whose ``estimate`` fits; None if none does (the caller then
-    falls back to ``default_block`` and its call fails by name)."""
-    return largest_fitting(chip_, estimate, candidate_blocks(sq, multiple=q_multiple, top=top),
+    library's ``default_block`` target; ``q_top``, if given, for ``block_q``) allowed by the tile rule
+    (multiples of ``q_multiple`` / ``kv_multiple``, or the whole shard) whose ``estimate`` fits; None if
+    none does (the caller then falls back to ``default_block`` and its call fails by name)."""
+    return largest_fitting(chip_, estimate, candidate_blocks(sq, multiple=q_multiple, top=top if q_top is None else q_top),
                            candidate_blocks(sk, multiple=kv_multiple, top=top))

@@ -737,9 +737,8 @@ def _default(q_shape, k_shape, dtype, device, backward):
     est = lambda bq, bk: footprints(HopConfig(block_q=bq, block_kv=bk), q_shape, k_shape, dtype, backward)  # noqa: E731
     top = TUNED[_tuned_key(q_shape, backward)]
     q_top = top if backward or q_shape[-1] > NARROW else min(top, max(q_shape[1] // 2, SUBLANES))
-    return budgets.largest_fitting(budgets.chip(device.device_kind), est,
-                                   budgets.candidate_blocks(q_shape[1], multiple=SUBLANES, top=q_top),
-                                   budgets.candidate_blocks(k_shape[1], multiple=LANES, top=top))
+    return budgets.default_tiles(budgets.chip(device.device_kind), est, q_shape[1], k_shape[1],
+                                 q_multiple=SUBLANES, kv_multiple=LANES, top=top, q_top=q_top)
 
 
 def _tuned_key(q_shape, backward):
