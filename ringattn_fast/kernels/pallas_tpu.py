@@ -44,8 +44,10 @@ TPU tiling. Mosaic tiles the last two dims of every block in (8 sublanes x 128 l
 * per-row statistics live in VMEM as lane-replicated ``(block_q, 128)`` columns (m, l); in HBM lse
   and delta are lane-dense rows ``[b, h, 1, s]`` (a (1, block_q) block, read as a column with a
   relayout, as splash attention's backward does) when block_q is a multiple of 128, else
-  lane-replicated ``[b, h, s, 128]`` (`_stat_rows`); query positions are ``(block_q, 128)`` columns,
-  key positions sublane-replicated ``(8, block_kv)`` rows;
+  lane-replicated ``[b, h, s, 128]`` (`_stat_rows`); positions and segment ids alike: ``[b, 1, s]``
+  rows, read as columns with the same relayout where a tile needs them so (queries of a q-major tile,
+  keys of a key-major one; partial tiles only), query columns lane-replicated ``[b, s, 128]`` where
+  the statistics are (`_positions`);
 * on a TPU block_q must be a multiple of 8 and block_kv a multiple of 128, unless the block is
   the whole shard (a block equal to the full dim is always legal).
 
@@ -151,16 +153,24 @@ def _prefetch(qs, kv, cfg, *, transposed=False):
             tile_bounds(kv.pos, kv.seg, cfg.block_kv).reshape(-1), resident.reshape(-1)]
 
 
-def _positions(qs, kv, *, key_major=False):
-    """The lane/sublane-replicated position inputs (q_pos, k_pos, q_seg, k_seg): queries as ``(b, sq, 128)``
-    columns and keys as ``(b, 8, sk)`` rows, or with ``key_major`` (the key-major tiles of
-    `_key_major_grads`) the other way round; segments None when absent."""
-    b = qs.pos.shape[0]
-    cols = lambda x: None if x is None else jnp.broadcast_to(x.astype(jnp.int32)[:, :, None], x.shape + (LANES,))
-    rows = lambda x: None if x is None else jnp.broadcast_to(x.astype(jnp.int32)[:, None, :], (b, SUBLANES, x.shape[1]))
-    if key_major:
-        return [rows(qs.pos), cols(kv.pos), rows(qs.seg), cols(kv.seg)]
-    return [cols(qs.pos), rows(kv.pos), cols(qs.seg), rows(kv.seg)]
+def _positions(qs, kv, cfg):
+    """The position inputs (q_pos, k_pos, q_seg, k_seg), int32; segments None when absent. Keys as ``(b, 1,
+    sk)`` rows; queries as ``(b, 1, sq)`` rows where `_stat_rows` (block_q a multiple of 128, Mosaic's lane
+    rule for a (1, block_q) block), else lane-replicated ``(b, sq, 128)`` columns. A kernel that needs a
+    column reads it from the row with a relayout (`_column`), on partial tiles only: lane-replicated query
+    columns were 8 MiB of HBM temp per 16K tokens, the key columns of the key-major tiles as much."""
+    row = lambda x: None if x is None else x.astype(jnp.int32)[:, None, :]  # noqa: E731
+    col = lambda x: None if x is None else jnp.broadcast_to(x.astype(jnp.int32)[:, :, None], x.shape + (LANES,))  # noqa: E731
+    q_form = row if _stat_rows(cfg) else col
+    return [q_form(qs.pos), row(kv.pos), q_form(qs.seg), row(kv.seg)]
+
+
+def _pos_block(rows, size, at):
+    """The BlockSpec of a tile's positions (or segment ids), ``at(*grid, *prefetch) -> (batch, tile)``: a (1,
+    size) row of ``(b, 1, s)`` (``rows``) or a (size, 128) block of lane-replicated ``(b, s, 128)`` columns."""
+    if rows:
+        return pl.BlockSpec((None, 1, size), lambda *a: (lambda bi, t: (bi, 0, t))(*at(*a)))
+    return pl.BlockSpec((None, size, LANES), lambda *a: (lambda bi, t: (bi, t, 0))(*at(*a)))
 
 
 def _by_kind(body, qb_ref, kb_ref, tile, cfg, segments):
@@ -190,13 +200,14 @@ def _scaled(x, scale):
 def _logits(q, k, cfg, fn, *, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, masked=True, grad=False, prescaled=False):
     """fp32 [block_q, block_kv] ``scale * q k^T``, soft-capped, scored and masked (``fn``: the tile's
     `tiles.Program`, its consts' refs and the query head), -inf where masked (the built-in mask only when
-    ``masked``: a full tile needs none); positions from a (block_q, 128) query column and an (8,
-    block_kv) key row. With ``grad``: ``(s, pullback)`` (`tiles.programmed`). ``prescaled``: q is already
+    ``masked``: a full tile needs none); positions from a query column (`_column`) and a (1, block_kv) key
+    row. With ``grad``: ``(s, pullback)`` (`tiles.programmed`). ``prescaled``: q is already
     times the scale (`_scaled`)."""
     s = _dot(q, k, _NT) if prescaled else cfg.scale * _dot(q, k, _NT)
     prog, const_refs, head = fn
-    q_pos, k_pos = q_pos_ref[:, :1], k_pos_ref[:1, :]  # (block_q, 1), (1, block_kv)
-    q_seg, k_seg = (None, None) if q_seg_ref is None else (q_seg_ref[:, :1], k_seg_ref[:1, :])
+    rows = _stat_rows(cfg)
+    q_pos, k_pos = _column(q_pos_ref, rows), k_pos_ref[...]  # (block_q, 1), (1, block_kv)
+    q_seg, k_seg = (None, None) if q_seg_ref is None else (_column(q_seg_ref, rows), k_seg_ref[...])
     s, pull = programmed(prog, [r[...] for r in const_refs], s, q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg,
                          head=head, grad=grad)
     allow = allowed(q_pos, k_pos, q_seg, k_seg, causal=cfg.causal, window=cfg.window) if masked else None
@@ -278,14 +289,13 @@ def _qmajor_specs(cfg, d, group, n_q, n_kv, d_v=None):
         q=_block(direct, bq, d, q_at), o=_block(direct, bq, d_v, q_at),
         kv=_block(direct, bk, d, kv_at), v=_block(direct, bk, d_v, kv_at),
         stat=_stat_block(_stat_rows(cfg), bq, q_at),
-        q_col=pl.BlockSpec((None, bq, LANES), lambda bi, hi, i, j, *_: (bi, i, 0)),
-        k_row=pl.BlockSpec((None, SUBLANES, bk), lambda bi, hi, i, j, qb, kb, res: (bi, 0, kv_tile(bi, i, j, res))))
+        q_pos=_pos_block(_stat_rows(cfg), bq, lambda bi, hi, i, j, *_: (bi, i)),
+        k_pos=_pos_block(True, bk, lambda bi, hi, i, j, qb, kb, res: (bi, kv_tile(bi, i, j, res))))
 
 
-def _kvmajor_specs(cfg, d, group, n_q, n_kv, d_v=None, key_major=False):
+def _kvmajor_specs(cfg, d, group, n_q, n_kv, d_v=None):
     """BlockSpecs of grid (b, kv_head, j, member, i) (dK/dV): the Q-side blocks read the resident Q tile
-    from ``res``; query head = ``kv_head * group + member``. Widths as in `_qmajor_specs`; ``key_major``:
-    positions as query rows and key columns (`_dkv_key_major_kernel`)."""
+    from ``res``; query head = ``kv_head * group + member``. Widths as in `_qmajor_specs`."""
     bq, bk, d_v = cfg.block_q, cfg.block_kv, d if d_v is None else d_v
     direct = _direct(d, d_v)
     q_tile = lambda bi, j, i, res: res[(bi * n_kv + j) * n_q + i]  # i, or the last computed tile
@@ -295,18 +305,16 @@ def _kvmajor_specs(cfg, d, group, n_q, n_kv, d_v=None, key_major=False):
         q=_block(direct, bq, d, q_at), o=_block(direct, bq, d_v, q_at),
         kv=_block(direct, bk, d, kv_at), v=_block(direct, bk, d_v, kv_at),
         stat=_stat_block(_stat_rows(cfg), bq, q_at),
-        q_col=pl.BlockSpec((None, SUBLANES, bq), lambda bi, kv_head, j, member, i, qb, kb, res:
-                           (bi, 0, q_tile(bi, j, i, res))) if key_major else
-        pl.BlockSpec((None, bq, LANES), lambda bi, kv_head, j, member, i, qb, kb, res: (bi, q_tile(bi, j, i, res), 0)),
-        k_row=pl.BlockSpec((None, bk, LANES), lambda bi, kv_head, j, member, i, *_: (bi, j, 0)) if key_major else
-        pl.BlockSpec((None, SUBLANES, bk), lambda bi, kv_head, j, member, i, *_: (bi, 0, j)))
+        q_pos=_pos_block(_stat_rows(cfg), bq, lambda bi, kv_head, j, member, i, qb, kb, res:
+                         (bi, q_tile(bi, j, i, res))),
+        k_pos=_pos_block(True, bk, lambda bi, kv_head, j, member, i, *_: (bi, j)))
 
 
 def _pos_specs(sp, segments, prog):
     """Specs of (q_pos, k_pos, q_seg, k_seg): None for the absent segment ids; then the tuple of ``prog``'s
     consts (`tiles.const_specs`: each whole, in every grid step)."""
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
-    return ([sp["q_col"], sp["k_row"]] + ([sp["q_col"], sp["k_row"]] if segments else [None, None])
+    return ([sp["q_pos"], sp["k_pos"]] + ([sp["q_pos"], sp["k_pos"]] if segments else [None, None])
             + [const_specs(prog, whole)])
 
 
@@ -321,7 +329,7 @@ def _forward(qs, kv, *, cfg, interpret, count, vmem_limit):
     (b, sq, h, d), (sk, hk), d_v = qs.q.shape, kv.k.shape[1:3], kv.v.shape[-1]
     n_q, n_kv, segments = sq // cfg.block_q, sk // cfg.block_kv, qs.seg is not None
     prog, direct, rows = program(cfg, cfg.block_q, cfg.block_kv), _direct(d, d_v), _stat_rows(cfg)
-    prefetch, pos = _prefetch(qs, kv, cfg), _positions(qs, kv)
+    prefetch, pos = _prefetch(qs, kv, cfg), _positions(qs, kv, cfg)
     ops = same_vma(*prefetch, *(_view(x, direct) for x in (qs.q, kv.k, kv.v)), *pos, *_consts(prog))
     q, consts = ops[3], tuple(ops[len(ops) - len(_consts(prog)):])
     sp = _qmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v)
@@ -415,12 +423,12 @@ def _dkv_kernel(qb_ref, kb_ref, res_ref,
 def _key_major_grads(k, q, v, do, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, cfg, masked):
     """FA-2 Alg. 2 for one key-major tile, shared by `_dkv_key_major_kernel` and `_bwd_fused_kernel`:
     ``(P^T, dS^T)`` float32 (block_kv, block_q) from S^T = K Q^T (q or k pre-scaled), the built-in mask
-    from query rows (8, block_q) and key columns (block_kv, 128) when ``masked``, lse and delta the
+    from (1, block_q) query rows and key columns read from (1, block_kv) rows (`_column`) when ``masked``, lse and delta the
     (1, block_q) rows they are stored as."""
     st = _dot(k, q, _NT)  # (block_kv, block_q), scaled
     if masked:
-        seg = (None, None) if q_seg_ref is None else (q_seg_ref[:1, :], k_seg_ref[:, :1])
-        st = jnp.where(allowed(q_pos_ref[:1, :], k_pos_ref[:, :1], *seg, causal=cfg.causal, window=cfg.window),
+        seg = (None, None) if q_seg_ref is None else (q_seg_ref[...], _column(k_seg_ref, True))
+        st = jnp.where(allowed(q_pos_ref[...], _column(k_pos_ref, True), *seg, causal=cfg.causal, window=cfg.window),
                        st, NEG_INF)
     pt = jnp.exp(st - lse_ref[...])  # P^T
     return pt, masked_grad(pt, _dot(v, do, _NT), delta_ref[...])  # dS^T = P^T (dP^T - D), dP^T = V dO^T
@@ -432,7 +440,7 @@ def _dkv_key_major_kernel(qb_ref, kb_ref, res_ref,
     """`_dkv_kernel` with the tile transposed (splash attention's dK/dV orientation): S^T = K_j Q_i^T is
     (block_kv, block_q), so lse and delta are the lane-dense rows they are stored as, and dV_j += P^T dO,
     dK_j += dS^T Q are plain matmuls (no transpose of a (block_q, block_kv) operand). Positions: query
-    rows (8, block_q), key columns (block_kv, 128). Only without a program and with `_stat_rows`."""
+    rows, key columns (`_key_major_grads`). Only without a program and with `_stat_rows`."""
     del res_ref, const_refs, prog, rows
     bi, kv_head, j, member, i = (pl.program_id(a) for a in range(5))
 
@@ -525,8 +533,8 @@ def _fused_specs(cfg, d, d_v, sk, group, n_q, n_kv):
     whole = lambda bi, kh, *_: (bi, kh, 0)  # noqa: E731
     return dict(q=_block(direct, bq, d, q_at), o=_block(direct, bq, d_v, q_at), kv=_block(direct, bk, d, kv_at),
                 v=_block(direct, bk, d_v, kv_at), stat=_stat_block(True, bq, q_at),
-                q_col=pl.BlockSpec((None, SUBLANES, bq), lambda bi, kh, m, i, j, *_: (bi, 0, i)),
-                k_row=pl.BlockSpec((None, bk, LANES), lambda bi, kh, m, i, j, qb, kb, res: (bi, kv_tile(bi, i, j, res), 0)),
+                q_pos=_pos_block(True, bq, lambda bi, kh, m, i, j, *_: (bi, i)),
+                k_pos=_pos_block(True, bk, lambda bi, kh, m, i, j, qb, kb, res: (bi, kv_tile(bi, i, j, res))),
                 dk=_block(direct, sk, d, whole), dv=_block(direct, sk, d_v, whole))
 
 
@@ -552,7 +560,7 @@ def _fused_footprint(cfg, q_shape, k_shape, dtype, d_v):
         jnp.int32, _out_dtype(cfg)
     of = budgets.block_of
     ins = [of(sp["q"], dtype), of(sp["kv"], dtype), of(sp["v"], dtype), of(sp["o"], dtype), of(sp["stat"], f32),
-           of(sp["stat"], f32)] + [of(sp["q_col"], i32), of(sp["k_row"], i32)] * 2
+           of(sp["stat"], f32)] + [of(sp["q_pos"], i32), of(sp["k_pos"], i32)] * 2
     outs = [of(sp["q"], odt), of(sp["dk"], odt), of(sp["dv"], odt)]
     n_q, n_kv = sq // cfg.block_q, sk // cfg.block_kv
     smem = 4 * (b * n_q * 4 + b * n_kv * 4 + b * n_q * n_kv)
@@ -615,34 +623,32 @@ def _backward_jit(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit, key_maj
     stats = [_stats_in(x, rows) for x in (lse, delta)]
     operands = [_view(x, direct) for x in (qs.q, kv.k, kv.v, do)] + stats
     if fused is not None:  # no program: no consts; positions for key-major tiles
-        ops = same_vma(*_prefetch(qs, kv, cfg), *operands, *_positions(qs, kv, key_major=True))
+        ops = same_vma(*_prefetch(qs, kv, cfg), *operands, *_positions(qs, kv, cfg))
         return _backward_fused(qs, kv, cfg, list(ops[3:]), ops[:3], interpret=interpret, vmem_limit=fused[0])
     key_major = _key_major(cfg, prog, key_major_dkv)
-    pos_q = _positions(qs, kv)
-    pos_kv = _positions(qs, kv, key_major=True) if key_major else pos_q
-    ops = same_vma(*_prefetch(qs, kv, cfg), *_prefetch(qs, kv, cfg, transposed=True), *operands, *pos_q, *pos_kv,
+    ops = same_vma(*_prefetch(qs, kv, cfg), *_prefetch(qs, kv, cfg, transposed=True), *operands, *_positions(qs, kv, cfg),
                    *_consts(prog))
     prefetch_q, prefetch_kv, n_ops = ops[:3], ops[3:6], 6 + len(operands)
-    inputs, pos_q, pos_kv, consts = ops[6:n_ops], ops[n_ops:n_ops + 4], ops[n_ops + 4:n_ops + 8], tuple(ops[n_ops + 8:])
+    inputs, pos, consts = ops[6:n_ops], ops[n_ops:n_ops + 4], tuple(ops[n_ops + 4:])
     q, static = inputs[0], dict(cfg=cfg, prog=prog, n_q=n_q, n_kv=n_kv, rows=rows)
 
     # dQ: grid (b, h, Q tiles, K/V tiles), K/V tiles last.
     sp = _qmajor_specs(cfg, d, group, n_q, n_kv, d_v)
     in_specs = [sp["q"], sp["kv"], sp["v"], sp["o"], sp["stat"], sp["stat"]] + _pos_specs(sp, segments, prog)
     dq = _bwd_call(functools.partial(_dq_kernel, **static), "ring_hop_bwd_dq_tpu", (b, h, n_q, n_kv),
-                   specs=in_specs, prefetch=prefetch_q, args=[*inputs, *pos_q, consts], out_specs=sp["q"],
+                   specs=in_specs, prefetch=prefetch_q, args=[*inputs, *pos, consts], out_specs=sp["q"],
                    out_shape=out_struct((b, sq, h * d) if direct else (b, h, sq, d), odt, q),
                    scratch=[pltpu.VMEM((cfg.block_q, d), jnp.float32), pltpu.VMEM((cfg.block_q, d), qs.q.dtype)],
                    interpret=interpret, vmem_limit=vmem_limit)
 
     # dK, dV: grid (b, kv heads, K/V tiles, group heads, Q tiles); the last two accumulate in scratch.
-    sp = _kvmajor_specs(cfg, d, group, n_q, n_kv, d_v, key_major=key_major)
+    sp = _kvmajor_specs(cfg, d, group, n_q, n_kv, d_v)
     in_specs = [sp["q"], sp["kv"], sp["v"], sp["o"], sp["stat"], sp["stat"]] + _pos_specs(sp, segments, prog)
     kernel = _dkv_key_major_kernel if key_major else _dkv_kernel
     scratch = [pltpu.VMEM((cfg.block_kv, width), jnp.float32) for width in (d, d_v)]
     dk, dv = _bwd_call(functools.partial(kernel, group=group, **static), "ring_hop_bwd_dkv_tpu",
                        (b, hk, n_kv, group, n_q), specs=in_specs, prefetch=prefetch_kv,
-                       args=[*inputs, *pos_kv, consts],
+                       args=[*inputs, *pos, consts],
                        out_specs=[sp["kv"], sp["v"]],
                        out_shape=[out_struct((b, sk, hk * width) if direct else (b, hk, sk, width), odt, q)
                                   for width in (d, d_v)],
@@ -659,8 +665,8 @@ def _backward_fused(qs, kv, cfg, args, prefetch, *, interpret, vmem_limit):
     q = args[0]
     sp = _fused_specs(cfg, d, d_v, sk, group, n_q, n_kv)
     segments = qs.seg is not None
-    in_specs = [sp["q"], sp["kv"], sp["v"], sp["o"], sp["stat"], sp["stat"], sp["q_col"], sp["k_row"]] + (
-        [sp["q_col"], sp["k_row"]] if segments else [None, None])
+    in_specs = [sp["q"], sp["kv"], sp["v"], sp["o"], sp["stat"], sp["stat"], sp["q_pos"], sp["k_pos"]] + (
+        [sp["q_pos"], sp["k_pos"]] if segments else [None, None])
     shape = lambda s, heads, w: (b, s, heads * w) if direct else (b, heads, s, w)  # noqa: E731
     dq, dk, dv = pl.pallas_call(
         functools.partial(_bwd_fused_kernel, cfg=cfg, n_q=n_q, n_kv=n_kv, group=group),
@@ -693,12 +699,12 @@ def footprints(cfg, q_shape, k_shape, dtype, backward, d_v=None):
               [((bq, LANES), f32)] * 2 + [((bq, d_v), f32), ((bq, d), dtype)])]
             if not backward else
             [("ring_hop_bwd_dq_tpu", _qmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v), [((bq, d), f32), ((bq, d), dtype)]),
-             ("ring_hop_bwd_dkv_tpu", _kvmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v, key_major=_key_major(cfg, None)),
+             ("ring_hop_bwd_dkv_tpu", _kvmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v),
               [((bk, d), f32), ((bk, d_v), f32), ((bk, d), dtype)])]):
         of = lambda spec, dt: budgets.block_of(spec, dt)  # noqa: E731
         ins = [of(sp["q"], dtype), of(sp["kv"], dtype), of(sp["v"], dtype)]
         ins += [of(sp["o"], dtype), of(sp["stat"], f32), of(sp["stat"], f32)] if backward else []
-        ins += [of(sp["q_col"], i32), of(sp["k_row"], i32)] * 2
+        ins += [of(sp["q_pos"], i32), of(sp["k_pos"], i32)] * 2
         odt = _out_dtype(cfg)
         outs = ([of(sp["o"], odt), of(sp["stat"], f32)] if not backward else
                 [of(sp["q"], odt)] if name.endswith("dq_tpu") else [of(sp["kv"], odt), of(sp["v"], odt)])
