@@ -10,6 +10,10 @@
 - **ours**: the public ``ring_attention(q, k, v, mesh=make_mesh(1), causal=...)`` with no ``impl`` (a
   ring of one: the per-hop Pallas TPU kernel at its default tiles, ``kernels/pallas_tpu.py``), and with
   ``--block-q/--block-kv`` the same call with ``impl="pallas_tpu"`` at those tiles;
+- **native**: the same call on ``[b, s, h * d]`` arrays, reshaped to ``[b, s, h, d]`` and back inside the
+  program: the kernels' own layout, as splash gets its own (on a TPU ``[b, s, h, d]`` is tiled over (h, d),
+  so from it every operand and gradient is a relayout copy, about 7 % of an 8K-token forward+backward;
+  from ``[b, s, h * d]``, the layout of a projection's output, XLA folds the reshapes away);
 - **fused**: the fused ring's kernel itself (``fused_ring_attention_shard`` in a ``shard_map`` of one
   device, at the tiles ``ring_attention`` gives it on a larger ring, ``pallas_tpu_fused.default_blocks``;
   ``ring_attention`` runs a ring of one as one hop instead);
@@ -41,7 +45,7 @@ from .bench_gpu import _ints, _one_line, attention_flops
 from .flags import dtype_flag
 from .timing import time_interleaved
 
-KINDS = ("ours", "tiles", "fused", "splash", "xla")
+KINDS = ("ours", "native", "tiles", "fused", "splash", "xla")
 
 
 def parse_args(argv=None):
@@ -110,6 +114,12 @@ def functions(args, seq, h, hk, causal):
     mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
     ours = dict(impl="pallas_tpu") if args.dry_run else {}  # on a CPU "auto" would pick the XLA hop
     out = {"ours": _fwd_bwd(partial(rf.ring_attention, mesh=mesh, causal=causal, **ours))}
+
+    def native(q, k, v):  # [b, s, h * d] in and out
+        heads = lambda x: x.reshape(x.shape[:2] + (-1, args.dim))  # noqa: E731
+        o = rf.ring_attention(heads(q), heads(k), heads(v), mesh=mesh, causal=causal, **ours)
+        return o.reshape(o.shape[:2] + (-1,))
+    out["native"] = _fwd_bwd(native)
     if args.block_q:
         out["tiles"] = _fwd_bwd(partial(rf.ring_attention, mesh=mesh, causal=causal, impl="pallas_tpu",
                                         block_q=args.block_q, block_kv=args.block_kv))
@@ -162,9 +172,11 @@ def run_row(args, seq, h, hk, causal):
                tflops={}, ms={}, temp_mib={}, errors={})
     fns = functions(args, seq, h, hk, causal)
     native = lambda x: x.swapaxes(1, 2)  # noqa: E731
+    flat = lambda x: x.reshape(x.shape[:2] + (-1,))  # noqa: E731
     inputs = {}
     for kind, (fwd, fb, *bshd) in fns.items():
-        data = (native(q * d ** -0.5), native(k), native(v), native(do)) if kind.startswith("splash") else (q, k, v, do)
+        data = ((native(q * d ** -0.5), native(k), native(v), native(do)) if kind.startswith("splash") else
+                tuple(flat(x) for x in (q, k, v, do)) if kind == "native" else (q, k, v, do))
         try:
             outs = jax.block_until_ready(fb(*data))
             t_fwd, t_fb = time_interleaved([partial(fwd, *data), partial(fb, *data)], args.repeats, 1)
@@ -173,6 +185,8 @@ def run_row(args, seq, h, hk, causal):
             continue
         if kind.startswith("splash"):  # back to [b, s, h, d]; its dq is of the pre-scaled q
             outs = (native(outs[0]), native(outs[1]) * d ** -0.5) + tuple(native(x) for x in outs[2:])
+        if kind == "native":
+            outs = tuple(x.reshape(x.shape[:2] + (-1, d)) for x in outs)
         inputs[kind] = outs
         row["ms"][kind] = (1e3 * t_fwd, 1e3 * t_fb)
         row["tflops"][kind] = (flops_fwd / t_fwd / 1e12, flops_fb / t_fb / 1e12)
@@ -188,7 +202,7 @@ def run_row(args, seq, h, hk, causal):
     if splash:
         best = max(splash, key=lambda kind: row["tflops"][kind][1])
         row["splash_best"] = best
-        for kind in ("ours", "tiles", "fused"):
+        for kind in ("ours", "native", "tiles", "fused"):
             if kind in row["tflops"]:
                 row[f"ratio_{kind}"] = row["tflops"][kind][1] / row["tflops"][best][1]
                 ref = inputs[best]
@@ -203,8 +217,9 @@ def run_row(args, seq, h, hk, causal):
     return row
 
 
-HEADER = (f"{'seq':>6} {'heads':>5} {'causal':>6} | {'ours':>6} {'tiles':>6} {'fused':>6} {'splash':>6} "
-          f"{'xla':>6} | {'ours/spl':>8} {'tiles/spl':>9} {'vs bshd':>7} | {'MiB ours':>8} {'splash':>7} {'ratio':>5} | splash best")
+HEADER = (f"{'seq':>6} {'heads':>5} {'causal':>6} | {'ours':>6} {'native':>6} {'tiles':>6} {'fused':>6} {'splash':>6} "
+          f"{'xla':>6} | {'ours/spl':>8} {'nat/spl':>7} {'tiles/spl':>9} {'vs bshd':>7} | {'MiB ours':>8} {'splash':>7} "
+          f"{'ratio':>5} | splash best")
 
 
 def format_row(row):
@@ -216,8 +231,9 @@ def format_row(row):
     best = row.get("splash_best")
     ratio = lambda kind: f"{row[f'ratio_{kind}']:.2f}" if f"ratio_{kind}" in row else "-"  # noqa: E731
     mem = row["temp_mib"]
-    return (f"{head}{tf('ours')} {tf('tiles')} {tf('fused')} {tf(best) if best else f'{chr(45):>6}'} {tf('xla')} | "
-            f"{ratio('ours'):>8} {ratio('tiles'):>9} {ratio('ours_bshd'):>7} | {mem.get('ours', 0):8.0f} "
+    return (f"{head}{tf('ours')} {tf('native')} {tf('tiles')} {tf('fused')} {tf(best) if best else f'{chr(45):>6}'} "
+            f"{tf('xla')} | {ratio('ours'):>8} {ratio('native'):>7} {ratio('tiles'):>9} {ratio('ours_bshd'):>7} | "
+            f"{mem.get('ours', 0):8.0f} "
             f"{mem.get(f'{best}_bshd', 0) if best else 0:7.0f} {row.get('mem_ratio', 0):5.2f} | {best}")
 
 
@@ -254,9 +270,11 @@ def main(argv=None):
     done = [r for r in rows if "ratio_ours" in r]
     summary = dict(summary=True, rows=len(rows), measured=len(done), seconds=time.perf_counter() - start,
                    min_ratio_ours=min((r["ratio_ours"] for r in done), default=None),
+                   min_ratio_native=min((r["ratio_native"] for r in done if "ratio_native" in r), default=None),
                    max_mem_ratio=max((r["mem_ratio"] for r in done), default=None))
     print(json.dumps(summary), flush=True)
-    print(f"# {len(done)}/{len(rows)} rows; min ours/splash fwd+bwd = {summary['min_ratio_ours']}; max temp "
+    print(f"# {len(done)}/{len(rows)} rows; min ours/splash fwd+bwd = {summary['min_ratio_ours']} (own layouts: "
+          f"{summary['min_ratio_native']}); max temp "
           f"ratio = {summary['max_mem_ratio']}; {summary['seconds']:.0f} s", file=err)
     return 0
 

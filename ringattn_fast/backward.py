@@ -58,7 +58,7 @@ def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None, head_o
     hop_bwd = kernels_for(cfg.impl).hop_bwd
     hop_bwd = hop_bwd if drop is None else partial(hop_bwd, drop=drop)
     n, my_idx = lax.axis_size(cfg.axis_name), lax.axis_index(cfg.axis_name)
-    kv = masks.mark_bad_keys_of(kv)  # as the forward did
+    kv = masks.marked_for_ring(kv, cfg.impl, cfg.comm_dtype)  # as the forward did
     acc, kv_dtype = acc_dtype(qs.q.dtype), kv.k.dtype
     send_grads = partial(comm.sent_as, partial(send_to_next, axis_name=cfg.axis_name), dtype=cfg.grad_comm_dtype)
     skip = cfg.skip_empty_hops and (masks.can_be_empty(cfg.hop.causal, cfg.hop.window, qs.seg is not None)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from ringattn_fast.kernels import IMPLS
 from ringattn_ref.masks import allowed, bounds_empty, bounds_full, can_be_empty, tile_is_empty
 
-__all__ = ["allowed", "bounds_empty", "bounds_full", "can_be_empty", "finite_part", "mark_bad_keys", "mark_bad_keys_of",
-           "masked_grad", "tile_is_empty", "tile_is_full", "tile_kind"]
+__all__ = ["allowed", "bad_key_sums", "bounds_empty", "bounds_full", "can_be_empty", "finite_part", "mark_bad_keys",
+           "mark_bad_keys_of", "marked_for_ring", "masked_grad", "tile_is_empty", "tile_is_full", "tile_kind"]
 
 
 def mark_bad_keys(k, v):
@@ -28,8 +29,21 @@ def mark_bad_keys(k, v):
     booleans at 64 GB/s on a TPU v5e (250 us per 16 MiB shard, 7 % of an 8K-token forward+backward). The
     sums stay in x's dtype (``jnp.sum`` adds 16-bit floats in float32 inside): summed as float32, XLA kept
     one more K-sized buffer in the compiled forward+backward (32 MiB more temp at 32K tokens, v5e)."""
-    bad = jnp.isnan(_zeros_sum(k) + _zeros_sum(v))  # (b, s, hk, 1)
+    bad = jnp.isnan(bad_key_sums(k, v))  # (b, s, hk, 1)
     return jnp.where(bad, jnp.nan, k), jnp.where(bad, 0, v).astype(v.dtype)
+
+
+def marked_for_ring(kv, impl, comm_dtype):
+    """``kv`` as the hops of a ring of ``impl`` take it: marked (:func:`mark_bad_keys_of`), unless the impl's
+    kernels mark the K/V tiles that hold a bad key themselves (``kernels.Impl.marks_keys``) and K/V travel
+    as they are (``comm_dtype`` None; a scaled wire format would map an inf to a finite value)."""
+    return kv if IMPLS[impl].marks_keys and comm_dtype is None else mark_bad_keys_of(kv)
+
+
+def bad_key_sums(k, v):
+    """``sum(k * 0) + sum(v * 0)`` per key and kv head, [b, s, hk, 1] in k's dtype: 0, or NaN for a key that
+    :func:`mark_bad_keys` marks (the TPU kernels mark such keys' tiles themselves from these sums)."""
+    return _zeros_sum(k) + _zeros_sum(v)
 
 
 def _zeros_sum(x):

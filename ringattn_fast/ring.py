@@ -44,13 +44,13 @@ def ring_forward(cfg, qs, kv, bias, drop=None, head_offset=None):
     non-travelling bias (``cfg.bias_mode`` "columns" or "static") or None; drop: a
     ``schedule.Dropout`` or None; head_offset: the global index of the first query head here when the
     heads are split over a mesh axis (``mask_fn`` / ``score_fn`` see global heads), or None. A key holding a nan/inf is marked first (``masks.mark_bad_keys``),
-    so no hop meets ``0 * nan``.
+    so no hop meets ``0 * nan``; by the per-hop TPU kernels, in VMEM, tile by tile (``masks.marked_for_ring``).
     """
     hop_fwd = kernels_for(cfg.impl).hop_fwd
     hop_fwd = hop_fwd if drop is None else partial(hop_fwd, drop=drop)
     n, my_idx = lax.axis_size(cfg.axis_name), lax.axis_index(cfg.axis_name)
     b, sq, h, _ = qs.q.shape
-    kv = masks.mark_bad_keys_of(kv)
+    kv = masks.marked_for_ring(kv, cfg.impl, cfg.comm_dtype)
     acc, kv_dtype = acc_dtype(qs.q.dtype), kv.k.dtype
     builtin = masks.can_be_empty(cfg.hop.causal, cfg.hop.window, qs.seg is not None)
     skip = cfg.skip_empty_hops and (builtin or cfg.block_mask is not None)

@@ -42,10 +42,11 @@ def test_bench_dry_run(capsys):
     rows = _json_lines(out)
     (row,), summary = rows[:-1], rows[-1]
     assert summary["summary"] and summary["measured"] == 1
-    assert {"ours", "splash128", "xla"} <= set(row["tflops"]) and row["splash_best"] == "splash128"
+    assert {"ours", "native", "splash128", "xla"} <= set(row["tflops"]) and row["splash_best"] == "splash128"
     assert row["temp_mib"]["ours"] > 0 and "splash128_bshd" in row["temp_mib"]
     assert max(row["max_err"]["ours"]) < 0.05, row["max_err"]  # bf16 outputs against splash's
-    assert "ours/spl" in err and "splash128" in err
+    assert max(row["max_err"]["native"]) < 0.05 and "ratio_native" in row, row["max_err"]  # [b, s, h * d] in and out
+    assert "ours/spl" in err and "nat/spl" in err and "splash128" in err and summary["min_ratio_native"] > 0
 
 
 @pytest.mark.slow

@@ -65,16 +65,18 @@ def problems(draw, batches=(1, 2), blocks=(8, 16), max_tiles=4, dims=(32, 48, 64
                        causal=causal, window=window, block_q=block_q, block_kv=block_kv)
 
 
-def shards(pb, dtype=jnp.float32):
+def shards(pb, dtype=jnp.float32, marked=True):
     """(QShard, KVShard) of a problem as the ring hands them to a kernel: q, k, v cast to ``dtype``,
-    K/V marked by ``masks.mark_bad_keys`` (a key holding a nan/inf: V = 0, K all-NaN)."""
-    k, v = mark_bad_keys(pb["k"].astype(dtype), pb["v"].astype(dtype))
+    K/V marked by ``masks.mark_bad_keys`` (a key holding a nan/inf: V = 0, K all-NaN) unless not ``marked``
+    (as the ring hands them to ``pallas_tpu``, which marks them itself)."""
+    k, v = pb["k"].astype(dtype), pb["v"].astype(dtype)
+    k, v = mark_bad_keys(k, v) if marked else (k, v)
     return QShard(pb["q"].astype(dtype), pb["q_pos"], pb["q_seg"]), KVShard(k, v, pb["k_pos"], pb["k_seg"])
 
 
-def run_hop(mod, pb, dtype=jnp.float32):
+def run_hop(mod, pb, dtype=jnp.float32, marked=True):
     """Forward and backward of one hop (its own lse is the final lse): o, lse, dq, dk, dv."""
-    qs, kv = shards(pb, dtype)
+    qs, kv = shards(pb, dtype, marked)
     do = pb["do"].astype(dtype)
     o, lse = mod.hop_fwd(qs, kv, pb["cfg"])
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o)  # FA-2 D = rowsum(dO * O)
@@ -520,6 +522,39 @@ def test_tpu_lane_dense_path_with_nan_keys(backward, monkeypatch):
     pb = hop_problem(normal(b, s, hk * group, d), k, normal(b, s, hk, d), normal(b, s, hk * group, d), pos, pos,
                      scale=d ** -0.5, causal=True, block_q=128, block_kv=128)
     assert_matches_oracle(run_hop(pallas_tpu, pb), run_oracle(pb), TOL)
+
+
+@pytest.mark.parametrize("backward", ["fused", "key_major", "query_major"])
+def test_tpu_kernels_mark_bad_keys_themselves(backward, monkeypatch):
+    """``pallas_tpu`` marks the K/V tiles that hold a nan/inf in VMEM (``Impl.marks_keys``: the ring hands it
+    K/V unmarked): on raw K/V with NaN and inf keys (in K, in V, in a skipped tile, in two batch rows, GQA)
+    every output equals the one on K/V marked in HBM, bit for bit, on each backward."""
+    monkeypatch.setattr(pallas_tpu, "FUSED_BWD", backward == "fused")
+    monkeypatch.setattr(pallas_tpu, "KEY_MAJOR_DKV", backward == "key_major")
+    rng = np.random.default_rng(13)
+    b, s, hk, group, d = 2, 384, 2, 2, 128
+    pos = np.broadcast_to(np.arange(s), (b, s))
+    normal = lambda *shape: rng.standard_normal(shape)  # noqa: E731
+    k, v = normal(b, s, hk, d), normal(b, s, hk, d)
+    k[0, 200, 0, 3], k[0, 60, 1, 7], v[1, 130, 1, 0], v[1, 300, 0, 5] = np.nan, np.inf, -np.inf, np.nan
+    pb = hop_problem(normal(b, s, hk * group, d), k, v, normal(b, s, hk * group, d), pos, pos, scale=d ** -0.5,
+                     causal=True, block_q=128, block_kv=128)
+    marked, raw = run_hop(pallas_tpu, pb), run_hop(pallas_tpu, pb, marked=False)
+    for name, x, y in zip(("o", "lse", "dq", "dk", "dv"), raw, marked):
+        np.testing.assert_array_equal(x, y, err_msg=name)
+    assert np.isnan(np.asarray(marked[0])[0, 200:]).all() and np.isfinite(np.asarray(marked[0])[0, :60]).all()
+
+
+def test_only_the_per_hop_tpu_kernels_take_unmarked_keys():
+    """The ring marks bad keys in HBM for every impl but ``pallas_tpu`` (which marks its tiles itself), and
+    for that one too when K/V travel in a wire format (``comm_dtype``: a scaled cast maps inf to a finite value)."""
+    from ringattn_fast.masks import marked_for_ring
+    k = jnp.ones((1, 8, 1, 4)).at[0, 3, 0, 1].set(jnp.inf)
+    kv = KVShard(k, jnp.ones_like(k), None, None)
+    assert marked_for_ring(kv, "pallas_tpu", None) is kv
+    for impl, comm in (("pallas_tpu", "bfloat16"), ("xla", None), ("pallas_gpu", None), ("pallas_tpu_fused", None)):
+        got = marked_for_ring(kv, impl, comm)
+        assert np.isnan(np.asarray(got.k)[0, 3]).all() and np.asarray(got.v)[0, 3].max() == 0, impl
 
 
 @pytest.mark.parametrize("backward", ["fused", "two_kernels"])

@@ -20,9 +20,10 @@ is what the Pallas kernels share: tile bounds and schedules on ``masks.bounds_em
 and their own preconditions (dtypes, tile shapes). They assume a validated call: ``ringattn_fast.front``
 checks every argument once, before anything is traced.
 
-K/V reach every kernel marked by ``masks.mark_bad_keys`` (the ring does it once, before the first hop);
-what is left of the non-finite-key rule, ``masks.finite_part`` and ``masks.masked_grad``, the kernels
-share with the XLA hop.
+K/V reach every kernel marked by ``masks.mark_bad_keys`` (the ring does it once, before the first hop),
+except the per-hop TPU kernels' (``Impl.marks_keys``): they mark each K/V tile that holds a bad key in
+VMEM, which spares a marked copy of K and V in HBM. What is left of the non-finite-key rule,
+``masks.finite_part`` and ``masks.masked_grad``, the kernels share with the XLA hop.
 """
 from typing import NamedTuple
 
@@ -35,18 +36,21 @@ class Impl(NamedTuple):
     interpreted, whether it provides per-hop functions (else a whole ring), whether the ring may skip
     an empty hop around it with ``lax.cond`` (not around a per-hop TPU kernel: the TPU interpreter puts a
     barrier across all devices before each kernel, so every host must run it at every step), and which
-    of :data:`PROGRAMS` it applies (``value_width``: v as wide as it likes, d_v != d)."""
+    of :data:`PROGRAMS` it applies (``value_width``: v as wide as it likes, d_v != d). ``marks_keys``: its
+    kernels mark bad keys themselves (``masks.mark_bad_keys`` per tile), so the ring passes K/V unmarked
+    where nothing re-encodes them on the way (no ``comm_dtype``: ``ring.marked``)."""
     module: str
     compiled: tuple
     interpreted: tuple
     per_hop: bool = True
     skip_empty_hops: bool = True
     programs: tuple = PROGRAMS
+    marks_keys: bool = False
 
 
 IMPLS = {
     "xla": Impl("xla", ("cpu",) + GPU_PLATFORMS + ("tpu",), ()),
     "pallas_gpu": Impl("pallas_gpu", GPU_PLATFORMS, ("cpu",)),
-    "pallas_tpu": Impl("pallas_tpu", ("tpu",), ("cpu",), skip_empty_hops=False),
+    "pallas_tpu": Impl("pallas_tpu", ("tpu",), ("cpu",), skip_empty_hops=False, marks_keys=True),
     "pallas_tpu_fused": Impl("pallas_tpu_fused", ("tpu",), ("cpu",), per_hop=False, skip_empty_hops=False),
 }

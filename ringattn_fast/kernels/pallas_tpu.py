@@ -74,7 +74,7 @@ from ringattn_fast.kernels import budgets
 from ringattn_fast.kernels.tiles import (NEG_INF, Budget, const_specs, empty_tiles, finite_keys, hop_kernels,
                                          out_struct, program, programmed, resident_blocks, same_vma, target_chip,
                                          tile_bounds)
-from ringattn_fast.masks import allowed, bounds_empty, bounds_full, masked_grad
+from ringattn_fast.masks import allowed, bad_key_sums, bounds_empty, bounds_full, masked_grad
 from ringattn_fast.schedule import HopConfig
 
 __all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts", "default_blocks", "footprints"]
@@ -143,14 +143,43 @@ def _out_dtype(cfg):
 
 
 def _prefetch(qs, kv, cfg, *, transposed=False):
-    """Scalar-prefetch tables (flat int32): Q and K/V tile bounds ``[b * n * 4]`` (`tiles.tile_bounds`) and
-    the resident block of the inner grid axis per step (`tiles.resident_blocks`; K/V tiles per Q tile, or
-    with ``transposed`` Q tiles per K/V tile, for the dK/dV kernel)."""
+    """Scalar-prefetch tables (flat int32): Q and K/V tile bounds ``[b * n * 4]`` (`tiles.tile_bounds`), the
+    resident block of the inner grid axis per step (`tiles.resident_blocks`; K/V tiles per Q tile, or with
+    ``transposed`` Q tiles per K/V tile, for the dK/dV kernel), and which K/V tiles hold a bad key
+    (`_bad_tiles`)."""
     empty = empty_tiles(qs.pos, kv.pos, qs.seg, kv.seg, causal=cfg.causal, window=cfg.window,
                         block_q=cfg.block_q, block_kv=cfg.block_kv)  # (b, nq, nk)
     resident = resident_blocks(empty.swapaxes(1, 2) if transposed else empty)
     return [tile_bounds(qs.pos, qs.seg, cfg.block_q).reshape(-1),
-            tile_bounds(kv.pos, kv.seg, cfg.block_kv).reshape(-1), resident.reshape(-1)]
+            tile_bounds(kv.pos, kv.seg, cfg.block_kv).reshape(-1), resident.reshape(-1), _bad_tiles(kv, cfg.block_kv)]
+
+
+N_PREFETCH = 4  # the scalar-prefetch tables of every kernel here: (qb, kb, res, bad), `_prefetch`
+
+
+def _bad_tiles(kv, block_kv):
+    """int32 ``[b * n_kv]``: 1 where K/V tile j of batch row b holds a key with a nan/inf in its K or V (any
+    head; ``masks.bad_key_sums``), else 0. Such a tile is marked in VMEM by the kernel that loads it
+    (`_mark_tile`), so the ring hands these kernels K/V as given (``Impl.marks_keys``): marked in HBM
+    (``masks.mark_bad_keys``), K and V were copied once more, and the copies lived from the forward to
+    the backward (32 of the 105 MiB of temp of a 16K-token causal forward+backward on a v5e, 64 of 320 at
+    32K; JAX 0.10.2, 8 heads, d = 128, bf16; `tests/_tpu_compile.py memory`)."""
+    b, sk = kv.k.shape[:2]
+    sums = bad_key_sums(kv.k, kv.v).reshape(b, sk // block_kv, -1)  # 0, or NaN where a key is bad
+    return jnp.isnan(jnp.sum(sums, axis=-1)).astype(jnp.int32).reshape(-1)
+
+
+def _mark_tile(flag, k_ref, v_ref):
+    """``masks.mark_bad_keys`` on the K/V tile in VMEM, in place, where ``flag`` (the tile's `_bad_tiles`
+    entry) is set: K all-NaN and V 0 for each key whose row holds a nan/inf. A no-op on a marked tile, so a
+    block the pipeline keeps for the next grid step may be marked again."""
+    @pl.when(flag != 0)
+    def _mark():
+        k, v = k_ref[...], v_ref[...]  # (block_kv, d), (block_kv, d_v)
+        zero_sum = lambda x: jnp.sum(x.astype(jnp.float32) * 0.0, axis=1, keepdims=True)  # noqa: E731
+        bad = jnp.isnan(zero_sum(k) + zero_sum(v))  # (block_kv, 1)
+        k_ref[...] = jnp.where(bad, jnp.nan, k).astype(k.dtype)
+        v_ref[...] = jnp.where(bad, 0, v).astype(v.dtype)
 
 
 def _positions(qs, kv, cfg):
@@ -215,15 +244,15 @@ def _logits(q, k, cfg, fn, *, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, masked
     return (s, pull) if grad else s
 
 
-def _fwd_kernel(qb_ref, kb_ref, res_ref,                                    # SMEM tables
+def _fwd_kernel(qb_ref, kb_ref, res_ref, bad_ref,                           # SMEM tables
                 q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,        # inputs (segments: None)
                 const_refs,                                                 # the program's consts (a tuple)
                 o_ref, lse_ref, count_ref,                                  # outputs (count: None)
                 m_sc, l_sc, acc_sc, q_sc, *, cfg, prog, n_q, n_kv, rows):
     """Grid (batch, head, Q tile i, K/V tile j): fold tile (i, j) into (m, l, acc) (FA-2 Alg. 1)."""
-    del res_ref  # read by the index maps only
     bi, hi, i, j = (pl.program_id(a) for a in range(4))
     counter = (bi * pl.num_programs(1) + hi) * n_q + i
+    _mark_tile(bad_ref[bi * n_kv + res_ref[(bi * n_q + i) * n_kv + j]], k_ref, v_ref)  # the K/V tile loaded
 
     @pl.when(j == 0)
     def _init():
@@ -278,19 +307,19 @@ def _stat_block(rows, bq, at):
 
 def _qmajor_specs(cfg, d, group, n_q, n_kv, d_v=None):
     """BlockSpecs of grid (b, h, i, j) (forward, dQ). Index maps get the grid indices, then the three
-    scalar-prefetch refs ``(qb, kb, res)``; K/V-side blocks read the resident K/V tile from ``res``.
+    scalar-prefetch refs ``(qb, kb, res, bad)``; K/V-side blocks read the resident K/V tile from ``res``.
     ``q``, ``kv``: q and k tiles (d wide); ``o``, ``v``: o / dO and v tiles (``d_v`` wide; None: d)."""
     bq, bk, d_v = cfg.block_q, cfg.block_kv, d if d_v is None else d_v
     direct = _direct(d, d_v)
     kv_tile = lambda bi, i, j, res: res[(bi * n_q + i) * n_kv + j]  # j, or the last computed tile
     q_at = lambda bi, hi, i, j, *_: (bi, hi, i)
-    kv_at = lambda bi, hi, i, j, qb, kb, res: (bi, hi // group, kv_tile(bi, i, j, res))
+    kv_at = lambda bi, hi, i, j, qb, kb, res, bad: (bi, hi // group, kv_tile(bi, i, j, res))
     return dict(
         q=_block(direct, bq, d, q_at), o=_block(direct, bq, d_v, q_at),
         kv=_block(direct, bk, d, kv_at), v=_block(direct, bk, d_v, kv_at),
         stat=_stat_block(_stat_rows(cfg), bq, q_at),
         q_pos=_pos_block(_stat_rows(cfg), bq, lambda bi, hi, i, j, *_: (bi, i)),
-        k_pos=_pos_block(True, bk, lambda bi, hi, i, j, qb, kb, res: (bi, kv_tile(bi, i, j, res))))
+        k_pos=_pos_block(True, bk, lambda bi, hi, i, j, qb, kb, res, bad: (bi, kv_tile(bi, i, j, res))))
 
 
 def _kvmajor_specs(cfg, d, group, n_q, n_kv, d_v=None):
@@ -299,13 +328,13 @@ def _kvmajor_specs(cfg, d, group, n_q, n_kv, d_v=None):
     bq, bk, d_v = cfg.block_q, cfg.block_kv, d if d_v is None else d_v
     direct = _direct(d, d_v)
     q_tile = lambda bi, j, i, res: res[(bi * n_kv + j) * n_q + i]  # i, or the last computed tile
-    q_at = lambda bi, kv_head, j, member, i, qb, kb, res: (bi, kv_head * group + member, q_tile(bi, j, i, res))
+    q_at = lambda bi, kv_head, j, member, i, qb, kb, res, bad: (bi, kv_head * group + member, q_tile(bi, j, i, res))
     kv_at = lambda bi, kv_head, j, member, i, *_: (bi, kv_head, j)
     return dict(
         q=_block(direct, bq, d, q_at), o=_block(direct, bq, d_v, q_at),
         kv=_block(direct, bk, d, kv_at), v=_block(direct, bk, d_v, kv_at),
         stat=_stat_block(_stat_rows(cfg), bq, q_at),
-        q_pos=_pos_block(_stat_rows(cfg), bq, lambda bi, kv_head, j, member, i, qb, kb, res:
+        q_pos=_pos_block(_stat_rows(cfg), bq, lambda bi, kv_head, j, member, i, qb, kb, res, bad:
                          (bi, q_tile(bi, j, i, res))),
         k_pos=_pos_block(True, bk, lambda bi, kv_head, j, member, i, *_: (bi, j)))
 
@@ -331,13 +360,13 @@ def _forward(qs, kv, *, cfg, interpret, count, vmem_limit):
     prog, direct, rows = program(cfg, cfg.block_q, cfg.block_kv), _direct(d, d_v), _stat_rows(cfg)
     prefetch, pos = _prefetch(qs, kv, cfg), _positions(qs, kv, cfg)
     ops = same_vma(*prefetch, *(_view(x, direct) for x in (qs.q, kv.k, kv.v)), *pos, *_consts(prog))
-    q, consts = ops[3], tuple(ops[len(ops) - len(_consts(prog)):])
+    q, consts = ops[N_PREFETCH], tuple(ops[len(ops) - len(_consts(prog)):])
     sp = _qmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v)
     counter = pl.BlockSpec(memory_space=pltpu.SMEM)  # debug output: one counter per (batch, head, Q tile)
     out = pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg, prog=prog, n_q=n_q, n_kv=n_kv, rows=rows),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3, grid=(b, h, n_q, n_kv),
+            num_scalar_prefetch=N_PREFETCH, grid=(b, h, n_q, n_kv),
             in_specs=[sp["q"], sp["kv"], sp["v"]] + _pos_specs(sp, segments, prog),
             out_specs=[sp["o"], sp["stat"], counter if count else None],
             scratch_shapes=[pltpu.VMEM((cfg.block_q, LANES), jnp.float32),
@@ -365,12 +394,12 @@ def _tile_grads(s, pull, do, v, lse, delta):
     return p, ds if pull is None else pull(ds, p)
 
 
-def _dq_kernel(qb_ref, kb_ref, res_ref,
+def _dq_kernel(qb_ref, kb_ref, res_ref, bad_ref,
                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
                const_refs, dq_ref, acc_sc, q_sc, *, cfg, prog, n_q, n_kv, rows):
     """Grid (b, h, i, j): dQ_i += scale * dS_ij K_j over the K/V tiles j (in order)."""
-    del res_ref
     bi, hi, i, j = (pl.program_id(a) for a in range(4))
+    _mark_tile(bad_ref[bi * n_kv + res_ref[(bi * n_q + i) * n_kv + j]], k_ref, v_ref)
 
     @pl.when(j == 0)
     def _init():
@@ -391,12 +420,13 @@ def _dq_kernel(qb_ref, kb_ref, res_ref,
         dq_ref[...] = (cfg.scale * acc_sc[...]).astype(dq_ref.dtype)  # dQ = scale dS K
 
 
-def _dkv_kernel(qb_ref, kb_ref, res_ref,
+def _dkv_kernel(qb_ref, kb_ref, res_ref, bad_ref,
                 q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
                 const_refs, dk_ref, dv_ref, dk_sc, dv_sc, *, cfg, prog, n_q, n_kv, group, rows):
     """Grid (b, kv_head, j, member, i): dK_j, dV_j summed over the group's heads and the Q tiles i."""
     del res_ref
     bi, kv_head, j, member, i = (pl.program_id(a) for a in range(5))
+    _mark_tile(bad_ref[bi * n_kv + j], k_ref, v_ref)
 
     @pl.when((member == 0) & (i == 0))
     def _init():
@@ -434,7 +464,7 @@ def _key_major_grads(k, q, v, do, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_se
     return pt, masked_grad(pt, _dot(v, do, _NT), delta_ref[...])  # dS^T = P^T (dP^T - D), dP^T = V dO^T
 
 
-def _dkv_key_major_kernel(qb_ref, kb_ref, res_ref,
+def _dkv_key_major_kernel(qb_ref, kb_ref, res_ref, bad_ref,
                   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
                   const_refs, dk_ref, dv_ref, dk_sc, dv_sc, k_sc, *, cfg, prog, n_q, n_kv, group, rows):
     """`_dkv_kernel` with the tile transposed (splash attention's dK/dV orientation): S^T = K_j Q_i^T is
@@ -443,6 +473,7 @@ def _dkv_key_major_kernel(qb_ref, kb_ref, res_ref,
     rows, key columns (`_key_major_grads`). Only without a program and with `_stat_rows`."""
     del res_ref, const_refs, prog, rows
     bi, kv_head, j, member, i = (pl.program_id(a) for a in range(5))
+    _mark_tile(bad_ref[bi * n_kv + j], k_ref, v_ref)  # before K is scaled into k_sc
 
     @pl.when((member == 0) & (i == 0))
     def _init():
@@ -465,7 +496,7 @@ def _dkv_key_major_kernel(qb_ref, kb_ref, res_ref,
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
-def _bwd_fused_kernel(qb_ref, kb_ref, res_ref,
+def _bwd_fused_kernel(qb_ref, kb_ref, res_ref, bad_ref,
                       q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
                       dq_ref, dk_ref, dv_ref, q_sc, dq_sc, dk_sc, dv_sc, *, cfg, n_q, n_kv, group):
     """The whole backward in one kernel, 5 matmuls a tile instead of the two kernels' 7 (S and dP once):
@@ -475,9 +506,9 @@ def _bwd_fused_kernel(qb_ref, kb_ref, res_ref,
     (`_dkv_key_major_kernel`): dV += P^T dO and dK += dS^T Q are plain matmuls; dQ += dS K takes dS^T transposed
     (as splash attention's fused backward does). Used where no program applies, lse/delta are rows and
     the shard's dK/dV fit VMEM (`_fused_bwd`)."""
-    del res_ref
     bi, kv_head, member, i, j = (pl.program_id(a) for a in range(5))
     bk = cfg.block_kv
+    _mark_tile(bad_ref[bi * n_kv + res_ref[(bi * n_q + i) * n_kv + j]], k_ref, v_ref)
 
     @pl.when((member == 0) & (i == 0) & (j == 0))
     def _init_kv():
@@ -529,12 +560,12 @@ def _fused_specs(cfg, d, d_v, sk, group, n_q, n_kv):
     bq, bk, direct = cfg.block_q, cfg.block_kv, _direct(d, d_v)
     kv_tile = lambda bi, i, j, res: res[(bi * n_q + i) * n_kv + j]  # noqa: E731
     q_at = lambda bi, kh, m, i, j, *_: (bi, kh * group + m, i)  # noqa: E731
-    kv_at = lambda bi, kh, m, i, j, qb, kb, res: (bi, kh, kv_tile(bi, i, j, res))  # noqa: E731
+    kv_at = lambda bi, kh, m, i, j, qb, kb, res, bad: (bi, kh, kv_tile(bi, i, j, res))  # noqa: E731
     whole = lambda bi, kh, *_: (bi, kh, 0)  # noqa: E731
     return dict(q=_block(direct, bq, d, q_at), o=_block(direct, bq, d_v, q_at), kv=_block(direct, bk, d, kv_at),
                 v=_block(direct, bk, d_v, kv_at), stat=_stat_block(True, bq, q_at),
                 q_pos=_pos_block(True, bq, lambda bi, kh, m, i, j, *_: (bi, i)),
-                k_pos=_pos_block(True, bk, lambda bi, kh, m, i, j, qb, kb, res: (bi, kv_tile(bi, i, j, res))),
+                k_pos=_pos_block(True, bk, lambda bi, kh, m, i, j, qb, kb, res, bad: (bi, kv_tile(bi, i, j, res))),
                 dk=_block(direct, sk, d, whole), dv=_block(direct, sk, d_v, whole))
 
 
@@ -563,7 +594,7 @@ def _fused_footprint(cfg, q_shape, k_shape, dtype, d_v):
            of(sp["stat"], f32)] + [of(sp["q_pos"], i32), of(sp["k_pos"], i32)] * 2
     outs = [of(sp["q"], odt), of(sp["dk"], odt), of(sp["dv"], odt)]
     n_q, n_kv = sq // cfg.block_q, sk // cfg.block_kv
-    smem = 4 * (b * n_q * 4 + b * n_kv * 4 + b * n_q * n_kv)
+    smem = 4 * (b * n_q * 4 + b * n_kv * 5 + b * n_q * n_kv)
     temps = [((cfg.block_kv, cfg.block_q), f32)] * (3 + _split_temps(dtype))
     return budgets.Footprint(budgets.tpu_vmem_bytes(ins + outs, _fused_scratch(cfg, d, d_v, sk, dtype), temps), smem,
                              "ring_hop_bwd_fused_tpu")
@@ -583,7 +614,7 @@ def _bwd_call(kernel, name, grid, *, specs, prefetch, args, out_specs, out_shape
     """One backward pallas_call: batch, heads and the outer tile axis in parallel, the rest in order."""
     return pl.pallas_call(
         kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid, in_specs=specs,
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=N_PREFETCH, grid=grid, in_specs=specs,
                                                out_specs=out_specs, scratch_shapes=scratch),
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
@@ -624,12 +655,13 @@ def _backward_jit(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit, key_maj
     operands = [_view(x, direct) for x in (qs.q, kv.k, kv.v, do)] + stats
     if fused is not None:  # no program: no consts; positions for key-major tiles
         ops = same_vma(*_prefetch(qs, kv, cfg), *operands, *_positions(qs, kv, cfg))
-        return _backward_fused(qs, kv, cfg, list(ops[3:]), ops[:3], interpret=interpret, vmem_limit=fused[0])
+        return _backward_fused(qs, kv, cfg, list(ops[N_PREFETCH:]), ops[:N_PREFETCH], interpret=interpret,
+                               vmem_limit=fused[0])
     key_major = _key_major(cfg, prog, key_major_dkv)
     ops = same_vma(*_prefetch(qs, kv, cfg), *_prefetch(qs, kv, cfg, transposed=True), *operands, *_positions(qs, kv, cfg),
                    *_consts(prog))
-    prefetch_q, prefetch_kv, n_ops = ops[:3], ops[3:6], 6 + len(operands)
-    inputs, pos, consts = ops[6:n_ops], ops[n_ops:n_ops + 4], tuple(ops[n_ops + 4:])
+    prefetch_q, prefetch_kv, n_ops = ops[:N_PREFETCH], ops[N_PREFETCH:2 * N_PREFETCH], 2 * N_PREFETCH + len(operands)
+    inputs, pos, consts = ops[2 * N_PREFETCH:n_ops], ops[n_ops:n_ops + 4], tuple(ops[n_ops + 4:])
     q, static = inputs[0], dict(cfg=cfg, prog=prog, n_q=n_q, n_kv=n_kv, rows=rows)
 
     # dQ: grid (b, h, Q tiles, K/V tiles), K/V tiles last.
@@ -671,7 +703,7 @@ def _backward_fused(qs, kv, cfg, args, prefetch, *, interpret, vmem_limit):
     dq, dk, dv = pl.pallas_call(
         functools.partial(_bwd_fused_kernel, cfg=cfg, n_q=n_q, n_kv=n_kv, group=group),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3, grid=(b, hk, group, n_q, n_kv), in_specs=in_specs,
+            num_scalar_prefetch=N_PREFETCH, grid=(b, hk, group, n_q, n_kv), in_specs=in_specs,
             out_specs=[sp["q"], sp["dk"], sp["dv"]],
             scratch_shapes=[pltpu.VMEM(shape_, dt) for shape_, dt in _fused_scratch(cfg, d, d_v, sk, qs.q.dtype)]),
         out_shape=[out_struct(shape(sq, h, d), odt, q), out_struct(shape(sk, hk, d), odt, q),
@@ -692,7 +724,7 @@ def footprints(cfg, q_shape, k_shape, dtype, backward, d_v=None):
     d_v = d if d_v is None else d_v
     bq, bk, f32, i32 = cfg.block_q, cfg.block_kv, jnp.float32, jnp.int32
     n_q, n_kv = sq // bq, sk // bk
-    smem = 4 * (b * n_q * 4 + b * n_kv * 4 + b * n_q * n_kv)  # tile bounds, resident blocks (int32)
+    smem = 4 * (b * n_q * 4 + b * n_kv * 5 + b * n_q * n_kv)  # tile bounds, bad tiles, resident blocks (int32)
     out = []
     for name, sp, scratch in (
             [("ring_hop_fwd_tpu", _qmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v),
