@@ -14,11 +14,13 @@ causal skipping.
 2. **xla hop**: ``ring_attention(impl="xla")`` forward+backward time, causal over non-causal (the hop
    skips empty tiles: the issue's bar is <= 0.6).
 3. **overhead** (``--checks overhead``, a TPU only): the default call's forward+backward time as shipped
-   and with the nan/inf key-marking pass made the identity (a diagnostic of the ring's own passes).
+   and with the per-tile nan/inf key flags (``pallas_tpu._bad_tiles``, the reduction over K and V behind
+   them) made all zero (a diagnostic of the ring's own passes).
 4. **variants** (``--checks variants``): the default call's forward+backward time with each form of the
-   fused backward's dS K (``pallas_tpu.DQ_FORM``), and with the per-tile non-finite test of K made the
-   identity (a diagnostic, wrong for a bad key: what that test costs), each compiled ahead with its
-   setting in place and timed interleaved; 8 heads, causal and not, ``--variant-seqs``.
+   fused backward's dS K (``pallas_tpu.DQ_FORM``), with the per-tile non-finite test of K made the
+   identity (a diagnostic, wrong for a bad key: what that test costs), and with partial tiles whole or
+   split 4 x 4 instead of 2 x 2 (``pallas_tpu.SPLIT``), each compiled ahead with its setting in place and
+   timed interleaved; 8 heads, ``--variant-seqs``, ``--variant-causal``, ``--variants`` (names).
 
 One JSON object per check to stdout, a line each to stderr.
 """
@@ -127,29 +129,32 @@ def xla_hop(seq, heads, dim, repeats):
 
 def overhead(seq, heads, dim, repeats):
     """Forward+backward ms of the default ``ring_attention`` on one device, as shipped and with
-    ``masks.mark_bad_keys`` made the identity (a diagnostic: what the pass that masks nan/inf keys costs)."""
+    ``pallas_tpu._bad_tiles`` all zero (a diagnostic: what finding the nan/inf keys costs; the kernels mark
+    the flagged tiles in VMEM)."""
     import jax
     import jax.numpy as jnp
     import ringattn_fast as rf
-    from ringattn_fast import masks
+    from ringattn_fast.kernels import pallas_tpu
     mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
     x = jax.random.normal(jax.random.key(0), (1, seq, heads, dim), jnp.bfloat16)
     row = dict(check="overhead", seq=seq, heads=heads, dim=dim)
     for causal in (False, True):
         fns = []
         for identity in (False, True):
-            saved = masks.mark_bad_keys
+            saved = pallas_tpu._bad_tiles
             if identity:
-                masks.mark_bad_keys = lambda k, v: (k, v)
+                pallas_tpu._bad_tiles = lambda kv, block_kv: jnp.zeros(kv.k.shape[0] * (kv.k.shape[1] // block_kv),
+                                                                       jnp.int32)
             try:  # traced here, with the patch in place
                 attn = partial(rf.ring_attention, mesh=mesh, causal=causal)
+                jax.clear_caches()
                 f = jax.jit(lambda q: jax.vjp(attn, q, q, q)[1](q))
                 jax.block_until_ready(f(x))
             finally:
-                masks.mark_bad_keys = saved
+                pallas_tpu._bad_tiles = saved
             fns.append(partial(f, x))
         t_ours, t_unmarked = time_interleaved(fns, repeats, 1)
-        row[f"causal={causal}"] = dict(ms=1e3 * t_ours, ms_without_mark_bad_keys=1e3 * t_unmarked)
+        row[f"causal={causal}"] = dict(ms=1e3 * t_ours, ms_without_bad_key_flags=1e3 * t_unmarked)
     return row
 
 
@@ -181,12 +186,13 @@ def mark_bad_variants(seq, heads, dim, repeats):
 
 
 VARIANTS = {"shipped": {}, "dq_cast": dict(DQ_FORM="cast"), "dq_tn": dict(DQ_FORM="tn"),
-            "no_finite_keys": dict(finite_keys=lambda k: k)}
+            "no_finite_keys": dict(finite_keys=lambda k: k), "whole_tiles": dict(SPLIT=1), "split4": dict(SPLIT=4)}
 
 
-def variants(seq, heads, dim, causal, repeats, dry_run=False):
-    """ms of the default forward+backward under each of :data:`VARIANTS` (``pallas_tpu`` attributes set while
-    the program is traced and compiled), and each one's max |difference| from the shipped outputs."""
+def variants(seq, heads, dim, causal, repeats, dry_run=False, names=None):
+    """ms of the default forward+backward under each of :data:`VARIANTS` (``names`` of them, "shipped" always;
+    ``pallas_tpu`` attributes set while the program is traced and compiled), and each one's max |difference|
+    from the shipped outputs."""
     import jax
     import jax.numpy as jnp
     import ringattn_fast as rf
@@ -196,6 +202,8 @@ def variants(seq, heads, dim, causal, repeats, dry_run=False):
     attn = partial(rf.ring_attention, mesh=mesh, causal=causal, **(dict(impl="pallas_tpu") if dry_run else {}))
     compiled, outs = {}, {}
     for name, patch in VARIANTS.items():
+        if names is not None and name != "shipped" and name not in names:
+            continue
         saved = {a: getattr(pallas_tpu, a) for a in patch}
         try:
             for a, value in patch.items():
@@ -221,6 +229,8 @@ def main(argv=None):
     p.add_argument("--checks", default="numerics,xla", help="comma list of numerics, xla, overhead, variants")
     p.add_argument("--overhead-seqs", default=None, help="comma list (default 8192,16384)")
     p.add_argument("--variant-seqs", default=None, help="comma list (default 8192,16384)")
+    p.add_argument("--variant-causal", default="both", choices=["both", "true", "false"])
+    p.add_argument("--variants", default=None, help=f"comma list of {', '.join(VARIANTS)} (default all)")
     args = p.parse_args(argv)
     checks = set(args.checks.split(","))
     import jax
@@ -240,8 +250,10 @@ def main(argv=None):
         jobs += [partial(overhead, s, 8, dim, 5) for s in seqs]
     if "variants" in checks:
         seqs = [int(s) for s in (args.variant_seqs or ("256" if args.dry_run else "8192,16384")).split(",")]
-        jobs += [partial(variants, s, 2 if args.dry_run else 8, dim, causal, 1 if args.dry_run else 10, args.dry_run)
-                 for s in seqs for causal in (False, True)]
+        causals = {"both": (False, True), "true": (True,), "false": (False,)}[args.variant_causal]
+        names = None if args.variants is None else set(args.variants.split(","))
+        jobs += [partial(variants, s, 2 if args.dry_run else 8, dim, causal, 1 if args.dry_run else 10, args.dry_run,
+                         names) for s in seqs for causal in causals]
     ok = True
     for job in jobs:  # printed as each finishes: a run cut short keeps what it measured
         row = job()

@@ -133,28 +133,44 @@ def _stats_in(x, rows):
     return x[:, :, None, :] if rows else jnp.broadcast_to(x[..., None], (b, h, s, LANES))
 
 
-def _column(ref, rows):
-    """A statistic's (block_q, 1) column in a kernel, from its (1, block_q) row or (block_q, 128) block."""
-    return jnp.expand_dims(ref[0], -1) if rows else ref[:, :1]
+def _column(ref, rows, part=slice(None)):
+    """A statistic's (block_q, 1) column in a kernel, from its (1, block_q) row or (block_q, 128) block; ``part``:
+    the rows of a sub-tile only (`_sub_tiles`)."""
+    return jnp.expand_dims(ref[0, part], -1) if rows else ref[part, :1]
 
 
 def _out_dtype(cfg):
     return jnp.float32 if cfg.out_dtype is None else jnp.dtype(cfg.out_dtype)
 
 
-def _prefetch(qs, kv, cfg, *, transposed=False):
+def _prefetch(qs, kv, cfg, *, transposed=False, split=1):
     """Scalar-prefetch tables (flat int32): Q and K/V tile bounds ``[b * n * 4]`` (`tiles.tile_bounds`), the
     resident block of the inner grid axis per step (`tiles.resident_blocks`; K/V tiles per Q tile, or with
-    ``transposed`` Q tiles per K/V tile, for the dK/dV kernel), and which K/V tiles hold a bad key
-    (`_bad_tiles`)."""
+    ``transposed`` Q tiles per K/V tile, for the dK/dV kernel), which K/V tiles hold a bad key
+    (`_bad_tiles`), and the bounds of the Q and K/V sub-tiles of sides block / ``split`` (`_sub_tiles`)."""
     empty = empty_tiles(qs.pos, kv.pos, qs.seg, kv.seg, causal=cfg.causal, window=cfg.window,
                         block_q=cfg.block_q, block_kv=cfg.block_kv)  # (b, nq, nk)
     resident = resident_blocks(empty.swapaxes(1, 2) if transposed else empty)
     return [tile_bounds(qs.pos, qs.seg, cfg.block_q).reshape(-1),
-            tile_bounds(kv.pos, kv.seg, cfg.block_kv).reshape(-1), resident.reshape(-1), _bad_tiles(kv, cfg.block_kv)]
+            tile_bounds(kv.pos, kv.seg, cfg.block_kv).reshape(-1), resident.reshape(-1), _bad_tiles(kv, cfg.block_kv),
+            tile_bounds(qs.pos, qs.seg, cfg.block_q // split).reshape(-1),
+            tile_bounds(kv.pos, kv.seg, cfg.block_kv // split).reshape(-1)]
 
 
-N_PREFETCH = 4  # the scalar-prefetch tables of every kernel here: (qb, kb, res, bad), `_prefetch`
+N_PREFETCH = 6  # the scalar-prefetch tables of every kernel here: (qb, kb, res, bad, qsb, ksb), `_prefetch`
+# A partial tile (the diagonal of a causal hop, a window's or a segment's edge) of the forward and of the fused
+# backward runs as SPLIT x SPLIT sub-tiles (`_sub_tiles`, `_split`; 1: whole).
+SPLIT = 2
+
+
+def _split(cfg, prog, interpret):
+    """:data:`SPLIT` where it applies, else 1: no program (its tables are per tile), lse as rows (a sub-tile's
+    statistics and query positions are lane slices of them), and sub-tile sides that keep Mosaic's tile rule
+    (multiples of 128; interpreted, of 8)."""
+    side = SUBLANES if interpret else LANES
+    ok = SPLIT > 1 and prog is None and _stat_rows(cfg) and all(
+        block % SPLIT == 0 and (block // SPLIT) % side == 0 for block in (cfg.block_q, cfg.block_kv))
+    return SPLIT if ok else 1
 
 
 def _bad_tiles(kv, block_kv):
@@ -220,23 +236,40 @@ def _by_kind(body, qb_ref, kb_ref, tile, cfg, segments):
     pl.when(jnp.logical_not(empty | full))(lambda: body(True))
 
 
+def _sub_tiles(fold, qsb_ref, ksb_ref, tile, sizes, split, cfg, segments):
+    """A partial tile as ``split`` x ``split`` sub-tiles, each by kind (`_by_kind` on the sub-tile bounds
+    tables ``qsb``, ``ksb``: `tiles.tile_bounds` at the sub-tile sides): an empty one skipped, a full one
+    unmasked, only a partial one masked; ``fold(masked, query rows, key rows)`` computes one. On the
+    diagonal of a causal hop this skips a quarter of the tile at ``split`` = 2 (splash attention's compute
+    sub-blocks do this along the keys). ``tile``: (batch, Q tile, K/V tile, n_q, n_kv); ``sizes``: (block_q,
+    block_kv); ``fold`` gets static slices of the tile's queries and keys, whichever way round the tile is."""
+    bi, i, j, n_q, n_kv = tile
+    sub_q, sub_kv = sizes[0] // split, sizes[1] // split
+    for r in range(split):
+        for c in range(split):
+            qp, kp = slice(r * sub_q, (r + 1) * sub_q), slice(c * sub_kv, (c + 1) * sub_kv)
+            _by_kind(lambda masked, qp=qp, kp=kp: fold(masked, qp, kp), qsb_ref, ksb_ref,
+                     (bi, i * split + r, j * split + c, n_q * split, n_kv * split), cfg, segments)
+
+
 def _scaled(x, scale):
     """``x * scale`` in float32, back in x's dtype: a Q (or K) tile pre-scaled once, so the (block_q, block_kv)
     logits need no multiply (splash attention asks its caller for a pre-scaled q; here the kernel does it)."""
     return (x.astype(jnp.float32) * scale).astype(x.dtype)
 
 
-def _logits(q, k, cfg, fn, *, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, masked=True, grad=False, prescaled=False):
+def _logits(q, k, cfg, fn, *, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, masked=True, grad=False, prescaled=False,
+            part=(slice(None), slice(None))):
     """fp32 [block_q, block_kv] ``scale * q k^T``, soft-capped, scored and masked (``fn``: the tile's
     `tiles.Program`, its consts' refs and the query head), -inf where masked (the built-in mask only when
     ``masked``: a full tile needs none); positions from a query column (`_column`) and a (1, block_kv) key
     row. With ``grad``: ``(s, pullback)`` (`tiles.programmed`). ``prescaled``: q is already
-    times the scale (`_scaled`)."""
+    times the scale (`_scaled`). ``part``: (query rows, key columns) of a sub-tile whose q and k these are."""
     s = _dot(q, k, _NT) if prescaled else cfg.scale * _dot(q, k, _NT)
     prog, const_refs, head = fn
-    rows = _stat_rows(cfg)
-    q_pos, k_pos = _column(q_pos_ref, rows), k_pos_ref[...]  # (block_q, 1), (1, block_kv)
-    q_seg, k_seg = (None, None) if q_seg_ref is None else (_column(q_seg_ref, rows), k_seg_ref[...])
+    rows, (qp, kp) = _stat_rows(cfg), part
+    q_pos, k_pos = _column(q_pos_ref, rows, qp), k_pos_ref[:, kp]  # (block_q, 1), (1, block_kv)
+    q_seg, k_seg = (None, None) if q_seg_ref is None else (_column(q_seg_ref, rows, qp), k_seg_ref[:, kp])
     s, pull = programmed(prog, [r[...] for r in const_refs], s, q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg,
                          head=head, grad=grad)
     allow = allowed(q_pos, k_pos, q_seg, k_seg, causal=cfg.causal, window=cfg.window) if masked else None
@@ -244,12 +277,13 @@ def _logits(q, k, cfg, fn, *, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, masked
     return (s, pull) if grad else s
 
 
-def _fwd_kernel(qb_ref, kb_ref, res_ref, bad_ref,                           # SMEM tables
+def _fwd_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,         # SMEM tables
                 q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,        # inputs (segments: None)
                 const_refs,                                                 # the program's consts (a tuple)
                 o_ref, lse_ref, count_ref,                                  # outputs (count: None)
-                m_sc, l_sc, acc_sc, q_sc, *, cfg, prog, n_q, n_kv, rows):
-    """Grid (batch, head, Q tile i, K/V tile j): fold tile (i, j) into (m, l, acc) (FA-2 Alg. 1)."""
+                m_sc, l_sc, acc_sc, q_sc, *, cfg, prog, n_q, n_kv, rows, split):
+    """Grid (batch, head, Q tile i, K/V tile j): fold tile (i, j) into (m, l, acc) (FA-2 Alg. 1); a partial
+    tile by its ``split`` x ``split`` sub-tiles (`_sub_tiles`)."""
     bi, hi, i, j = (pl.program_id(a) for a in range(4))
     counter = (bi * pl.num_programs(1) + hi) * n_q + i
     _mark_tile(bad_ref[bi * n_kv + res_ref[(bi * n_q + i) * n_kv + j]], k_ref, v_ref)  # the K/V tile loaded
@@ -263,20 +297,28 @@ def _fwd_kernel(qb_ref, kb_ref, res_ref, bad_ref,                           # SM
         if count_ref is not None:
             count_ref[counter] = 0
 
-    def _compute(masked):
-        v = v_ref[...]  # (block_kv, d_v)
-        s = _logits(q_sc[...], k_ref[...], cfg, (prog, const_refs, hi), q_pos_ref=q_pos_ref,  # (block_q, block_kv)
-                    k_pos_ref=k_pos_ref, q_seg_ref=q_seg_ref, k_seg_ref=k_seg_ref, masked=masked, prescaled=True)
-        m_prev = m_sc[...]  # (block_q, 128), lane-replicated
+    def _fold(masked, qp=slice(None), kp=slice(None)):  # the tile, or its sub-tile (query rows qp, key rows kp)
+        v = v_ref[kp, :]  # (block_kv, d_v)
+        s = _logits(q_sc[qp, :], k_ref[kp, :], cfg, (prog, const_refs, hi), q_pos_ref=q_pos_ref,  # (block_q, block_kv)
+                    k_pos_ref=k_pos_ref, q_seg_ref=q_seg_ref, k_seg_ref=k_seg_ref, masked=masked, prescaled=True,
+                    part=(qp, kp))
+        m_prev = m_sc[qp, :]  # (block_q, 128), lane-replicated
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row with nothing seen yet: exp(-inf) = 0
         p = jnp.exp(s - m_safe[:, :1])  # masked: exp(-inf) = 0 (a column: 3-5 % faster than jnp.tile on a v5e)
         alpha = jnp.exp(m_prev - m_safe)  # rescales the old l and acc to the new max
-        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-        m_sc[...] = m_new
-        acc_sc[...] = alpha[:, :1] * acc_sc[...] + _dot(p.astype(v.dtype), v, _NN)
+        l_sc[qp, :] = alpha * l_sc[qp, :] + jnp.sum(p, axis=1, keepdims=True)
+        m_sc[qp, :] = m_new
+        acc_sc[qp, :] = alpha[:, :1] * acc_sc[qp, :] + _dot(p.astype(v.dtype), v, _NN)
+
+    def _compute(masked):
         if count_ref is not None:
             count_ref[counter] = count_ref[counter] + 1
+        if masked and split > 1:
+            _sub_tiles(_fold, qsb_ref, ksb_ref, (bi, i, j, n_q, n_kv), (cfg.block_q, cfg.block_kv), split, cfg,
+                       q_seg_ref is not None)
+        else:
+            _fold(masked)
 
     _by_kind(_compute, qb_ref, kb_ref, (bi, i, j, n_q, n_kv), cfg, q_seg_ref is not None)
 
@@ -307,19 +349,19 @@ def _stat_block(rows, bq, at):
 
 def _qmajor_specs(cfg, d, group, n_q, n_kv, d_v=None):
     """BlockSpecs of grid (b, h, i, j) (forward, dQ). Index maps get the grid indices, then the three
-    scalar-prefetch refs ``(qb, kb, res, bad)``; K/V-side blocks read the resident K/V tile from ``res``.
+    scalar-prefetch refs (`_prefetch`); K/V-side blocks read the resident K/V tile from ``res``.
     ``q``, ``kv``: q and k tiles (d wide); ``o``, ``v``: o / dO and v tiles (``d_v`` wide; None: d)."""
     bq, bk, d_v = cfg.block_q, cfg.block_kv, d if d_v is None else d_v
     direct = _direct(d, d_v)
     kv_tile = lambda bi, i, j, res: res[(bi * n_q + i) * n_kv + j]  # j, or the last computed tile
     q_at = lambda bi, hi, i, j, *_: (bi, hi, i)
-    kv_at = lambda bi, hi, i, j, qb, kb, res, bad: (bi, hi // group, kv_tile(bi, i, j, res))
+    kv_at = lambda bi, hi, i, j, qb, kb, res, *_: (bi, hi // group, kv_tile(bi, i, j, res))
     return dict(
         q=_block(direct, bq, d, q_at), o=_block(direct, bq, d_v, q_at),
         kv=_block(direct, bk, d, kv_at), v=_block(direct, bk, d_v, kv_at),
         stat=_stat_block(_stat_rows(cfg), bq, q_at),
         q_pos=_pos_block(_stat_rows(cfg), bq, lambda bi, hi, i, j, *_: (bi, i)),
-        k_pos=_pos_block(True, bk, lambda bi, hi, i, j, qb, kb, res, bad: (bi, kv_tile(bi, i, j, res))))
+        k_pos=_pos_block(True, bk, lambda bi, hi, i, j, qb, kb, res, *_: (bi, kv_tile(bi, i, j, res))))
 
 
 def _kvmajor_specs(cfg, d, group, n_q, n_kv, d_v=None):
@@ -328,13 +370,13 @@ def _kvmajor_specs(cfg, d, group, n_q, n_kv, d_v=None):
     bq, bk, d_v = cfg.block_q, cfg.block_kv, d if d_v is None else d_v
     direct = _direct(d, d_v)
     q_tile = lambda bi, j, i, res: res[(bi * n_kv + j) * n_q + i]  # i, or the last computed tile
-    q_at = lambda bi, kv_head, j, member, i, qb, kb, res, bad: (bi, kv_head * group + member, q_tile(bi, j, i, res))
+    q_at = lambda bi, kv_head, j, member, i, qb, kb, res, *_: (bi, kv_head * group + member, q_tile(bi, j, i, res))
     kv_at = lambda bi, kv_head, j, member, i, *_: (bi, kv_head, j)
     return dict(
         q=_block(direct, bq, d, q_at), o=_block(direct, bq, d_v, q_at),
         kv=_block(direct, bk, d, kv_at), v=_block(direct, bk, d_v, kv_at),
         stat=_stat_block(_stat_rows(cfg), bq, q_at),
-        q_pos=_pos_block(_stat_rows(cfg), bq, lambda bi, kv_head, j, member, i, qb, kb, res, bad:
+        q_pos=_pos_block(_stat_rows(cfg), bq, lambda bi, kv_head, j, member, i, qb, kb, res, *_:
                          (bi, q_tile(bi, j, i, res))),
         k_pos=_pos_block(True, bk, lambda bi, kv_head, j, member, i, *_: (bi, j)))
 
@@ -358,13 +400,14 @@ def _forward(qs, kv, *, cfg, interpret, count, vmem_limit):
     (b, sq, h, d), (sk, hk), d_v = qs.q.shape, kv.k.shape[1:3], kv.v.shape[-1]
     n_q, n_kv, segments = sq // cfg.block_q, sk // cfg.block_kv, qs.seg is not None
     prog, direct, rows = program(cfg, cfg.block_q, cfg.block_kv), _direct(d, d_v), _stat_rows(cfg)
-    prefetch, pos = _prefetch(qs, kv, cfg), _positions(qs, kv, cfg)
+    split = _split(cfg, prog, interpret)
+    prefetch, pos = _prefetch(qs, kv, cfg, split=split), _positions(qs, kv, cfg)
     ops = same_vma(*prefetch, *(_view(x, direct) for x in (qs.q, kv.k, kv.v)), *pos, *_consts(prog))
     q, consts = ops[N_PREFETCH], tuple(ops[len(ops) - len(_consts(prog)):])
     sp = _qmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v)
     counter = pl.BlockSpec(memory_space=pltpu.SMEM)  # debug output: one counter per (batch, head, Q tile)
     out = pl.pallas_call(
-        functools.partial(_fwd_kernel, cfg=cfg, prog=prog, n_q=n_q, n_kv=n_kv, rows=rows),
+        functools.partial(_fwd_kernel, cfg=cfg, prog=prog, n_q=n_q, n_kv=n_kv, rows=rows, split=split),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=N_PREFETCH, grid=(b, h, n_q, n_kv),
             in_specs=[sp["q"], sp["kv"], sp["v"]] + _pos_specs(sp, segments, prog),
@@ -394,10 +437,11 @@ def _tile_grads(s, pull, do, v, lse, delta):
     return p, ds if pull is None else pull(ds, p)
 
 
-def _dq_kernel(qb_ref, kb_ref, res_ref, bad_ref,
+def _dq_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
                q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
                const_refs, dq_ref, acc_sc, q_sc, *, cfg, prog, n_q, n_kv, rows):
     """Grid (b, h, i, j): dQ_i += scale * dS_ij K_j over the K/V tiles j (in order)."""
+    del qsb_ref, ksb_ref  # whole tiles here
     bi, hi, i, j = (pl.program_id(a) for a in range(4))
     _mark_tile(bad_ref[bi * n_kv + res_ref[(bi * n_q + i) * n_kv + j]], k_ref, v_ref)
 
@@ -420,11 +464,11 @@ def _dq_kernel(qb_ref, kb_ref, res_ref, bad_ref,
         dq_ref[...] = (cfg.scale * acc_sc[...]).astype(dq_ref.dtype)  # dQ = scale dS K
 
 
-def _dkv_kernel(qb_ref, kb_ref, res_ref, bad_ref,
+def _dkv_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
                 q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
                 const_refs, dk_ref, dv_ref, dk_sc, dv_sc, *, cfg, prog, n_q, n_kv, group, rows):
     """Grid (b, kv_head, j, member, i): dK_j, dV_j summed over the group's heads and the Q tiles i."""
-    del res_ref
+    del res_ref, qsb_ref, ksb_ref
     bi, kv_head, j, member, i = (pl.program_id(a) for a in range(5))
     _mark_tile(bad_ref[bi * n_kv + j], k_ref, v_ref)
 
@@ -450,28 +494,30 @@ def _dkv_kernel(qb_ref, kb_ref, res_ref, bad_ref,
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
-def _key_major_grads(k, q, v, do, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, cfg, masked):
+def _key_major_grads(k, q, v, do, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, cfg, masked,
+                     part=(slice(None), slice(None))):
     """FA-2 Alg. 2 for one key-major tile, shared by `_dkv_key_major_kernel` and `_bwd_fused_kernel`:
     ``(P^T, dS^T)`` float32 (block_kv, block_q) from S^T = K Q^T (q or k pre-scaled), the built-in mask
-    from (1, block_q) query rows and key columns read from (1, block_kv) rows (`_column`) when ``masked``, lse and delta the
-    (1, block_q) rows they are stored as."""
+    from (1, block_q) query rows and key columns read from (1, block_kv) rows (`_column`) when ``masked``, lse
+    and delta the (1, block_q) rows they are stored as. ``part``: (query, key) slices of a sub-tile."""
+    qp, kp = part
     st = _dot(k, q, _NT)  # (block_kv, block_q), scaled
     if masked:
-        seg = (None, None) if q_seg_ref is None else (q_seg_ref[...], _column(k_seg_ref, True))
-        st = jnp.where(allowed(q_pos_ref[...], _column(k_pos_ref, True), *seg, causal=cfg.causal, window=cfg.window),
-                       st, NEG_INF)
-    pt = jnp.exp(st - lse_ref[...])  # P^T
-    return pt, masked_grad(pt, _dot(v, do, _NT), delta_ref[...])  # dS^T = P^T (dP^T - D), dP^T = V dO^T
+        seg = (None, None) if q_seg_ref is None else (q_seg_ref[:, qp], _column(k_seg_ref, True, kp))
+        st = jnp.where(allowed(q_pos_ref[:, qp], _column(k_pos_ref, True, kp), *seg, causal=cfg.causal,
+                               window=cfg.window), st, NEG_INF)
+    pt = jnp.exp(st - lse_ref[:, qp])  # P^T
+    return pt, masked_grad(pt, _dot(v, do, _NT), delta_ref[:, qp])  # dS^T = P^T (dP^T - D), dP^T = V dO^T
 
 
-def _dkv_key_major_kernel(qb_ref, kb_ref, res_ref, bad_ref,
+def _dkv_key_major_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
                   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
                   const_refs, dk_ref, dv_ref, dk_sc, dv_sc, k_sc, *, cfg, prog, n_q, n_kv, group, rows):
     """`_dkv_kernel` with the tile transposed (splash attention's dK/dV orientation): S^T = K_j Q_i^T is
     (block_kv, block_q), so lse and delta are the lane-dense rows they are stored as, and dV_j += P^T dO,
     dK_j += dS^T Q are plain matmuls (no transpose of a (block_q, block_kv) operand). Positions: query
     rows, key columns (`_key_major_grads`). Only without a program and with `_stat_rows`."""
-    del res_ref, const_refs, prog, rows
+    del res_ref, qsb_ref, ksb_ref, const_refs, prog, rows
     bi, kv_head, j, member, i = (pl.program_id(a) for a in range(5))
     _mark_tile(bad_ref[bi * n_kv + j], k_ref, v_ref)  # before K is scaled into k_sc
 
@@ -496,16 +542,17 @@ def _dkv_key_major_kernel(qb_ref, kb_ref, res_ref, bad_ref,
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
-def _bwd_fused_kernel(qb_ref, kb_ref, res_ref, bad_ref,
+def _bwd_fused_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
                       q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref,
-                      dq_ref, dk_ref, dv_ref, q_sc, dq_sc, dk_sc, dv_sc, *, cfg, n_q, n_kv, group):
+                      dq_ref, dk_ref, dv_ref, q_sc, dq_sc, dk_sc, dv_sc, *, cfg, n_q, n_kv, group, split):
     """The whole backward in one kernel, 5 matmuls a tile instead of the two kernels' 7 (S and dP once):
     grid (b, kv_head, member, i, j), K/V tiles innermost. dQ_i accumulates in VMEM over j (as in
     `_dq_kernel`); dK and dV of the kv head's whole shard stay in VMEM scratch ([sk, d] float32) over the
     group's heads and every Q tile, and are written once at the end. The tile is key-major
     (`_dkv_key_major_kernel`): dV += P^T dO and dK += dS^T Q are plain matmuls; dQ += dS K takes dS^T transposed
     (as splash attention's fused backward does). Used where no program applies, lse/delta are rows and
-    the shard's dK/dV fit VMEM (`_fused_bwd`)."""
+    the shard's dK/dV fit VMEM (`_fused_bwd`). A partial tile runs as ``split`` x ``split`` sub-tiles
+    (`_sub_tiles`)."""
     bi, kv_head, member, i, j = (pl.program_id(a) for a in range(5))
     bk = cfg.block_kv
     _mark_tile(bad_ref[bi * n_kv + res_ref[(bi * n_q + i) * n_kv + j]], k_ref, v_ref)
@@ -520,14 +567,22 @@ def _bwd_fused_kernel(qb_ref, kb_ref, res_ref, bad_ref,
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
         q_sc[...] = _scaled(q_ref[...], cfg.scale)
 
-    def _compute(masked):
-        q, do, k = q_sc[...], do_ref[...], k_ref[...]
-        pt, dst = _key_major_grads(k, q, v_ref[...], do, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref,
-                                   k_seg_ref, cfg, masked)
-        rows = pl.ds(pl.multiple_of(j * bk, bk), bk)
+    def _fold(masked, qp=slice(None), kp=slice(None)):  # the tile, or its sub-tile (query rows qp, key rows kp)
+        q, do, k = q_sc[qp, :], do_ref[qp, :], k_ref[kp, :]
+        pt, dst = _key_major_grads(k, q, v_ref[kp, :], do, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref,
+                                   k_seg_ref, cfg, masked, part=(qp, kp))
+        first, size = (0, bk) if kp.start is None else (kp.start, kp.stop - kp.start)
+        rows = pl.ds(pl.multiple_of(j * bk + first, size), size)  # these keys' rows of the shard's dK, dV
         dv_sc[rows, :] += _dot(pt.astype(do.dtype), do, _NN)  # dV_j += P^T dO_i
         dk_sc[rows, :] += _dot(dst.astype(q.dtype), q, _NN)  # dK_j += dS^T (scale Q_i)
-        dq_sc[...] += _dq_tile(dst, finite_keys(k))  # dQ_i += dS K_j (scale at the end)
+        dq_sc[qp, :] += _dq_tile(dst, finite_keys(k))  # dQ_i += dS K_j (scale at the end)
+
+    def _compute(masked):
+        if masked and split > 1:
+            _sub_tiles(_fold, qsb_ref, ksb_ref, (bi, i, j, n_q, n_kv), (cfg.block_q, cfg.block_kv), split, cfg,
+                       q_seg_ref is not None)
+        else:
+            _fold(masked)
 
     _by_kind(_compute, qb_ref, kb_ref, (bi, i, j, n_q, n_kv), cfg, q_seg_ref is not None)
 
@@ -560,12 +615,12 @@ def _fused_specs(cfg, d, d_v, sk, group, n_q, n_kv):
     bq, bk, direct = cfg.block_q, cfg.block_kv, _direct(d, d_v)
     kv_tile = lambda bi, i, j, res: res[(bi * n_q + i) * n_kv + j]  # noqa: E731
     q_at = lambda bi, kh, m, i, j, *_: (bi, kh * group + m, i)  # noqa: E731
-    kv_at = lambda bi, kh, m, i, j, qb, kb, res, bad: (bi, kh, kv_tile(bi, i, j, res))  # noqa: E731
+    kv_at = lambda bi, kh, m, i, j, qb, kb, res, *_: (bi, kh, kv_tile(bi, i, j, res))  # noqa: E731
     whole = lambda bi, kh, *_: (bi, kh, 0)  # noqa: E731
     return dict(q=_block(direct, bq, d, q_at), o=_block(direct, bq, d_v, q_at), kv=_block(direct, bk, d, kv_at),
                 v=_block(direct, bk, d_v, kv_at), stat=_stat_block(True, bq, q_at),
                 q_pos=_pos_block(True, bq, lambda bi, kh, m, i, j, *_: (bi, i)),
-                k_pos=_pos_block(True, bk, lambda bi, kh, m, i, j, qb, kb, res, bad: (bi, kv_tile(bi, i, j, res))),
+                k_pos=_pos_block(True, bk, lambda bi, kh, m, i, j, qb, kb, res, *_: (bi, kv_tile(bi, i, j, res))),
                 dk=_block(direct, sk, d, whole), dv=_block(direct, sk, d_v, whole))
 
 
@@ -594,7 +649,7 @@ def _fused_footprint(cfg, q_shape, k_shape, dtype, d_v):
            of(sp["stat"], f32)] + [of(sp["q_pos"], i32), of(sp["k_pos"], i32)] * 2
     outs = [of(sp["q"], odt), of(sp["dk"], odt), of(sp["dv"], odt)]
     n_q, n_kv = sq // cfg.block_q, sk // cfg.block_kv
-    smem = 4 * (b * n_q * 4 + b * n_kv * 5 + b * n_q * n_kv)
+    smem = 4 * (b * n_q * 4 * (1 + SPLIT) + b * n_kv * (5 + 4 * SPLIT) + b * n_q * n_kv)
     temps = [((cfg.block_kv, cfg.block_q), f32)] * (3 + _split_temps(dtype))
     return budgets.Footprint(budgets.tpu_vmem_bytes(ins + outs, _fused_scratch(cfg, d, d_v, sk, dtype), temps), smem,
                              "ring_hop_bwd_fused_tpu")
@@ -654,8 +709,9 @@ def _backward_jit(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit, key_maj
     stats = [_stats_in(x, rows) for x in (lse, delta)]
     operands = [_view(x, direct) for x in (qs.q, kv.k, kv.v, do)] + stats
     if fused is not None:  # no program: no consts; positions for key-major tiles
-        ops = same_vma(*_prefetch(qs, kv, cfg), *operands, *_positions(qs, kv, cfg))
-        return _backward_fused(qs, kv, cfg, list(ops[N_PREFETCH:]), ops[:N_PREFETCH], interpret=interpret,
+        split = _split(cfg, prog, interpret)
+        ops = same_vma(*_prefetch(qs, kv, cfg, split=split), *operands, *_positions(qs, kv, cfg))
+        return _backward_fused(qs, kv, cfg, list(ops[N_PREFETCH:]), ops[:N_PREFETCH], split, interpret=interpret,
                                vmem_limit=fused[0])
     key_major = _key_major(cfg, prog, key_major_dkv)
     ops = same_vma(*_prefetch(qs, kv, cfg), *_prefetch(qs, kv, cfg, transposed=True), *operands, *_positions(qs, kv, cfg),
@@ -689,9 +745,9 @@ def _backward_jit(qs, kv, do, lse, delta, *, cfg, interpret, vmem_limit, key_maj
     return _unview(dq, h, direct), _unview(dk, hk, direct), _unview(dv, hk, direct)
 
 
-def _backward_fused(qs, kv, cfg, args, prefetch, *, interpret, vmem_limit):
+def _backward_fused(qs, kv, cfg, args, prefetch, split, *, interpret, vmem_limit):
     """The backward as one pallas_call (`_bwd_fused_kernel`). args: q, k, v, do (viewed), lse, delta and
-    the key-major positions, as `_backward_jit` builds them; ``vmem_limit`` from `_fused_bwd`."""
+    the key-major positions, as `_backward_jit` builds them; ``split`` (`_split`) and ``vmem_limit`` (`_fused_bwd`)."""
     (b, sq, h, d), (sk, hk), d_v = qs.q.shape, kv.k.shape[1:3], kv.v.shape[-1]
     group, n_q, n_kv, direct, odt = h // hk, sq // cfg.block_q, sk // cfg.block_kv, _direct(d, d_v), _out_dtype(cfg)
     q = args[0]
@@ -701,7 +757,7 @@ def _backward_fused(qs, kv, cfg, args, prefetch, *, interpret, vmem_limit):
         [sp["q_pos"], sp["k_pos"]] if segments else [None, None])
     shape = lambda s, heads, w: (b, s, heads * w) if direct else (b, heads, s, w)  # noqa: E731
     dq, dk, dv = pl.pallas_call(
-        functools.partial(_bwd_fused_kernel, cfg=cfg, n_q=n_q, n_kv=n_kv, group=group),
+        functools.partial(_bwd_fused_kernel, cfg=cfg, n_q=n_q, n_kv=n_kv, group=group, split=split),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=N_PREFETCH, grid=(b, hk, group, n_q, n_kv), in_specs=in_specs,
             out_specs=[sp["q"], sp["dk"], sp["dv"]],
@@ -724,7 +780,7 @@ def footprints(cfg, q_shape, k_shape, dtype, backward, d_v=None):
     d_v = d if d_v is None else d_v
     bq, bk, f32, i32 = cfg.block_q, cfg.block_kv, jnp.float32, jnp.int32
     n_q, n_kv = sq // bq, sk // bk
-    smem = 4 * (b * n_q * 4 + b * n_kv * 5 + b * n_q * n_kv)  # tile bounds, bad tiles, resident blocks (int32)
+    smem = 4 * (b * n_q * 4 * (1 + SPLIT) + b * n_kv * (5 + 4 * SPLIT) + b * n_q * n_kv)  # `_prefetch`'s int32 tables
     out = []
     for name, sp, scratch in (
             [("ring_hop_fwd_tpu", _qmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v),
