@@ -18,7 +18,7 @@ Notation: FlashAttention-2 (Dao 2023, arXiv:2307.08691) -> code
 - S_ij, m, l, O: as in FA-2 Alg. 1: ``s = scale * q @ k.T``, soft-capped, ``score_fn`` and
   ``mask_fn`` applied as in `pallas_gpu` (`tiles.programmed`), -inf where ``masks.allowed`` is False,
   ``m`` row max, ``l`` row sum of exp(s - m), ``acc`` = unnormalised O (divided by l at the
-  end). K/V arrive marked by ``masks.mark_bad_keys``, as in `pallas_gpu`.
+  end). K/V tiles are marked by ``masks.mark_bad_keys``'s rule in VMEM (see "bad keys" below).
 - L_i, D_i: ``lse = m + log l`` (-inf for a row that saw nothing); ``delta = rowsum(dO * O)``.
 - backward: Alg. 2 as one fused kernel where it applies (`_bwd_fused_kernel`: no program, lse as rows,
   the kv head's whole dK/dV fit VMEM; 5 matmuls a tile), else as two kernels: dQ (grid over Q tiles,
@@ -27,6 +27,13 @@ Notation: FlashAttention-2 (Dao 2023, arXiv:2307.08691) -> code
   `_dkv_key_major_kernel`). Each has its own default tiles (:data:`TUNED`, measured on a v5e;
   ``HopConfig.bwd_blocks``). ``group`` is the GQA group size, ``kv_head`` a kv head's index and
   ``member`` a query head's place in its group (query head ``kv_head * group + member``).
+- sub-tiles: a partial tile of the forward and of the fused backward runs as :data:`SPLIT` x :data:`SPLIT`
+  sub-tiles, each skipped, unmasked or masked by its own prefetched bounds (`_sub_tiles`): on the diagonal
+  of a causal hop a quarter of the tile is skipped (splash attention's compute sub-blocks do this along
+  the keys).
+- bad keys: the ring hands these kernels K/V unmarked (``Impl.marks_keys``); a flag per K/V tile
+  (`_bad_tiles`) tells the kernel that loads it to mark it in VMEM (`_mark_tile`), as
+  ``masks.mark_bad_keys`` would have in HBM.
 - count: ``fwd_tile_counts``: the forward with ``count=True`` adds an SMEM counter per (batch,
   head, Q tile), incremented inside ``pl.when``; otherwise that ref is None.
 
@@ -574,7 +581,7 @@ def _bwd_fused_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
         first, size = (0, bk) if kp.start is None else (kp.start, kp.stop - kp.start)
         rows = pl.ds(pl.multiple_of(j * bk + first, size), size)  # these keys' rows of the shard's dK, dV
         dv_sc[rows, :] += _dot(pt.astype(do.dtype), do, _NN)  # dV_j += P^T dO_i
-        dk_sc[rows, :] += _dot(dst.astype(q.dtype), q, _NN)  # dK_j += dS^T (scale Q_i)
+        dk_sc[rows, :] += _dot(dst.astype(q.dtype), q_ref[qp, :], _NN)  # dK_j += dS^T Q_i (scale at the end)
         dq_sc[qp, :] += _dq_tile(dst, finite_keys(k))  # dQ_i += dS K_j (scale at the end)
 
     def _compute(masked):
@@ -592,7 +599,7 @@ def _bwd_fused_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
 
     @pl.when((member == group - 1) & (i == n_q - 1) & (j == n_kv - 1))
     def _finish_kv():
-        dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
+        dk_ref[...] = (cfg.scale * dk_sc[...]).astype(dk_ref.dtype)
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
