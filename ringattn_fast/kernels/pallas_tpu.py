@@ -355,7 +355,7 @@ def _stat_block(rows, bq, at):
 
 
 def _qmajor_specs(cfg, d, group, n_q, n_kv, d_v=None):
-    """BlockSpecs of grid (b, h, i, j) (forward, dQ). Index maps get the grid indices, then the three
+    """BlockSpecs of grid (b, h, i, j) (forward, dQ). Index maps get the grid indices, then the
     scalar-prefetch refs (`_prefetch`); K/V-side blocks read the resident K/V tile from ``res``.
     ``q``, ``kv``: q and k tiles (d wide); ``o``, ``v``: o / dO and v tiles (``d_v`` wide; None: d)."""
     bq, bk, d_v = cfg.block_q, cfg.block_kv, d if d_v is None else d_v
