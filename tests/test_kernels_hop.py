@@ -524,7 +524,8 @@ def test_tpu_lane_dense_path_with_nan_keys(backward, monkeypatch):
     assert_matches_oracle(run_hop(pallas_tpu, pb), run_oracle(pb), TOL)
 
 
-@pytest.mark.parametrize("backward", ["fused", "key_major", "query_major"])
+@pytest.mark.parametrize("backward", ["fused", pytest.param("key_major", marks=pytest.mark.slow),
+                                      pytest.param("query_major", marks=pytest.mark.slow)])
 def test_tpu_kernels_mark_bad_keys_themselves(backward, monkeypatch):
     """``pallas_tpu`` marks the K/V tiles that hold a nan/inf in VMEM (``Impl.marks_keys``: the ring hands it
     K/V unmarked): on raw K/V with NaN and inf keys (in K, in V, in a skipped tile, in two batch rows, GQA)
