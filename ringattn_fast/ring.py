@@ -44,7 +44,7 @@ def ring_forward(cfg, qs, kv, bias, drop=None, head_offset=None):
     non-travelling bias (``cfg.bias_mode`` "columns" or "static") or None; drop: a
     ``schedule.Dropout`` or None; head_offset: the global index of the first query head here when the
     heads are split over a mesh axis (``mask_fn`` / ``score_fn`` see global heads), or None. A key holding a nan/inf is marked first (``masks.mark_bad_keys``),
-    so no hop meets ``0 * nan``; by the per-hop TPU kernels, in VMEM, tile by tile (``masks.marked_for_ring``).
+    so no hop meets ``0 * nan`` (the per-hop TPU kernels mark their tiles in VMEM instead: ``masks.marked_for_ring``).
     """
     hop_fwd = kernels_for(cfg.impl).hop_fwd
     hop_fwd = hop_fwd if drop is None else partial(hop_fwd, drop=drop)

@@ -528,7 +528,7 @@ def test_tpu_lane_dense_path_with_nan_keys(backward, monkeypatch):
                                       pytest.param("query_major", marks=pytest.mark.slow)])
 def test_tpu_kernels_mark_bad_keys_themselves(backward, monkeypatch):
     """``pallas_tpu`` marks the K/V tiles that hold a nan/inf in VMEM (``Impl.marks_keys``: the ring hands it
-    K/V unmarked): on raw K/V with NaN and inf keys (in K, in V, in a skipped tile, in two batch rows, GQA)
+    K/V unmarked): on raw K/V with NaN and inf keys (in K, in V, in tiles that some Q tiles skip, two batch rows, GQA)
     every output equals the one on K/V marked in HBM, bit for bit, on each backward."""
     monkeypatch.setattr(pallas_tpu, "FUSED_BWD", backward == "fused")
     monkeypatch.setattr(pallas_tpu, "KEY_MAJOR_DKV", backward == "key_major")

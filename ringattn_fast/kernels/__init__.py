@@ -38,7 +38,7 @@ class Impl(NamedTuple):
     barrier across all devices before each kernel, so every host must run it at every step), and which
     of :data:`PROGRAMS` it applies (``value_width``: v as wide as it likes, d_v != d). ``marks_keys``: its
     kernels mark bad keys themselves (``masks.mark_bad_keys`` per tile), so the ring passes K/V unmarked
-    where nothing re-encodes them on the way (no ``comm_dtype``: ``ring.marked``)."""
+    where nothing re-encodes them on the way (no ``comm_dtype``: ``masks.marked_for_ring``)."""
     module: str
     compiled: tuple
     interpreted: tuple
