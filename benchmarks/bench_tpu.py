@@ -12,7 +12,7 @@
   ``--block-q/--block-kv`` the same call with ``impl="pallas_tpu"`` at those tiles;
 - **native**: the same call on ``[b, s, h * d]`` arrays, reshaped to ``[b, s, h, d]`` and back inside the
   program: the kernels' own layout, as splash gets its own (on a TPU ``[b, s, h, d]`` is tiled over (h, d),
-  so from it every operand and gradient is a relayout copy, about 7 % of an 8K-token forward+backward;
+  so from it every operand and gradient is a relayout copy, up to 4 % of an 8K-token forward+backward;
   from ``[b, s, h * d]``, the layout of a projection's output, XLA folds the reshapes away);
 - **fused**: the fused ring's kernel itself (``fused_ring_attention_shard`` in a ``shard_map`` of one
   device, at the tiles ``ring_attention`` gives it on a larger ring, ``pallas_tpu_fused.default_blocks``;
