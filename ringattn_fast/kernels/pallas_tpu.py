@@ -165,6 +165,17 @@ def _prefetch(qs, kv, cfg, *, transposed=False, split=1):
 
 
 N_PREFETCH = 6  # the scalar-prefetch tables of every kernel here: (qb, kb, res, bad, qsb, ksb), `_prefetch`
+
+
+def _prefetch_smem(b, n_q, n_kv):
+    """SMEM bytes of `_prefetch`'s int32 tables: tile and sub-tile bounds, bad K/V tiles, resident blocks."""
+    return 4 * (b * n_q * 4 * (1 + SPLIT) + b * n_kv * (5 + 4 * SPLIT) + b * n_q * n_kv)
+
+
+def _resident(res, bi, outer, inner, n_outer, n_inner):
+    """The inner-axis block that grid step (outer, inner) of batch row ``bi`` holds, from the `_prefetch` table
+    ``res`` (`tiles.resident_blocks`): ``inner``, or the last computed block when ``inner`` is skipped."""
+    return res[(bi * n_outer + outer) * n_inner + inner]
 # A partial tile (the diagonal of a causal hop, a window's or a segment's edge) of the forward and of the fused
 # backward runs as SPLIT x SPLIT sub-tiles (`_sub_tiles`, `_split`; 1: whole).
 SPLIT = 2
@@ -293,7 +304,7 @@ def _fwd_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,         # SM
     tile by its ``split`` x ``split`` sub-tiles (`_sub_tiles`)."""
     bi, hi, i, j = (pl.program_id(a) for a in range(4))
     counter = (bi * pl.num_programs(1) + hi) * n_q + i
-    _mark_tile(bad_ref[bi * n_kv + res_ref[(bi * n_q + i) * n_kv + j]], k_ref, v_ref)  # the K/V tile loaded
+    _mark_tile(bad_ref[bi * n_kv + _resident(res_ref, bi, i, j, n_q, n_kv)], k_ref, v_ref)  # the K/V tile loaded
 
     @pl.when(j == 0)
     def _init():
@@ -360,7 +371,7 @@ def _qmajor_specs(cfg, d, group, n_q, n_kv, d_v=None):
     ``q``, ``kv``: q and k tiles (d wide); ``o``, ``v``: o / dO and v tiles (``d_v`` wide; None: d)."""
     bq, bk, d_v = cfg.block_q, cfg.block_kv, d if d_v is None else d_v
     direct = _direct(d, d_v)
-    kv_tile = lambda bi, i, j, res: res[(bi * n_q + i) * n_kv + j]  # j, or the last computed tile
+    kv_tile = lambda bi, i, j, res: _resident(res, bi, i, j, n_q, n_kv)  # noqa: E731
     q_at = lambda bi, hi, i, j, *_: (bi, hi, i)
     kv_at = lambda bi, hi, i, j, qb, kb, res, *_: (bi, hi // group, kv_tile(bi, i, j, res))
     return dict(
@@ -376,7 +387,7 @@ def _kvmajor_specs(cfg, d, group, n_q, n_kv, d_v=None):
     from ``res``; query head = ``kv_head * group + member``. Widths as in `_qmajor_specs`."""
     bq, bk, d_v = cfg.block_q, cfg.block_kv, d if d_v is None else d_v
     direct = _direct(d, d_v)
-    q_tile = lambda bi, j, i, res: res[(bi * n_kv + j) * n_q + i]  # i, or the last computed tile
+    q_tile = lambda bi, j, i, res: _resident(res, bi, j, i, n_kv, n_q)  # noqa: E731
     q_at = lambda bi, kv_head, j, member, i, qb, kb, res, *_: (bi, kv_head * group + member, q_tile(bi, j, i, res))
     kv_at = lambda bi, kv_head, j, member, i, *_: (bi, kv_head, j)
     return dict(
@@ -450,7 +461,7 @@ def _dq_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
     """Grid (b, h, i, j): dQ_i += scale * dS_ij K_j over the K/V tiles j (in order)."""
     del qsb_ref, ksb_ref  # whole tiles here
     bi, hi, i, j = (pl.program_id(a) for a in range(4))
-    _mark_tile(bad_ref[bi * n_kv + res_ref[(bi * n_q + i) * n_kv + j]], k_ref, v_ref)
+    _mark_tile(bad_ref[bi * n_kv + _resident(res_ref, bi, i, j, n_q, n_kv)], k_ref, v_ref)
 
     @pl.when(j == 0)
     def _init():
@@ -562,7 +573,7 @@ def _bwd_fused_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
     (`_sub_tiles`)."""
     bi, kv_head, member, i, j = (pl.program_id(a) for a in range(5))
     bk = cfg.block_kv
-    _mark_tile(bad_ref[bi * n_kv + res_ref[(bi * n_q + i) * n_kv + j]], k_ref, v_ref)
+    _mark_tile(bad_ref[bi * n_kv + _resident(res_ref, bi, i, j, n_q, n_kv)], k_ref, v_ref)
 
     @pl.when((member == 0) & (i == 0) & (j == 0))
     def _init_kv():
@@ -620,7 +631,7 @@ def _fused_specs(cfg, d, d_v, sk, group, n_q, n_kv):
     ``kv_head * group + member``, the resident K/V tile (``res``, as `_qmajor_specs`), positions as query
     rows and key columns, and dK/dV as the kv head's whole shard."""
     bq, bk, direct = cfg.block_q, cfg.block_kv, _direct(d, d_v)
-    kv_tile = lambda bi, i, j, res: res[(bi * n_q + i) * n_kv + j]  # noqa: E731
+    kv_tile = lambda bi, i, j, res: _resident(res, bi, i, j, n_q, n_kv)  # noqa: E731
     q_at = lambda bi, kh, m, i, j, *_: (bi, kh * group + m, i)  # noqa: E731
     kv_at = lambda bi, kh, m, i, j, qb, kb, res, *_: (bi, kh, kv_tile(bi, i, j, res))  # noqa: E731
     whole = lambda bi, kh, *_: (bi, kh, 0)  # noqa: E731
@@ -656,7 +667,7 @@ def _fused_footprint(cfg, q_shape, k_shape, dtype, d_v):
            of(sp["stat"], f32)] + [of(sp["q_pos"], i32), of(sp["k_pos"], i32)] * 2
     outs = [of(sp["q"], odt), of(sp["dk"], odt), of(sp["dv"], odt)]
     n_q, n_kv = sq // cfg.block_q, sk // cfg.block_kv
-    smem = 4 * (b * n_q * 4 * (1 + SPLIT) + b * n_kv * (5 + 4 * SPLIT) + b * n_q * n_kv)
+    smem = _prefetch_smem(b, n_q, n_kv)
     temps = [((cfg.block_kv, cfg.block_q), f32)] * (3 + _split_temps(dtype))
     return budgets.Footprint(budgets.tpu_vmem_bytes(ins + outs, _fused_scratch(cfg, d, d_v, sk, dtype), temps), smem,
                              "ring_hop_bwd_fused_tpu")
@@ -787,7 +798,7 @@ def footprints(cfg, q_shape, k_shape, dtype, backward, d_v=None):
     d_v = d if d_v is None else d_v
     bq, bk, f32, i32 = cfg.block_q, cfg.block_kv, jnp.float32, jnp.int32
     n_q, n_kv = sq // bq, sk // bk
-    smem = 4 * (b * n_q * 4 * (1 + SPLIT) + b * n_kv * (5 + 4 * SPLIT) + b * n_q * n_kv)  # `_prefetch`'s int32 tables
+    smem = _prefetch_smem(b, n_q, n_kv)
     out = []
     for name, sp, scratch in (
             [("ring_hop_fwd_tpu", _qmajor_specs(cfg, d, h // hk, n_q, n_kv, d_v),
