@@ -546,6 +546,22 @@ def test_tpu_kernels_mark_bad_keys_themselves(backward, monkeypatch):
     assert np.isnan(np.asarray(marked[0])[0, 200:]).all() and np.isfinite(np.asarray(marked[0])[0, :60]).all()
 
 
+@pytest.mark.slow
+@settings(max_examples=examples(3))
+@given(problems(batches=(1,), blocks=(128, 256), max_tiles=2, dims=(128,)))
+def test_tpu_lane_dense_tiles_take_sub_tiles_and_unmarked_keys(pb):
+    """Property: at lane-dense tiles (d = 128, tiles of 128 or 256: lse rows, 2 x 2 sub-tiles of partial tiles,
+    `pallas_tpu._sub_tiles`) and on K/V as the ring hands them over (unmarked: the kernels mark bad keys
+    themselves), every layout, causal, window and segment mix equals the float64 oracle, forward and
+    gradients, on whichever backward applies; with a NaN V and an inf K, at keys the mask hides from some
+    queries, too (unmarked, either would leak into the rows that cannot see it, or hide from those that can)."""
+    assert pallas_tpu._split(pb["cfg"], None, True) == pallas_tpu.SPLIT > 1
+    k, v = np.array(pb["k"]), np.array(pb["v"])
+    k[0, k.shape[1] // 2, 0, 5], v[0, k.shape[1] // 4, 0, 7] = np.inf, np.nan
+    pb = dict(pb, k=jnp.asarray(k), v=jnp.asarray(v))
+    assert_matches_oracle(run_hop(pallas_tpu, pb, marked=False), run_oracle(pb), TOL)
+
+
 def test_tpu_fused_backward_dk_is_as_accurate_as_dq():
     """bfloat16, the fused backward: dK = scale * dS^T Q takes Q as given. From the pre-scaled Q (rounded to
     bfloat16 after the multiply, as the logits use it) dK's error against the float64 oracle was 2.5x dQ's
