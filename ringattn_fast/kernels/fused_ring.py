@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ringattn_fast.kernels.tiles import tile_bounds
-from ringattn_fast.masks import bounds_empty
+from ringattn_fast.masks import bounds_empty, bounds_full
 
 I32 = jnp.int32  # every index constant: with jax_enable_x64 a Python int would become int64
 
@@ -27,7 +27,8 @@ I32 = jnp.int32  # every index constant: with jax_enable_x64 a Python int would 
 @dataclasses.dataclass(frozen=True)
 class FusedConfig:
     """Static configuration of one fused-ring call (hashable: a custom_vjp nondiff argument).
-    ``vmem_limit``: the compiler's ``vmem_limit_bytes`` for the chip (None: its default; `budgets`)."""
+    ``vmem_limit``: the compiler's ``vmem_limit_bytes`` for the chip (None: its default; `budgets`);
+    ``one_pass``: which backward runs (`fused_ring_bwd`), ``one_pass_limit`` its limit."""
     axis_name: object
     axis_size: int
     hop: object  # the checked HopConfig (blocks clamped to the shard)
@@ -36,6 +37,8 @@ class FusedConfig:
     handshake: bool = True
     count: bool = False  # return the number of computed tiles (tests)
     vmem_limit: int | None = None
+    one_pass: bool = False  # the backward in one pass (`fused_ring_bwd`), with its own vmem_limit_bytes
+    one_pass_limit: int | None = None
 
     @property
     def masked(self):
@@ -84,16 +87,34 @@ def live(table_ref, kv_idx, bi, i, b, n_tiles):
     return table_ref[(kv_idx * I32(b) + bi) * I32(n_tiles) + i] == 1
 
 
-def tile_empty(cfg, tables, shape, *, kv_idx, bi, i, j):
-    """bool scalar, True = empty: `masks.bounds_empty` on the SMEM bounds proves that tile (Q tile i,
-    K/V tile j) of batch row ``bi`` against shard ``kv_idx`` holds no visible pair. shape = (b, nq, nk)."""
+def _bounds(cfg, tables, shape, kv_idx, bi, i, j):
+    """The SMEM bounds (`schedule`) of my Q tile i and of K/V tile j of shard ``kv_idx``, batch row ``bi``."""
     qb_ref, kb_ref = tables
     b, nq, nk = shape
     nb = 4 if cfg.has_seg else 2
     q0, k0 = (bi * I32(nq) + i) * I32(4), ((kv_idx * I32(b) + bi) * I32(nk) + j) * I32(4)
-    empty = bounds_empty(tuple(qb_ref[q0 + I32(c)] for c in range(nb)), tuple(kb_ref[k0 + I32(c)] for c in range(nb)),
-                         causal=cfg.hop.causal, window=cfg.hop.window)
+    return tuple(qb_ref[q0 + I32(c)] for c in range(nb)), tuple(kb_ref[k0 + I32(c)] for c in range(nb))
+
+
+def tile_empty(cfg, tables, shape, *, kv_idx, bi, i, j):
+    """bool scalar, True = empty: `masks.bounds_empty` on the SMEM bounds proves that tile (Q tile i,
+    K/V tile j) of batch row ``bi`` against shard ``kv_idx`` holds no visible pair. shape = (b, nq, nk)."""
+    empty = bounds_empty(*_bounds(cfg, tables, shape, kv_idx, bi, i, j), causal=cfg.hop.causal,
+                         window=cfg.hop.window)
     return jnp.bool_(False) if empty is None else empty
+
+
+def by_kind(cfg, tables, shape, body, *, kv_idx, bi, i, j):
+    """``body(masked)`` for a tile that is not empty: ``body(False)`` (no built-in mask computed) where
+    `masks.bounds_full` proves every pair visible, ``body(True)`` on a partial tile; without a built-in
+    mask, ``body(False)``. As the per-hop kernels' ``_by_kind``: on a causal hop of 1024-wide tiles the
+    mask's iota compares and selects were computed on every tile, not only the diagonal."""
+    full = bounds_full(*_bounds(cfg, tables, shape, kv_idx, bi, i, j), causal=cfg.hop.causal, window=cfg.hop.window)
+    if full is None:
+        body(False)
+        return
+    pl.when(full)(lambda: body(False))
+    pl.when(jnp.logical_not(full))(lambda: body(True))
 
 
 # ---------------------------------------------------------------- the ring

@@ -512,7 +512,7 @@ def _dkv_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
-def _key_major_grads(k, q, v, do, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, cfg, masked,
+def key_major_grads(k, q, v, do, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, cfg, masked,
                      part=(slice(None), slice(None))):
     """FA-2 Alg. 2 for one key-major tile, shared by `_dkv_key_major_kernel` and `_bwd_fused_kernel`:
     ``(P^T, dS^T)`` float32 (block_kv, block_q) from S^T = K Q^T (q or k pre-scaled), the built-in mask
@@ -534,7 +534,7 @@ def _dkv_key_major_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
     """`_dkv_kernel` with the tile transposed (splash attention's dK/dV orientation): S^T = K_j Q_i^T is
     (block_kv, block_q), so lse and delta are the lane-dense rows they are stored as, and dV_j += P^T dO,
     dK_j += dS^T Q are plain matmuls (no transpose of a (block_q, block_kv) operand). Positions: query
-    rows, key columns (`_key_major_grads`). Only without a program and with `_stat_rows`."""
+    rows, key columns (`key_major_grads`). Only without a program and with `_stat_rows`."""
     del res_ref, qsb_ref, ksb_ref, const_refs, prog, rows
     bi, kv_head, j, member, i = (pl.program_id(a) for a in range(5))
     _mark_tile(bad_ref[bi * n_kv + j], k_ref, v_ref)  # before K is scaled into k_sc
@@ -547,7 +547,7 @@ def _dkv_key_major_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
 
     def _compute(masked):
         q, do = q_ref[...], do_ref[...]
-        pt, dst = _key_major_grads(k_sc[...], q, v_ref[...], do, lse_ref, delta_ref, q_pos_ref, k_pos_ref,
+        pt, dst = key_major_grads(k_sc[...], q, v_ref[...], do, lse_ref, delta_ref, q_pos_ref, k_pos_ref,
                                    q_seg_ref, k_seg_ref, cfg, masked)
         dv_sc[...] += _dot(pt.astype(do.dtype), do, _NN)  # dV_j += P^T dO_i
         dk_sc[...] += _dot(dst.astype(q.dtype), q, _NN)  # dK_j += dS^T Q_i (times the scale at the end)
@@ -587,7 +587,7 @@ def _bwd_fused_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
 
     def _fold(masked, qp=slice(None), kp=slice(None)):  # the tile, or its sub-tile (query rows qp, key rows kp)
         q, do, k = q_sc[qp, :], do_ref[qp, :], k_ref[kp, :]
-        pt, dst = _key_major_grads(k, q, v_ref[kp, :], do, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref,
+        pt, dst = key_major_grads(k, q, v_ref[kp, :], do, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref,
                                    k_seg_ref, cfg, masked, part=(qp, kp))
         first, size = (0, bk) if kp.start is None else (kp.start, kp.stop - kp.start)
         rows = pl.ds(pl.multiple_of(j * bk + first, size), size)  # these keys' rows of the shard's dK, dV

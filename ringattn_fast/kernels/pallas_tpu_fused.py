@@ -99,55 +99,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ringattn_fast.kernels import budgets
 from ringattn_fast.kernels import fused_ring as fr
+from ringattn_fast.kernels import fused_ring_bwd as bwd
 from ringattn_fast.kernels.fused_ring import I32
-from ringattn_fast.kernels.tiles import (NEG_INF, check_budget, check_kernel_call, finite_keys, interpret_mode,
-                                         out_struct, program, programmed, same_vma, target_chip)
-from ringattn_fast.masks import allowed, masked_grad
+from ringattn_fast.kernels.fused_tiles import (ANY, LANES, SUBLANES, consts, dot, fused_call, kernel_shape, lanes,
+                                               logits, outputs, unflatten, vmem)
+from ringattn_fast.kernels.tiles import NEG_INF, check_budget, check_kernel_call, interpret_mode, same_vma, target_chip
 from ringattn_fast.schedule import HopConfig, KVShard, QShard
 
 IMPL = "pallas_tpu_fused"
-LANES, SUBLANES = 128, 8
-_COLLECTIVE_ID = 7
-_ANY = pl.BlockSpec(memory_space=pl.ANY)
-
-
-def _dot(a, b, contract):
-    return lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
-
-
-def _split(t, sizes):
-    """Flat loop counter -> indices of a row-major grid of ``sizes`` (int32)."""
-    out = []
-    for size in reversed(sizes[1:]):
-        out.append(lax.rem(t, I32(size)))
-        t = t // I32(size)
-    return [t] + out[::-1]
-
-
-def _logits(cfg, fn, q, k, qm, km, *, grad=False):
-    """fp32 (bq, bk) ``scale * q k^T``, soft-capped, scored and masked by ``fn`` = (the `tiles.Program`,
-    its consts' refs, the query head), -inf where the true positions (and segments) forbid the pair.
-    qm: VMEM (2, bq, 128) lane-replicated query (pos, seg); km: VMEM (2, bk) key (pos, seg) rows. With
-    ``grad``: ``(s, pullback)`` (`tiles.programmed`)."""
-    s = _dot(q, k, ((1,), (1,))) * cfg.hop.scale
-    prog, const_refs, head = fn
-    pull = None
-    if cfg.masked:
-        q_pos, k_pos = qm[0, :, :1], km[0:1, :]
-        seg = (qm[1, :, :1], km[1:2, :]) if cfg.has_seg else (None, None)
-        s, pull = programmed(prog, [r[...] for r in const_refs], s, q_pos=q_pos, k_pos=k_pos, q_seg=seg[0],
-                             k_seg=seg[1], head=head, grad=grad)
-        allow = allowed(q_pos, k_pos, *seg, causal=cfg.hop.causal, window=cfg.hop.window)
-        s = s if allow is None else jnp.where(allow, s, NEG_INF)
-    elif prog is not None:  # a soft-cap only: no positions needed
-        s, pull = programmed(prog, [], s, q_pos=None, k_pos=None, q_seg=None, k_seg=None, head=None, grad=grad)
-    return (s, pull) if grad else s
-
-
-def _shape(cfg, q_shape, k_shape):
-    b, h, sq, _ = q_shape
-    hk, sk = k_shape[2], k_shape[3]
-    return b, h, hk, sq // cfg.hop.block_q, sk // cfg.hop.block_kv
 
 
 # ---------------------------------------------------------------- forward kernel
@@ -161,7 +120,7 @@ def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,    
     outer Bc loop); per step, every Q tile that is live in this hop runs through the held shard's K/V
     tiles. A Q tile that sees nothing of the shard is not touched (its state stays in HBM), except at
     step 0 (its state is initialised) and at the last step (its o and lse are written)."""
-    b, h, hk, nq, nk = _shape(cfg, q_hbm.shape, kv_hbm.shape)
+    b, h, hk, nq, nk = kernel_shape(cfg, q_hbm.shape, kv_hbm.shape)
     bq, bk = cfg.hop.block_q, cfg.hop.block_kv
     del k_live_ref  # the backward's table
 
@@ -181,7 +140,7 @@ def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,    
             c.start()
 
     def q_tile(t, carry):
-        bi, hi, i = _split(t, (b, h, nq))
+        bi, hi, i = unflatten(t, (b, h, nq))
         kv_head, rows = hi // I32(h // hk), pl.ds(i * I32(bq), bq)
         live = fr.live(q_live_ref, ring.kv_idx, bi, i, b, nq)
         first, last = ring.step == 0, ring.step == n - 1
@@ -206,8 +165,12 @@ def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,    
         def kv_tile(j, buf):
             if cnt_ref is not None:
                 cnt_ref[0] += 1
+            fr.by_kind(cfg, (qb_ref, kb_ref), (b, nq, nk), functools.partial(fold, buf), kv_idx=ring.kv_idx, bi=bi,
+                       i=i, j=j)
+
+        def fold(buf, masked):
             v = v_s[buf]
-            s = _logits(cfg, (prog, const_refs, hi), q_v[...], k_s[buf], qm_v, km_s.at[buf])  # (bq, bk)
+            s = logits(cfg, (prog, const_refs, hi), q_v[...], k_s[buf], qm_v, km_s.at[buf], masked=masked)  # (bq, bk)
             m_prev, l_prev = stat_v[:, :LANES], stat_v[:, LANES:]        # (bq, 128) each, lane-replicated
             m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row with nothing seen yet: no NaN
@@ -215,7 +178,7 @@ def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,    
             alpha = jnp.exp(m_prev - m_safe)                  # e^{m_old - m}
             stat_v[:, LANES:] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
             stat_v[:, :LANES] = m_new
-            acc_v[...] = alpha[:, :1] * acc_v[...] + _dot(p.astype(v.dtype), v, ((1,), (0,)))
+            acc_v[...] = alpha[:, :1] * acc_v[...] + dot(p.astype(v.dtype), v, ((1,), (0,)))
 
         cols = lambda j: pl.ds(j * I32(bk), bk)  # noqa: E731
         pairs = [(lambda j: kv_ring.at[slot, I32(0), bi, kv_head, cols(j), :], k_s),
@@ -259,233 +222,25 @@ def _fwd_scratch(cfg, d, dtype):
             ((2, bk, d), dtype), ((2, bk, d), dtype), ((2, 2, bk), i32)]
 
 
-def _call(kernel, name, cfg, prog, *, out_shape, in_specs, out_specs, scratch):
-    return pl.pallas_call(
-        functools.partial(kernel, cfg, prog),
-        out_shape=out_shape,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5, grid=(cfg.axis_size,), in_specs=in_specs, out_specs=out_specs,
-            scratch_shapes=scratch),
-        # a ring of one has no barrier (`fused_ring.prologue`), and Mosaic refuses a collective id without one
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
-                                             collective_id=_COLLECTIVE_ID if cfg.axis_size > 1 else None,
-                                             has_side_effects=True, vmem_limit_bytes=cfg.vmem_limit),
-        interpret=cfg.interpret, name=name,
-    )
-
-
-def _vmem(tiles):
-    return [pltpu.VMEM(shape, dt) for shape, dt in tiles]
-
-
-def _outputs(cfg, like, *shapes_dtypes):
-    """Output types (`tiles.out_struct`) from ``(shape, dtype)`` pairs, then the computed-tile counter
-    (int32 [1] in SMEM with ``cfg.count``, else None); every other output lives in HBM."""
-    structs = [out_struct(*sd, like) for sd in shapes_dtypes]
-    structs.append(out_struct((1,), jnp.int32, like) if cfg.count else None)
-    specs = [_ANY] * len(shapes_dtypes) + [pl.BlockSpec(memory_space=pltpu.SMEM) if cfg.count else None]
-    return structs, specs
-
-
-def _consts(cfg):
-    """The `tiles.Program` of ``cfg.hop`` (or None), its consts (a tuple) and their in_specs (each whole, in VMEM)."""
-    prog = program(cfg.hop, cfg.hop.block_q, cfg.hop.block_kv)
-    consts = () if prog is None else prog.consts
-    return prog, consts, tuple(pl.BlockSpec(memory_space=pltpu.VMEM) for _ in consts)
-
-
 def _fwd_call(cfg, sched, q_t, qmeta, kv, kmeta):
     """q_t [b, h, sq, d], qmeta [b, 2, sq, 128], kv [2, b, hk, sk, d], kmeta [b, 2, sk] -> o [b, h, sq, d]
     (q dtype), stat [b, h, sq, 256] float32 (lse in lanes 0..127), computed-tile count int32 [1] or None."""
     f32 = jnp.float32
-    prog, consts, const_specs = _consts(cfg)
-    q_t, qmeta, kv, kmeta, *consts = same_vma(q_t, qmeta, kv, kmeta, *consts)
+    prog, values, const_specs = consts(cfg)
+    q_t, qmeta, kv, kmeta, *values = same_vma(q_t, qmeta, kv, kmeta, *values)
     b, h, sq, d = q_t.shape
-    out_shape, out_specs = _outputs(cfg, q_t, (q_t.shape, q_t.dtype), ((b, h, sq, 2 * LANES), f32), (q_t.shape, f32),
+    out_shape, out_specs = outputs(cfg, q_t, (q_t.shape, q_t.dtype), ((b, h, sq, 2 * LANES), f32), (q_t.shape, f32),
                                     ((2,) + kv.shape, kv.dtype), ((2,) + kmeta.shape, jnp.int32))
     sems = [pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA((3, 2)), pltpu.SemaphoreType.DMA((2,)),
             pltpu.SemaphoreType.DMA((2, 2)), pltpu.SemaphoreType.REGULAR]
-    call = _call(_fwd_kernel, "ring_fused_fwd_tpu", cfg, prog, out_shape=out_shape,
-                 in_specs=[_ANY] * 4 + [const_specs], out_specs=out_specs,
-                 scratch=_vmem(_fwd_scratch(cfg, d, q_t.dtype)) + sems)
-    o, stat, _, _, _, cnt = call(*sched, q_t, qmeta, kv, kmeta, tuple(consts))
+    call = fused_call(_fwd_kernel, "ring_fused_fwd_tpu", cfg, prog, out_shape=out_shape,
+                 in_specs=[ANY] * 4 + [const_specs], out_specs=out_specs,
+                 scratch=vmem(_fwd_scratch(cfg, d, q_t.dtype)) + sems)
+    o, stat, _, _, _, cnt = call(*sched, q_t, qmeta, kv, kmeta, tuple(values))
     return o, stat, cnt
 
 
-# ---------------------------------------------------------------- backward kernel
-
-def _bwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,       # SMEM tables
-                q_hbm, do_hbm, stat_hbm, qmeta_hbm, kv_hbm, kmeta_hbm, const_refs,   # inputs (HBM; consts VMEM)
-                dq_hbm, kv_ring, kmeta_ring, dkv_ring, cnt_ref,                      # outputs (HBM; cnt SMEM)
-                k_v, v_v, km_v, dk_v, dv_v, q_s, do_s, st_s, qm_s,                   # pass B tiles (dK, dV)
-                q_v, do_v, st_v, qm_v, dq_v, k_s, v_s, km_s,                         # pass A tiles (dQ)
-                sem, q_sems, kv_sems, send_sem, recv_sem, cap_sem):
-    """FA-2 Alg. 2 with the ring as the outer loop: dQ accumulates in HBM here, dK/dV travel with K/V.
-    stat: [lse | delta] lane-replicated float32 [b, h, sq, 256]. dK/dV make N sends (K/V make N-1):
-    the last step sends only ``dkv``, and the device receives its own shard's dK/dV into slot N % 2."""
-    b, h, hk, nq, nk = _shape(cfg, q_hbm.shape, kv_hbm.shape)
-    bq, bk, group, scale = cfg.hop.block_q, cfg.hop.block_kv, h // hk, cfg.hop.scale
-
-    def init():
-        if cnt_ref is not None:
-            cnt_ref[0] = 0
-
-    ring = fr.prologue(cfg, ring_ref, [(kv_ring, kv_hbm), (kmeta_ring, kmeta_hbm)], init, sem)
-    n, slot, last_send = ring.n, ring.slot, fr.last_send(ring.n, backward=True)  # dK/dV: steps 0 .. N-1
-    kv_copies, dkv_copies = [], []
-    if n > 1:
-        kv_copies = fr.remote_sends(cfg, ((0, kv_ring), (1, kmeta_ring)), send_sem, recv_sem, slot, ring.right)
-        dkv_copies = fr.remote_sends(cfg, ((2, dkv_ring),), send_sem, recv_sem, slot, ring.right)
-    fr.wait_cap(cfg, ring, cap_sem, last_send)  # covers the K/V and the dK/dV slot I write
-
-    @pl.when(ring.step < n - 1)
-    def _():
-        for c in kv_copies:
-            c.start()
-
-    tables, shape = (qb_ref, kb_ref), (b, nq, nk)
-    rows, cols = (lambda i: pl.ds(i * I32(bq), bq)), (lambda j: pl.ds(j * I32(bk), bk))
-    first = ring.step == 0
-
-    def grads(head, q, do, st, qm, k, v, km):
-        """P, dS of one tile of query head ``head`` (FA-2 Alg. 2 lines 11-20); st (bq, 256) = [lse | delta];
-        dS taken back through the tile's program to the scaled logits."""
-        s, pull = _logits(cfg, (prog, const_refs, head), q, k, qm, km, grad=True)
-        p = jnp.exp(s - st[:, :1])                               # P = exp(S - lse), masked: 0
-        ds = masked_grad(p, _dot(do, v, ((1,), (1,))), st[:, LANES:LANES + 1])  # dS = P (dP - D)
-        return p, ds if pull is None else pull(ds, p)
-
-    def kv_tile(t, carry):  # pass B: dK_j, dV_j += over the group's heads and my Q tiles
-        bi, kv_head, j = _split(t, (b, hk, nk))
-        live = fr.live(k_live_ref, ring.kv_idx, bi, j, b, nk)  # not live: dK_j, dV_j pass through untouched
-
-        @pl.when(live)
-        def _():
-            fr.copy(kv_ring.at[slot, I32(0), bi, kv_head, cols(j), :], k_v, sem)
-            fr.copy(kv_ring.at[slot, I32(1), bi, kv_head, cols(j), :], v_v, sem)
-            if cfg.masked:
-                fr.copy(kmeta_ring.at[slot, bi, :, cols(j)], km_v, sem)
-
-        @pl.when(first)
-        def _():
-            dk_v[...] = jnp.zeros(dk_v.shape, jnp.float32)
-            dv_v[...] = jnp.zeros(dv_v.shape, jnp.float32)
-
-        @pl.when(jnp.logical_not(first) & live)
-        def _():
-            fr.copy(dkv_ring.at[slot, I32(0), bi, kv_head, cols(j), :], dk_v, sem)
-            fr.copy(dkv_ring.at[slot, I32(1), bi, kv_head, cols(j), :], dv_v, sem)
-
-        head = lambda u: kv_head * I32(group) + u // I32(nq)  # noqa: E731  query head of stream tile u
-        pairs = [(lambda u: q_hbm.at[bi, head(u), rows(lax.rem(u, I32(nq))), :], q_s),
-                 (lambda u: do_hbm.at[bi, head(u), rows(lax.rem(u, I32(nq))), :], do_s),
-                 (lambda u: stat_hbm.at[bi, head(u), rows(lax.rem(u, I32(nq))), :], st_s)]
-        pairs += [(lambda u: qmeta_hbm.at[bi, :, rows(lax.rem(u, I32(nq))), :], qm_s)] if cfg.masked else []
-
-        def q_tile(u, buf):
-            q, do = q_s[buf], do_s[buf]
-            p, ds = grads(head(u), q, do, st_s[buf], qm_s.at[buf], k_v[...], v_v[...], km_v)
-            dv_v[...] += _dot(p.astype(do.dtype), do, ((0,), (0,)))          # dV_j += P^T dO_i
-            dk_v[...] += _dot(ds.astype(q.dtype), q, ((0,), (0,))) * scale   # dK_j += dS^T Q_i
-
-        tile_empty = lambda u: fr.tile_empty(cfg, tables, shape,  # noqa: E731
-                                             kv_idx=ring.kv_idx, bi=bi, i=lax.rem(u, I32(nq)), j=j)
-
-        @pl.when(live)
-        def _():
-            fr.stream_tiles(group * nq, fr.Stream(tuple(pairs), q_sems), tile_empty, q_tile)
-
-        @pl.when(live | first)
-        def _():
-            fr.copy(dk_v, dkv_ring.at[slot, I32(0), bi, kv_head, cols(j), :], sem)
-            fr.copy(dv_v, dkv_ring.at[slot, I32(1), bi, kv_head, cols(j), :], sem)
-        return carry
-
-    def dq_tile(t, carry):  # pass A: dQ_i += over the held shard's K/V tiles
-        bi, hi, i = _split(t, (b, h, nq))
-        kv_head, live = hi // I32(group), fr.live(q_live_ref, ring.kv_idx, bi, i, b, nq)
-
-        @pl.when(live)
-        def _():
-            for src, dst in ((q_hbm, q_v), (do_hbm, do_v), (stat_hbm, st_v)):
-                fr.copy(src.at[bi, hi, rows(i), :], dst, sem)
-            if cfg.masked:
-                fr.copy(qmeta_hbm.at[bi, :, rows(i), :], qm_v, sem)
-
-        @pl.when(first)
-        def _():
-            dq_v[...] = jnp.zeros(dq_v.shape, jnp.float32)
-
-        @pl.when(jnp.logical_not(first) & live)
-        def _():
-            fr.copy(dq_hbm.at[bi, hi, rows(i), :], dq_v, sem)
-
-        def k_tile(j, buf):
-            if cnt_ref is not None:
-                cnt_ref[0] += 1
-            k = k_s[buf]
-            _, ds = grads(hi, q_v[...], do_v[...], st_v[...], qm_v, k, v_s[buf], km_s.at[buf])
-            dq_v[...] += _dot(ds.astype(k.dtype), finite_keys(k), ((1,), (0,))) * scale  # a masked NaN key: 0
-
-        pairs = [(lambda j: kv_ring.at[slot, I32(0), bi, kv_head, cols(j), :], k_s),
-                 (lambda j: kv_ring.at[slot, I32(1), bi, kv_head, cols(j), :], v_s)]
-        pairs += [(lambda j: kmeta_ring.at[slot, bi, :, cols(j)], km_s)] if cfg.masked else []
-        tile_empty = lambda j: fr.tile_empty(cfg, tables, shape, kv_idx=ring.kv_idx, bi=bi, i=i, j=j)  # noqa: E731
-
-        @pl.when(live)
-        def _():
-            fr.stream_tiles(nk, fr.Stream(tuple(pairs), kv_sems), tile_empty, k_tile)
-
-        @pl.when(live | first)
-        def _():
-            fr.copy(dq_v, dq_hbm.at[bi, hi, rows(i), :], sem)
-        return carry
-
-    lax.fori_loop(I32(0), I32(b * hk * nk), kv_tile, I32(0))
-    for c in dkv_copies:
-        c.start()  # every step, the last one included: it carries dK/dV home; overlaps pass A
-    lax.fori_loop(I32(0), I32(b * h * nq), dq_tile, I32(0))
-
-    @pl.when(ring.step < n - 1)
-    def _():
-        fr.finish(kv_copies)
-    fr.finish(dkv_copies)
-    fr.signal_cap(cfg, ring, cap_sem, last_send)
-
-
-def _bwd_scratch(cfg, d, dtype):
-    """(shape, dtype) of the backward's VMEM tiles, in kernel order (`_bwd_call`, `footprints`)."""
-    bq, bk, f32, i32 = cfg.hop.block_q, cfg.hop.block_kv, jnp.float32, jnp.int32
-    q, st, qm = ((bq, d), dtype), ((bq, 2 * LANES), f32), ((2, bq, LANES), i32)
-    k, km = ((bk, d), dtype), ((2, bk), i32)
-    two = lambda t: ((2,) + t[0], t[1])  # noqa: E731  double-buffered
-    return ([k, k, km, ((bk, d), f32), ((bk, d), f32), two(q), two(q), two(st), two(qm)]
-            + [q, q, st, qm, ((bq, d), f32), two(k), two(k), two(km)])
-
-
-def _bwd_call(cfg, sched, q_t, qmeta, kv, kmeta, *, do_t, stat):
-    """The backward's inputs as `_fwd_call`'s, plus do_t (like q_t) and stat [b, h, sq, 256] = [lse | delta]
-    -> dq [b, h, sq, d] float32, dkv ring [2, 2, b, hk, sk, d] float32 (home: slot N % 2), count or None."""
-    f32 = jnp.float32
-    prog, consts, const_specs = _consts(cfg)
-    q_t, do_t, stat, qmeta, kv, kmeta, *consts = same_vma(q_t, do_t, stat, qmeta, kv, kmeta, *consts)
-    out_shape, out_specs = _outputs(cfg, q_t, (q_t.shape, f32), ((2,) + kv.shape, kv.dtype),
-                                    ((2,) + kmeta.shape, jnp.int32), ((2,) + kv.shape, f32))
-    sems = [pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA((4, 2)), pltpu.SemaphoreType.DMA((3, 2)),
-            pltpu.SemaphoreType.DMA((3,)), pltpu.SemaphoreType.DMA((3, 2)), pltpu.SemaphoreType.REGULAR]
-    call = _call(_bwd_kernel, "ring_fused_bwd_tpu", cfg, prog, out_shape=out_shape,
-                 in_specs=[_ANY] * 6 + [const_specs], out_specs=out_specs,
-                 scratch=_vmem(_bwd_scratch(cfg, q_t.shape[-1], q_t.dtype)) + sems)
-    dq, _, _, dkv, cnt = call(*sched, q_t, do_t, stat, qmeta, kv, kmeta, tuple(consts))
-    return dq, dkv, cnt
-
-
 # ---------------------------------------------------------------- layout glue and custom_vjp
-
-def _lanes(x):
-    """[..., s] -> [..., s, 128]: one value per row, replicated over the lanes (a (rows, 128) column tile)."""
-    return jnp.broadcast_to(x[..., None], x.shape + (LANES,))
-
 
 def _width(x, width):
     """x zero-padded on its last axis to ``width``."""
@@ -493,20 +248,22 @@ def _width(x, width):
 
 
 def _pack(qs, kv):
-    """[b, s, h, d] -> head-major kernel layout; positions and segments packed per side (queries
-    lane-replicated [b, 2, sq, 128], keys as rows [b, 2, sk]). K and V travel as one buffer, so with
-    d_v != d the narrower of q/k and v is zero-padded to the wider, ``D = max(d, d_v)`` (zeros change
-    neither q.k nor o's first d_v columns; the padded gradients' columns are 0 and cut off)."""
+    """[b, s, h, d] -> head-major kernel layout; positions and segments packed per side as rows [b, 2, s] (the
+    forward and the two-pass backward read the queries' lane-replicated, `fused_tiles.lanes`). K and V
+    travel as one buffer, so with d_v != d the narrower of q/k and v is zero-padded to the wider, ``D =
+    max(d, d_v)`` (zeros change neither q.k nor o's first d_v columns; the padded gradients' columns are 0
+    and cut off)."""
     width = max(qs.q.shape[-1], kv.v.shape[-1])
     meta = lambda pos, seg: jnp.stack([pos, jnp.zeros_like(pos) if seg is None else seg], 1).astype(jnp.int32)
     kv_t = jnp.stack([_width(kv.k, width), _width(kv.v, width)]).transpose(0, 1, 3, 2, 4)  # (2, b, hk, sk, D)
-    return _width(qs.q, width).transpose(0, 2, 1, 3), _lanes(meta(qs.pos, qs.seg)), kv_t, meta(kv.pos, kv.seg)
+    return _width(qs.q, width).transpose(0, 2, 1, 3), meta(qs.pos, qs.seg), kv_t, meta(kv.pos, kv.seg)
 
 
 def _forward(cfg, qs, kv):
     """-> o [b, sq, h, d] (q dtype), lse [b, h, sq] float32, tiles computed on this device (int32 [1]
     with ``cfg.count``, else None)."""
-    o, stat, cnt = _fwd_call(cfg, fr.schedule(cfg, qs, kv), *_pack(qs, kv))
+    q_t, qmeta, kv_t, kmeta = _pack(qs, kv)
+    o, stat, cnt = _fwd_call(cfg, fr.schedule(cfg, qs, kv), q_t, lanes(qmeta), kv_t, kmeta)
     return o[..., :kv.v.shape[-1]].transpose(0, 2, 1, 3), stat[..., 0], cnt
 
 
@@ -519,13 +276,13 @@ def _backward(cfg, qs, kv, *, o, lse, do, dlse):
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))  # (b, h, sq)
     delta = delta - dlse.astype(jnp.float32)
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # a row that saw nothing: every p is 0 anyway
-    stat = jnp.concatenate([_lanes(lse.astype(jnp.float32)), _lanes(delta)], axis=-1)  # (b, h, sq, 256)
-    dq, dkv, cnt = _bwd_call(cfg, fr.schedule(cfg, qs, kv), q_t, qmeta, kv_t, kmeta,
-                             do_t=_width(do, q_t.shape[-1]).transpose(0, 2, 1, 3), stat=stat)
+    dq, dkv, cnt = bwd.backward_call(cfg, fr.schedule(cfg, qs, kv), q_t, qmeta, kv_t, kmeta,
+                                     do_t=_width(do, q_t.shape[-1]).transpose(0, 2, 1, 3),
+                                     lse=lse.astype(jnp.float32), delta=delta)
     home = cfg.axis_size % 2 if cfg.axis_size > 1 else 0  # after N sends (none when N == 1)
     dk, dv = dkv[home].transpose(0, 1, 3, 2, 4)           # (b, sk, hk, D) each
-    d, d_v = qs.q.shape[-1], kv.v.shape[-1]
-    return (dq[..., :d].transpose(0, 2, 1, 3).astype(qs.q.dtype), dk[..., :d].astype(kv.k.dtype),
+    d, d_v, scale = qs.q.shape[-1], kv.v.shape[-1], cfg.hop.scale  # the kernels add dS K and dS^T Q unscaled
+    return ((scale * dq[..., :d]).transpose(0, 2, 1, 3).astype(qs.q.dtype), (scale * dk[..., :d]).astype(kv.k.dtype),
             dv[..., :d_v].astype(kv.v.dtype), cnt)
 
 
@@ -557,18 +314,34 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 # ---------------------------------------------------------------- budget and entry points
 
 def footprints(hop, q_shape, k_shape, dtype, *, n, has_seg=True):
-    """VMEM / SMEM of the forward and the backward kernel (`budgets`): their VMEM tiles (`_fwd_scratch`,
-    `_bwd_scratch`, all shard-length independent) plus the score-sized temporaries, and the SMEM tables
-    (`fused_ring.schedule`). q [b, sq, h, d], k [b, sk, hk, d] per device; ``n`` devices."""
-    cfg = fr.FusedConfig(None, n, hop, has_seg, False)
-    (b, sq, _, d), sk = q_shape, k_shape[1]
+    """VMEM / SMEM of the forward and the two-pass backward kernel (`budgets`): their VMEM tiles (`_fwd_scratch`,
+    `fused_ring_bwd.two_pass_scratch`, all shard-length independent) plus the score-sized temporaries, and the
+    SMEM tables (`fused_ring.schedule`). q [b, sq, h, d], k [b, sk, hk, d] per device; ``n`` devices. The tiles
+    are chosen to fit these; the one-pass backward runs where it fits too (`_one_pass`)."""
+    cfg, smem = fr.FusedConfig(None, n, hop, has_seg, False), _smem(hop, q_shape, k_shape, n)
     temps = [((hop.block_q, hop.block_kv), jnp.float32)]
-    nq, nk = sq // hop.block_q, sk // hop.block_kv
-    smem = 4 * (3 + n * b * (nq + nk) + b * nq * 4 + n * b * nk * 4)  # `fused_ring.schedule`'s tables
-    return [budgets.Footprint(budgets.tpu_vmem_bytes(scratch=_fwd_scratch(cfg, d, dtype), temps=temps * 2), smem,
-                              "the fused forward"),
-            budgets.Footprint(budgets.tpu_vmem_bytes(scratch=_bwd_scratch(cfg, d, dtype), temps=temps * 3), smem,
-                              "the fused backward")]
+    return [budgets.Footprint(budgets.tpu_vmem_bytes(scratch=_fwd_scratch(cfg, q_shape[-1], dtype), temps=temps * 2),
+                              smem, "the fused forward"),
+            bwd.footprints(cfg, q_shape, k_shape, dtype, smem)[1]]
+
+
+def _smem(hop, q_shape, k_shape, n):
+    """Bytes of `fused_ring.schedule`'s SMEM tables."""
+    b, nq, nk = q_shape[0], q_shape[1] // hop.block_q, k_shape[1] // hop.block_kv
+    return 4 * (3 + n * b * (nq + nk) + b * nq * 4 + n * b * nk * 4)
+
+
+def _one_pass(hop, q_shape, k_shape, dtype, *, n, has_seg, chip):
+    """``(one_pass, vmem_limit)`` of the backward: one pass (`fused_ring_bwd.ONE_PASS`) where its footprint,
+    which holds a kv head's dK and dV of the whole shard, fits ``chip`` (always when interpreted: ``chip``
+    None), with the ``vmem_limit_bytes`` it needs (None: the default holds it)."""
+    cfg = fr.FusedConfig(None, n, hop, has_seg, False)
+    if not bwd.ONE_PASS or not bwd.one_pass_applies(cfg, consts(cfg)[0], chip):
+        return False, None
+    if chip is None:
+        return True, None
+    one = bwd.footprints(cfg, q_shape, k_shape, dtype, _smem(hop, q_shape, k_shape, n))[0]
+    return (True, budgets.vmem_limit(chip, [one])) if budgets.fits(chip, one) else (False, None)
 
 
 # The tile side measured on a TPU v5e (JAX 0.10.2, `benchmarks/tune_tpu.py --kernels fused_fwd,fused_bwd`,
@@ -615,8 +388,12 @@ def make_config(qs, kv, cfg, *, axis_name, interpret=None, _handshake=True, coun
         limit = check_budget(IMPL, chip, est, hop, q_blocks=budgets.candidate_blocks(sq, multiple=SUBLANES, top=2048),
                              kv_blocks=budgets.candidate_blocks(sk, multiple=LANES, top=2048),
                              shape=f"head dim {width}, {jnp.dtype(qs.q.dtype).name}")
+    width = max(qs.q.shape[-1], kv.v.shape[-1])
+    one_pass, one_pass_limit = _one_pass(hop, qs.q.shape[:-1] + (width,), kv.k.shape[:-1] + (width,), qs.q.dtype,
+                                         n=axis_size, has_seg=qs.seg is not None, chip=chip)
     return fr.FusedConfig(axis_name=axis_name, axis_size=axis_size, hop=hop, has_seg=qs.seg is not None,
-                          interpret=interpret, handshake=_handshake, count=count, vmem_limit=limit)
+                          interpret=interpret, handshake=_handshake, count=count, vmem_limit=limit,
+                          one_pass=one_pass, one_pass_limit=one_pass_limit)
 
 
 def fused_ring_attention_shard(qs, kv, cfg, *, axis_name, interpret=None, return_lse=False, _handshake=True):

@@ -1,0 +1,372 @@
+"""The fused TPU ring's backward kernels (``pallas_tpu_fused``): FA-2 Alg. 2 with the ring as the outer loop.
+
+dQ stays home and accumulates in HBM over the ring steps; dK/dV travel with K/V (``dkv``, float32) and make
+one extra hop after the last step to arrive home (Ring Attention, Sec. 3). Two forms of one ring step:
+
+- **one pass** (`_one_pass_kernel`, where it fits): the held shard's dK and dV of one (batch row, kv head)
+  sit whole in VMEM ([sk, d] float32 each) while that head group's Q tiles run through the shard's K/V
+  tiles, dQ of the Q tile in VMEM: S and dP once a tile, 5 matmuls (S, dP, dV, dK, dQ), as the per-hop
+  kernel's fused backward (``pallas_tpu._bwd_fused_kernel``). Each finished (batch row, kv head) of dK/dV
+  is sent on at once, so its transfer overlaps the next one's compute.
+- **two passes** (`_two_pass_kernel`, the fallback: VMEM independent of the shard length): pass B (K/V
+  tiles outer, the GQA group's Q tiles streamed) accumulates dK/dV a tile at a time, its send then
+  overlaps pass A (Q tiles outer, K/V tiles streamed), which adds dQ. 7 matmuls a tile: S and dP twice.
+
+Both add unscaled dS K and dS^T Q (the caller multiplies by the scale once, at the end: dK from Q as given
+is as accurate as dQ), skip empty tiles and compute the built-in mask only on partial ones
+(`fused_ring.by_kind`). On a ring of one v5e chip (16K tokens, 8 heads, bf16) the two-pass backward ran
+at 0.64x the per-hop kernel's; docs/benchmarks.md has the one-pass figures.
+"""
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ringattn_fast.kernels import budgets
+from ringattn_fast.kernels import fused_ring as fr
+from ringattn_fast.kernels.fused_ring import I32
+from ringattn_fast.kernels.fused_tiles import (ANY, LANES, consts, dot, fused_call, kernel_shape, lanes, logits,
+                                               outputs, unflatten, vmem)
+from ringattn_fast.kernels.pallas_tpu import key_major_grads
+from ringattn_fast.kernels.tiles import finite_keys, same_vma
+from ringattn_fast.masks import masked_grad
+
+ONE_PASS = True  # `_one_pass_kernel` where it fits (benchmarks/tune_tpu.py --kernels fused_bwd,fused_bwd_two_pass)
+_TN, _NN = ((0,), (0,)), ((1,), (0,))
+
+
+def _grads(cfg, fn, q, do, st, qm, k, v, km, masked):
+    """P, dS of one tile (FA-2 Alg. 2 lines 11-20), fp32 (bq, bk); st (bq, 256) = [lse | delta]; dS taken
+    back through the tile's program (``fn``, as `fused_tiles.logits`) to the scaled logits."""
+    s, pull = logits(cfg, fn, q, k, qm, km, grad=True, masked=masked)
+    p = jnp.exp(s - st[:, :1])                                               # P = exp(S - lse), masked: 0
+    ds = masked_grad(p, dot(do, v, ((1,), (1,))), st[:, LANES:LANES + 1])   # dS = P (dP - D)
+    return p, ds if pull is None else pull(ds, p)
+
+
+def _opening(cfg, ring_ref, kv_ring, kv_hbm, kmeta_ring, kmeta_hbm, cnt_ref, sem, send_sem, recv_sem, cap_sem):
+    """Both kernels' step opening: the `fused_ring.Ring`, K/V's remote sends (started at steps 0 .. N-2,
+    after the handshake that also covers the dK/dV slot this step writes)."""
+    def init():
+        if cnt_ref is not None:
+            cnt_ref[0] = 0
+
+    ring = fr.prologue(cfg, ring_ref, [(kv_ring, kv_hbm), (kmeta_ring, kmeta_hbm)], init, sem)
+    kv_copies = [] if ring.n == 1 else fr.remote_sends(cfg, ((0, kv_ring), (1, kmeta_ring)), send_sem, recv_sem,
+                                                       ring.slot, ring.right)
+    fr.wait_cap(cfg, ring, cap_sem, fr.last_send(ring.n, backward=True))
+
+    @pl.when(ring.step < ring.n - 1)
+    def _():
+        for c in kv_copies:
+            c.start()
+    return ring, kv_copies
+
+
+def _count(cnt_ref):
+    if cnt_ref is not None:
+        cnt_ref[0] += 1
+
+
+def _load_q_side(refs, tiles, bi, hi, rows, sem, masked):
+    """Copy one Q tile's q, dO, [lse | delta] (and positions) from HBM into VMEM."""
+    q_hbm, do_hbm, stat_hbm, qmeta_hbm = refs
+    q_v, do_v, st_v, qm_v = tiles
+    for src, dst in ((q_hbm, q_v), (do_hbm, do_v), (stat_hbm, st_v)):
+        fr.copy(src.at[bi, hi, rows, :], dst, sem)
+    if masked:
+        fr.copy(qmeta_hbm.at[bi, :, rows, :], qm_v, sem)
+
+
+def _kv_pairs(cfg, ring, kv_ring, kmeta_ring, bi, kv_head, cols, tiles):
+    """The `fused_ring.Stream` pairs of the held shard's K/V tiles (and key positions) of one kv head."""
+    k_s, v_s, km_s = tiles
+    pairs = [(lambda j: kv_ring.at[ring.slot, I32(0), bi, kv_head, cols(j), :], k_s),
+             (lambda j: kv_ring.at[ring.slot, I32(1), bi, kv_head, cols(j), :], v_s)]
+    return tuple(pairs + ([(lambda j: kmeta_ring.at[ring.slot, bi, :, cols(j)], km_s)] if cfg.masked else []))
+
+
+def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,      # SMEM tables
+                     q_hbm, do_hbm, stat_hbm, qrow_hbm, kv_hbm, kmeta_hbm, const_refs,   # inputs (HBM)
+                     dq_hbm, kv_ring, kmeta_ring, dkv_ring, cnt_ref,                     # outputs (HBM; cnt SMEM)
+                     dk_v, dv_v, q_v, qs_v, do_v, st_v, qm_v, dq_v, k_s, v_s, km_s,      # VMEM
+                     sem, kv_sems, send_sem, recv_sem, cap_sem):
+    """Grid = ring steps. Per step, per (batch row bi, kv head): dK, dV of the held shard into VMEM (zeros at
+    step 0), then each live Q tile of the head group: its dQ from HBM, the shard's K/V tiles streamed
+    through, dQ back to HBM; then dK, dV back to the ``dkv`` slot and sent to the right neighbour's other
+    slot. Every send is waited on at the step's end. The tile is key-major, as the per-hop fused
+    backward's (``pallas_tpu.key_major_grads``): S^T = K (scale Q)^T is (bk, bq), lse and delta are the
+    (1, bq) rows of ``stat`` [b, h, 2, sq], query positions rows of ``qrow`` [b, 2, sq]; dV_j += P^T dO and
+    dK_j += dS^T Q are plain matmuls, dQ += dS K transposes dS^T once. No program (`one_pass_applies`)."""
+    del prog, const_refs
+    b, h, hk, nq, nk = kernel_shape(cfg, q_hbm.shape, kv_hbm.shape)
+    bq, bk, group, seg = cfg.hop.block_q, cfg.hop.block_kv, h // hk, cfg.has_seg
+    ring, kv_copies = _opening(cfg, ring_ref, kv_ring, kv_hbm, kmeta_ring, kmeta_hbm, cnt_ref, sem, send_sem,
+                               recv_sem, cap_sem)
+    n, slot, first = ring.n, ring.slot, ring.step == 0
+    tables, shape = (qb_ref, kb_ref), (b, nq, nk)
+    rows, cols = (lambda i: pl.ds(i * I32(bq), bq)), (lambda j: pl.ds(j * I32(bk), bk))
+    row = lambda ref, r: ref.at[pl.ds(r, 1)]  # noqa: E731  row r of a (2, n) VMEM tile as a (1, n) ref
+
+    def dkv_sends(bi, kv_head):  # this (batch row, kv head)'s dK, dV: my slot -> the right neighbour's other slot
+        return [pltpu.make_async_remote_copy(dkv_ring.at[slot, I32(a), bi, kv_head],
+                                             dkv_ring.at[I32(1) - slot, I32(a), bi, kv_head], send_sem.at[I32(2)],
+                                             recv_sem.at[I32(2), I32(1) - slot], device_id={cfg.axis_name: ring.right})
+                for a in (0, 1)]
+
+    def q_tile(bi, kv_head, u, carry):
+        member, i = unflatten(u, (group, nq))
+        hi, live = kv_head * I32(group) + member, fr.live(q_live_ref, ring.kv_idx, bi, i, b, nq)
+
+        @pl.when(live)
+        def _():
+            for src, dst in ((q_hbm, q_v), (do_hbm, do_v)):
+                fr.copy(src.at[bi, hi, rows(i), :], dst, sem)
+            fr.copy(stat_hbm.at[bi, hi, :, rows(i)], st_v, sem)
+            if cfg.masked:
+                fr.copy(qrow_hbm.at[bi, :, rows(i)], qm_v, sem)
+            qs_v[...] = (q_v[...].astype(jnp.float32) * cfg.hop.scale).astype(qs_v.dtype)  # once per Q tile
+
+        @pl.when(first)
+        def _():
+            dq_v[...] = jnp.zeros(dq_v.shape, jnp.float32)
+
+        pl.when(jnp.logical_not(first) & live)(lambda: fr.copy(dq_hbm.at[bi, hi, rows(i), :], dq_v, sem))
+
+        def fold(j, buf, masked):
+            do, k = do_v[...], k_s[buf]
+            km = km_s.at[buf]
+            pt, dst = key_major_grads(k, qs_v[...], v_s[buf], do, row(st_v, 0), row(st_v, 1), row(qm_v, 0),
+                                      row(km, 0), row(qm_v, 1) if seg else None, row(km, 1) if seg else None,
+                                      cfg.hop, masked)  # (bk, bq) each
+            keys = pl.ds(pl.multiple_of(j * I32(bk), bk), bk)  # K/V tile j's rows of the shard's dK, dV
+            dv_v[keys, :] += dot(pt.astype(do.dtype), do, _NN)         # dV_j += P^T dO_i
+            dk_v[keys, :] += dot(dst.astype(k.dtype), q_v[...], _NN)   # dK_j += dS^T Q_i (scale: the caller)
+            dq_v[...] += dot(dst.T.astype(k.dtype), finite_keys(k), _NN)  # dQ_i += dS K_j; a masked NaN key: 0
+
+        def k_tile(j, buf):
+            _count(cnt_ref)
+            fr.by_kind(cfg, tables, shape, functools.partial(fold, j, buf), kv_idx=ring.kv_idx, bi=bi, i=i, j=j)
+
+        stream = fr.Stream(_kv_pairs(cfg, ring, kv_ring, kmeta_ring, bi, kv_head, cols, (k_s, v_s, km_s)), kv_sems)
+        tile_empty = lambda j: fr.tile_empty(cfg, tables, shape, kv_idx=ring.kv_idx, bi=bi, i=i, j=j)  # noqa: E731
+        pl.when(live)(lambda: fr.stream_tiles(nk, stream, tile_empty, k_tile))
+        pl.when(live | first)(lambda: fr.copy(dq_v, dq_hbm.at[bi, hi, rows(i), :], sem))
+        return carry
+
+    def head(t, carry):  # one (batch row, kv head): its dK, dV resident while the group's Q tiles run
+        bi, kv_head = unflatten(t, (b, hk))
+        seen = lax.fori_loop(I32(0), I32(nk), lambda j, acc: acc | fr.live(k_live_ref, ring.kv_idx, bi, j, b, nk),
+                             jnp.bool_(False))
+        touched = first | seen  # else dK, dV pass through as received
+
+        @pl.when(first)
+        def _():
+            dk_v[...] = jnp.zeros(dk_v.shape, jnp.float32)
+            dv_v[...] = jnp.zeros(dv_v.shape, jnp.float32)
+
+        @pl.when(jnp.logical_not(first) & touched)
+        def _():
+            fr.copy(dkv_ring.at[slot, I32(0), bi, kv_head], dk_v, sem)
+            fr.copy(dkv_ring.at[slot, I32(1), bi, kv_head], dv_v, sem)
+
+        @pl.when(touched)
+        def _():
+            lax.fori_loop(I32(0), I32(group * nq), functools.partial(q_tile, bi, kv_head), I32(0))
+            fr.copy(dk_v, dkv_ring.at[slot, I32(0), bi, kv_head], sem)
+            fr.copy(dv_v, dkv_ring.at[slot, I32(1), bi, kv_head], sem)
+        if n > 1:
+            for c in dkv_sends(bi, kv_head):
+                c.start()  # every step, the last one included: the N-th move brings dK/dV home
+        return carry
+
+    lax.fori_loop(I32(0), I32(b * hk), head, I32(0))
+
+    @pl.when(ring.step < n - 1)
+    def _():
+        fr.finish(kv_copies)
+    if n > 1:
+        def wait(t, carry):
+            fr.finish(dkv_sends(*unflatten(t, (b, hk))))  # one wait per send, each of its own size
+            return carry
+        lax.fori_loop(I32(0), I32(b * hk), wait, I32(0))
+    fr.signal_cap(cfg, ring, cap_sem, fr.last_send(n, backward=True))
+
+
+def _two_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,      # SMEM tables
+                     q_hbm, do_hbm, stat_hbm, qmeta_hbm, kv_hbm, kmeta_hbm, const_refs,  # inputs (HBM; consts VMEM)
+                     dq_hbm, kv_ring, kmeta_ring, dkv_ring, cnt_ref,                     # outputs (HBM; cnt SMEM)
+                     k_v, v_v, km_v, dk_v, dv_v, q_s, do_s, st_s, qm_s,                  # pass B tiles (dK, dV)
+                     q_v, do_v, st_v, qm_v, dq_v, k_s, v_s, km_s,                        # pass A tiles (dQ)
+                     sem, q_sems, kv_sems, send_sem, recv_sem, cap_sem):
+    """Per ring step, pass B then pass A (module docstring). dK/dV make N sends (K/V make N-1): the last
+    step sends only ``dkv``, and the device receives its own shard's dK/dV into slot N % 2."""
+    b, h, hk, nq, nk = kernel_shape(cfg, q_hbm.shape, kv_hbm.shape)
+    bq, bk, group = cfg.hop.block_q, cfg.hop.block_kv, h // hk
+    ring, kv_copies = _opening(cfg, ring_ref, kv_ring, kv_hbm, kmeta_ring, kmeta_hbm, cnt_ref, sem, send_sem,
+                               recv_sem, cap_sem)
+    n, slot, first = ring.n, ring.slot, ring.step == 0
+    dkv_copies = [] if n == 1 else fr.remote_sends(cfg, ((2, dkv_ring),), send_sem, recv_sem, slot, ring.right)
+    tables, shape = (qb_ref, kb_ref), (b, nq, nk)
+    rows, cols = (lambda i: pl.ds(i * I32(bq), bq)), (lambda j: pl.ds(j * I32(bk), bk))
+
+    def kv_tile(t, carry):  # pass B: dK_j, dV_j += over the group's heads and my Q tiles
+        bi, kv_head, j = unflatten(t, (b, hk, nk))
+        live = fr.live(k_live_ref, ring.kv_idx, bi, j, b, nk)  # not live: dK_j, dV_j pass through untouched
+
+        @pl.when(live)
+        def _():
+            fr.copy(kv_ring.at[slot, I32(0), bi, kv_head, cols(j), :], k_v, sem)
+            fr.copy(kv_ring.at[slot, I32(1), bi, kv_head, cols(j), :], v_v, sem)
+            if cfg.masked:
+                fr.copy(kmeta_ring.at[slot, bi, :, cols(j)], km_v, sem)
+
+        @pl.when(first)
+        def _():
+            dk_v[...] = jnp.zeros(dk_v.shape, jnp.float32)
+            dv_v[...] = jnp.zeros(dv_v.shape, jnp.float32)
+
+        @pl.when(jnp.logical_not(first) & live)
+        def _():
+            fr.copy(dkv_ring.at[slot, I32(0), bi, kv_head, cols(j), :], dk_v, sem)
+            fr.copy(dkv_ring.at[slot, I32(1), bi, kv_head, cols(j), :], dv_v, sem)
+
+        head = lambda u: kv_head * I32(group) + u // I32(nq)  # noqa: E731  query head of stream tile u
+        pairs = [(lambda u: q_hbm.at[bi, head(u), rows(lax.rem(u, I32(nq))), :], q_s),
+                 (lambda u: do_hbm.at[bi, head(u), rows(lax.rem(u, I32(nq))), :], do_s),
+                 (lambda u: stat_hbm.at[bi, head(u), rows(lax.rem(u, I32(nq))), :], st_s)]
+        pairs += [(lambda u: qmeta_hbm.at[bi, :, rows(lax.rem(u, I32(nq))), :], qm_s)] if cfg.masked else []
+
+        def fold(u, buf, masked):
+            q, do = q_s[buf], do_s[buf]
+            p, ds = _grads(cfg, (prog, const_refs, head(u)), q, do, st_s[buf], qm_s.at[buf], k_v[...], v_v[...],
+                           km_v, masked)
+            dv_v[...] += dot(p.astype(do.dtype), do, _TN)   # dV_j += P^T dO_i
+            dk_v[...] += dot(ds.astype(q.dtype), q, _TN)    # dK_j += dS^T Q_i (scale: the caller)
+
+        def q_tile(u, buf):
+            fr.by_kind(cfg, tables, shape, functools.partial(fold, u, buf), kv_idx=ring.kv_idx, bi=bi,
+                       i=lax.rem(u, I32(nq)), j=j)
+
+        tile_empty = lambda u: fr.tile_empty(cfg, tables, shape,  # noqa: E731
+                                             kv_idx=ring.kv_idx, bi=bi, i=lax.rem(u, I32(nq)), j=j)
+        pl.when(live)(lambda: fr.stream_tiles(group * nq, fr.Stream(tuple(pairs), q_sems), tile_empty, q_tile))
+
+        @pl.when(live | first)
+        def _():
+            fr.copy(dk_v, dkv_ring.at[slot, I32(0), bi, kv_head, cols(j), :], sem)
+            fr.copy(dv_v, dkv_ring.at[slot, I32(1), bi, kv_head, cols(j), :], sem)
+        return carry
+
+    def dq_tile(t, carry):  # pass A: dQ_i += over the held shard's K/V tiles
+        bi, hi, i = unflatten(t, (b, h, nq))
+        kv_head, live = hi // I32(group), fr.live(q_live_ref, ring.kv_idx, bi, i, b, nq)
+        pl.when(live)(lambda: _load_q_side((q_hbm, do_hbm, stat_hbm, qmeta_hbm), (q_v, do_v, st_v, qm_v), bi, hi,
+                                           rows(i), sem, cfg.masked))
+
+        @pl.when(first)
+        def _():
+            dq_v[...] = jnp.zeros(dq_v.shape, jnp.float32)
+
+        pl.when(jnp.logical_not(first) & live)(lambda: fr.copy(dq_hbm.at[bi, hi, rows(i), :], dq_v, sem))
+
+        def fold(buf, masked):
+            k = k_s[buf]
+            _, ds = _grads(cfg, (prog, const_refs, hi), q_v[...], do_v[...], st_v[...], qm_v, k, v_s[buf],
+                           km_s.at[buf], masked)
+            dq_v[...] += dot(ds.astype(k.dtype), finite_keys(k), _NN)  # a masked NaN key: 0 (scale: the caller)
+
+        def k_tile(j, buf):
+            _count(cnt_ref)
+            fr.by_kind(cfg, tables, shape, functools.partial(fold, buf), kv_idx=ring.kv_idx, bi=bi, i=i, j=j)
+
+        stream = fr.Stream(_kv_pairs(cfg, ring, kv_ring, kmeta_ring, bi, kv_head, cols, (k_s, v_s, km_s)), kv_sems)
+        tile_empty = lambda j: fr.tile_empty(cfg, tables, shape, kv_idx=ring.kv_idx, bi=bi, i=i, j=j)  # noqa: E731
+        pl.when(live)(lambda: fr.stream_tiles(nk, stream, tile_empty, k_tile))
+        pl.when(live | first)(lambda: fr.copy(dq_v, dq_hbm.at[bi, hi, rows(i), :], sem))
+        return carry
+
+    lax.fori_loop(I32(0), I32(b * hk * nk), kv_tile, I32(0))
+    for c in dkv_copies:
+        c.start()  # every step, the last one included: it carries dK/dV home; overlaps pass A
+    lax.fori_loop(I32(0), I32(b * h * nq), dq_tile, I32(0))
+
+    @pl.when(ring.step < n - 1)
+    def _():
+        fr.finish(kv_copies)
+    fr.finish(dkv_copies)
+    fr.signal_cap(cfg, ring, cap_sem, fr.last_send(n, backward=True))
+
+
+def _q_side(cfg, d, dtype):
+    bq, f32, i32 = cfg.hop.block_q, jnp.float32, jnp.int32
+    return ((bq, d), dtype), ((bq, 2 * LANES), f32), ((2, bq, LANES), i32)
+
+
+def two_pass_scratch(cfg, d, dtype):
+    """(shape, dtype) of `_two_pass_kernel`'s VMEM tiles, in kernel order (none grows with the shard)."""
+    bk, f32 = cfg.hop.block_kv, jnp.float32
+    q, st, qm = _q_side(cfg, d, dtype)
+    k, km = ((bk, d), dtype), ((2, bk), jnp.int32)
+    two = lambda t: ((2,) + t[0], t[1])  # noqa: E731  double-buffered
+    return ([k, k, km, ((bk, d), f32), ((bk, d), f32), two(q), two(q), two(st), two(qm)]
+            + [q, q, st, qm, ((cfg.hop.block_q, d), f32), two(k), two(k), two(km)])
+
+
+def one_pass_scratch(cfg, d, dtype, sk):
+    """(shape, dtype) of `_one_pass_kernel`'s VMEM, in kernel order: the shard's dK, dV ([sk, d] float32
+    each, for one kv head), one Q tile's q, scaled q, dO, [lse; delta] and positions as rows, its dQ, and
+    double-buffered K/V tiles."""
+    bq, bk, f32 = cfg.hop.block_q, cfg.hop.block_kv, jnp.float32
+    q, k, km = ((bq, d), dtype), ((2, bk, d), dtype), ((2, 2, bk), jnp.int32)
+    return [((sk, d), f32), ((sk, d), f32), q, q, q, ((2, bq), f32), ((2, bq), jnp.int32), ((bq, d), f32), k, k, km]
+
+
+def one_pass_applies(cfg, prog, chip):
+    """Whether the one-pass kernel can run this call: no program (its tile is key-major, the programs'
+    tables are query-major) and, compiled, lse / delta / positions rows of block_q a multiple of 128 lanes."""
+    return prog is None and (chip is None or cfg.hop.block_q % LANES == 0)
+
+
+def footprints(cfg, q_shape, k_shape, dtype, smem):
+    """`budgets.Footprint` of each backward form, ``(one pass, two passes)``: VMEM scratch plus the
+    score-sized float32 temporaries (two more for float32 inputs: Mosaic's bfloat16 parts of full-precision
+    matmuls, as ``pallas_tpu._split_temps``). q [b, sq, h, d], k [b, sk, hk, d]; ``smem``: the tables' bytes."""
+    d, sk = q_shape[-1], k_shape[1]
+    temps = [((cfg.hop.block_q, cfg.hop.block_kv), jnp.float32)] * (3 + (2 if jnp.dtype(dtype) == jnp.float32 else 0))
+    return (budgets.Footprint(budgets.tpu_vmem_bytes(scratch=one_pass_scratch(cfg, d, dtype, sk), temps=temps), smem,
+                              "the fused one-pass backward"),
+            budgets.Footprint(budgets.tpu_vmem_bytes(scratch=two_pass_scratch(cfg, d, dtype), temps=temps[:3]), smem,
+                              "the fused backward"))
+
+
+def backward_call(cfg, sched, q_t, qmeta, kv, kmeta, *, do_t, lse, delta):
+    """q_t, do_t [b, h, sq, d], qmeta [b, 2, sq] (query positions, segment ids), kv [2, b, hk, sk, d], kmeta [b, 2, sk],
+    lse, delta [b, h, sq] float32 -> dq [b, h, sq, d] float32, dkv ring [2, 2, b, hk, sk, d] float32 (home: slot
+    N % 2), both unscaled (times the softmax scale: the caller), computed-tile count or None. One pass where
+    ``cfg.one_pass``: lse and delta as rows [b, h, 2, sq]; else [lse | delta] lane-replicated [b, h, sq, 256]
+    and query positions lane-replicated [b, 2, sq, 128] (the two-pass kernel's query-major columns)."""
+    f32 = jnp.float32
+    prog, values, const_specs = consts(cfg)
+    if cfg.one_pass:
+        stat = jnp.stack([lse, delta], axis=2)                                                    # (b, h, 2, sq)
+    else:
+        stat = jnp.concatenate([lanes(lse), lanes(delta)], axis=-1)                             # (b, h, sq, 256)
+        qmeta = lanes(qmeta)                                                                     # (b, 2, sq, 128)
+    q_t, do_t, stat, qmeta, kv, kmeta, *values = same_vma(q_t, do_t, stat, qmeta, kv, kmeta, *values)
+    out_shape, out_specs = outputs(cfg, q_t, (q_t.shape, f32), ((2,) + kv.shape, kv.dtype),
+                                   ((2,) + kmeta.shape, jnp.int32), ((2,) + kv.shape, f32))
+    d, dma = q_t.shape[-1], pltpu.SemaphoreType.DMA
+    if cfg.one_pass:
+        kernel, name, limit = _one_pass_kernel, "ring_fused_bwd_one_pass_tpu", cfg.one_pass_limit
+        scratch = vmem(one_pass_scratch(cfg, d, q_t.dtype, kv.shape[3])) + [dma(()), dma((3, 2))]
+    else:
+        kernel, name, limit = _two_pass_kernel, "ring_fused_bwd_tpu", None
+        scratch = vmem(two_pass_scratch(cfg, d, q_t.dtype)) + [dma(()), dma((4, 2)), dma((3, 2))]
+    scratch += [dma((3,)), dma((3, 2)), pltpu.SemaphoreType.REGULAR]
+    call = fused_call(kernel, name, cfg, prog, out_shape=out_shape, in_specs=[ANY] * 6 + [const_specs],
+                      out_specs=out_specs, scratch=scratch, vmem_limit=limit)
+    dq, _, _, dkv, cnt = call(*sched, q_t, do_t, stat, qmeta, kv, kmeta, tuple(values))
+    return dq, dkv, cnt
