@@ -44,7 +44,7 @@ def test_the_ring_compiles_for_four_chip_slices(compiled):
                                                        for i in ("pallas_tpu", "pallas_tpu_fused")}
     for r in rings:
         assert r["ok"], r
-        want = ({"ring_fused_fwd_tpu", "ring_fused_bwd_tpu"} if r["impl"] == "pallas_tpu_fused" else
+        want = ({"ring_fused_fwd_tpu", "ring_fused_bwd_one_pass_tpu"} if r["impl"] == "pallas_tpu_fused" else
                 {"ring_hop_fwd_tpu", "ring_hop_bwd_fused_tpu"} if "ring_hop_bwd_fused_tpu" in r["kernels"] else
                 {"ring_hop_fwd_tpu", "ring_hop_bwd_dq_tpu", "ring_hop_bwd_dkv_tpu"})
         assert want == set(r["kernels"]), r

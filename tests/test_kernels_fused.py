@@ -146,6 +146,30 @@ def test_eight_devices_everything_at_once():
     assert_matches(got, oracle(q, k, v, do, dlse, pos, pos, seg, seg, **kw))
 
 
+@pytest.fixture
+def two_pass(monkeypatch):
+    """The fused ring's backward in two passes (`fused_ring_bwd.ONE_PASS` off), the form that runs with a
+    program or where the one-pass kernel's dK/dV of the shard do not fit VMEM."""
+    from ringattn_fast.kernels import fused_ring_bwd
+    monkeypatch.setattr(fused_ring_bwd, "ONE_PASS", False)
+
+
+def test_two_pass_backward_matches_oracle(two_pass):
+    """The two-pass backward on 4 devices: causal + window + segment ids + GQA on a random permutation, a NaN
+    key, against the oracle (every other test here runs the one-pass backward)."""
+    n, b, s, h, hk, d = 4, 1, 32, 2, 1, 8
+    rng = np.random.default_rng(6)
+    q, do = (rng.standard_normal((b, s, h, d)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((b, s, hk, d)).astype(np.float32) for _ in range(2))
+    k[0, 5] = np.nan
+    pos = rng.permutation(s).astype(np.int32)[None]
+    seg = (pos >= 13).astype(np.int32)
+    dlse = rng.standard_normal((b, h, s)).astype(np.float32)
+    kw = dict(scale=0.4, causal=True, window=(12, -1))
+    got = run_fused(n, q, k, v, do, dlse, pos, pos, seg, seg, block_q=4, block_kv=4, **kw)
+    assert_matches(got, oracle(q, k, v, do, dlse, pos, pos, seg, seg, **kw))
+
+
 def test_check_vma_and_rows_that_see_nothing():
     """Under shard_map(check_vma=True); keys placed after some queries (causal) leave those rows
     empty: o = 0, lse = -inf, zero finite gradients."""
@@ -193,9 +217,12 @@ def test_bfloat16_output_dtype_and_accuracy():
     assert_matches([g.astype(np.float32) for g in got], want, tol=5e-2)
 
 
-def test_skips_empty_tiles():
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_skips_empty_tiles(one_pass, monkeypatch):
     """The kernels compute exactly the tiles `empty_tiles` does not mark empty, summed over the ring's
-    hops and heads (forward and backward count the same), and skip the rest."""
+    hops and heads (forward and backward, in one pass or two, count the same), and skip the rest."""
+    from ringattn_fast.kernels import fused_ring_bwd
+    monkeypatch.setattr(fused_ring_bwd, "ONE_PASS", one_pass)
     n, b, s, h, d, bq, bk = 4, 1, 64, 2, 8, 4, 8
     rng = np.random.default_rng(2)
     q, k, v, do = (rng.standard_normal((b, s, h, d)).astype(np.float32) for _ in range(4))

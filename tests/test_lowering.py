@@ -91,12 +91,15 @@ def kernels_in(text):
 
 
 FUSED_BACKWARD = "ring_hop_bwd_fused_tpu"  # pallas_tpu's one-kernel backward, where it applies and fits
+ONE_PASS = "ring_fused_bwd_one_pass_tpu"  # pallas_tpu_fused's one-pass backward, where it applies and fits
 
 
 def assert_real_kernels(text, impl, backward=True):
     want, have = set(KERNELS[impl]) if backward else {KERNELS[impl][0]}, kernels_in(text)
     if impl == "pallas_tpu" and FUSED_BACKWARD in have:  # the fused backward replaces the dQ and dK/dV kernels
         want = {KERNELS[impl][0], FUSED_BACKWARD}
+    if impl == "pallas_tpu_fused" and ONE_PASS in have:  # the one-pass backward replaces the two-pass one
+        want = {KERNELS[impl][0], ONE_PASS}
     assert want <= have, (impl, sorted(have))
     assert ("tpu_custom_call" if impl.startswith("pallas_tpu") else "__gpu$xla.gpu.triton") in text
     assert "callback" not in text  # an interpreted kernel lowers to host callbacks
@@ -260,6 +263,28 @@ def test_fused_ring_lowers_at_32k_tokens_per_device(kind):
     at = lambda s: [f.vmem for f in fused.footprints(hop, (1, s, 8, 128), (1, s, 2, 128),  # noqa: E731
                                                      jnp.bfloat16, n=4)]
     assert at(1024) == at(32768) and max(at(32768)) < budgets.HEADROOM * budgets.chip(kind).default_limit
+
+
+def test_fused_backward_runs_in_one_pass_where_it_fits():
+    """The fused ring's backward runs in one pass (`fused_ring_bwd`, a kv head's dK/dV of the shard in VMEM)
+    where that fits the chip, with the vmem limit it needs, and in two passes otherwise: a shard too long
+    for VMEM, a program (its tables are query-major, the one-pass tile key-major), a block_q that is not a
+    multiple of 128 lanes; interpreted (no chip) always in one pass, unless ``ONE_PASS`` is off."""
+    from ringattn_fast.kernels import fused_ring_bwd
+    v5e, hop = budgets.chip(TPU["v5e"]), HopConfig(block_q=1024, block_kv=1024)
+    form = lambda hop, s, chip=v5e: fused._one_pass(hop, (1, s, 8, 128), (1, s, 8, 128), jnp.bfloat16,  # noqa: E731
+                                                    n=1, has_seg=False, chip=chip)
+    one, limit = form(hop, 16384)
+    assert one and limit is not None and limit > v5e.default_limit  # 16 MiB of dK/dV: over the default
+    assert form(hop, 1 << 20) == (False, None)                     # 1 GiB of dK/dV: two passes
+    assert form(HopConfig(block_q=1024, block_kv=1024, logit_softcap=30.0), 16384) == (False, None)
+    assert form(HopConfig(block_q=8, block_kv=1024), 16384) == (False, None)
+    assert form(HopConfig(block_q=8, block_kv=8), 1 << 20, chip=None) == (True, None)
+    try:
+        fused_ring_bwd.ONE_PASS = False
+        assert form(hop, 16384) == (False, None)
+    finally:
+        fused_ring_bwd.ONE_PASS = True
 
 
 def test_vmem_limit_is_raised_where_the_default_is_too_small():

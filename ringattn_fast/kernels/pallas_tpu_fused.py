@@ -15,8 +15,10 @@ Memory: everything that grows with the shard stays in HBM (``memory_space=pl.ANY
 travelling K/V (and, backward, dK/dV) double buffers, the running statistics. A kernel copies one
 Q tile and a stream of double-buffered K/V tiles into VMEM (`fused_ring.stream_tiles`: tile j + 1's DMA
 overlaps tile j's compute), so its VMEM is a few tiles, whatever ``s_local``; the remote DMA of the
-whole next shard runs, HBM to HBM, underneath (`budgets`: 0.63 MiB forward, 1.51 MiB backward at 128 x 128
-tiles, 12 and 23 MiB at the default 1024 x 1024, d = 128, bf16).
+whole next shard runs, HBM to HBM, underneath (`budgets`: 0.63 MiB forward, 1.51 MiB two-pass backward
+at 128 x 128 tiles, 12 and 23 MiB at the default 1024 x 1024, d = 128, bf16). The one exception is the
+one-pass backward (`fused_ring_bwd`), which holds one kv head's dK and dV of the shard in VMEM ([sk, d]
+float32 each: 16 MiB at 16K tokens per device, d = 128) and runs only where that fits the chip.
 
 Notation (FlashAttention-2, Dao 2023, Algorithms 1 and 2):
 
@@ -29,10 +31,10 @@ Notation (FlashAttention-2, Dao 2023, Algorithms 1 and 2):
   (`tiles.programmed`; their consts sit whole in VMEM), -inf where ``masks.allowed`` is False. K/V
   arrive marked by ``masks.mark_bad_keys``; dQ reads ``tiles.finite_keys(K)``, dS is zeroed where P is 0.
 - lse = m + log l (-inf for a row that saw nothing; then o = 0); D = rowsum(dO * O) (outside).
-- backward: per ring step two passes over the held shard, as the per-hop kernels' two pallas_calls:
-  pass B (K/V tiles outer, the GQA group's Q tiles streamed) accumulates dK/dV in VMEM and adds them
-  into the travelling ``dkv`` buffer; its send then overlaps pass A (Q tiles outer, K/V tiles
-  streamed), which adds dQ into HBM.
+- backward (`fused_ring_bwd`): per ring step one pass over the held shard where it fits (a kv head's dK
+  and dV of the shard resident in VMEM, key-major tiles, 5 matmuls a tile, as the per-hop fused
+  backward), else two passes (dK/dV, then dQ; 7 matmuls a tile). dQ accumulates in HBM over the steps.
+- a tile that `masks.bounds_full` proves full computes no built-in mask (`fused_ring.by_kind`).
 
 What travels (HBM to HBM). Forward: ``kv`` = stack(K, V) ``[2, b, hk, sk, d]`` (with ``d_v != d`` the
 narrower of q/K and V zero-padded to the wider, `_pack`) and ``kmeta`` =
