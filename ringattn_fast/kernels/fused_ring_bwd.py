@@ -70,6 +70,20 @@ def _count(cnt_ref):
         cnt_ref[0] += 1
 
 
+def _dkv_in(first, load, src, accs, sem):
+    """dK and dV accumulators ``accs`` into VMEM: zeros at step 0, else, where ``load``, what the ``dkv`` slot
+    holds (``src(a)``: its view of dK for a = 0, dV for a = 1); elsewhere they are not read."""
+    @pl.when(first)
+    def _():
+        for acc in accs:
+            acc[...] = jnp.zeros(acc.shape, jnp.float32)
+
+    @pl.when(jnp.logical_not(first) & load)
+    def _():
+        for a, acc in enumerate(accs):
+            fr.copy(src(a), acc, sem)
+
+
 def _load_q_side(refs, tiles, bi, hi, rows, sem, masked):
     """Copy one Q tile's q, dO, [lse | delta] (and positions) from HBM into VMEM."""
     q_hbm, do_hbm, stat_hbm, qmeta_hbm = refs
@@ -162,15 +176,7 @@ def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
                              jnp.bool_(False))
         touched = first | seen  # else dK, dV pass through as received
 
-        @pl.when(first)
-        def _():
-            dk_v[...] = jnp.zeros(dk_v.shape, jnp.float32)
-            dv_v[...] = jnp.zeros(dv_v.shape, jnp.float32)
-
-        @pl.when(jnp.logical_not(first) & touched)
-        def _():
-            fr.copy(dkv_ring.at[slot, I32(0), bi, kv_head], dk_v, sem)
-            fr.copy(dkv_ring.at[slot, I32(1), bi, kv_head], dv_v, sem)
+        _dkv_in(first, touched, lambda a: dkv_ring.at[slot, I32(a), bi, kv_head], (dk_v, dv_v), sem)
 
         @pl.when(touched)
         def _():
@@ -223,15 +229,7 @@ def _two_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
             if cfg.masked:
                 fr.copy(kmeta_ring.at[slot, bi, :, cols(j)], km_v, sem)
 
-        @pl.when(first)
-        def _():
-            dk_v[...] = jnp.zeros(dk_v.shape, jnp.float32)
-            dv_v[...] = jnp.zeros(dv_v.shape, jnp.float32)
-
-        @pl.when(jnp.logical_not(first) & live)
-        def _():
-            fr.copy(dkv_ring.at[slot, I32(0), bi, kv_head, cols(j), :], dk_v, sem)
-            fr.copy(dkv_ring.at[slot, I32(1), bi, kv_head, cols(j), :], dv_v, sem)
+        _dkv_in(first, live, lambda a: dkv_ring.at[slot, I32(a), bi, kv_head, cols(j), :], (dk_v, dv_v), sem)
 
         head = lambda u: kv_head * I32(group) + u // I32(nq)  # noqa: E731  query head of stream tile u
         pairs = [(lambda u: q_hbm.at[bi, head(u), rows(lax.rem(u, I32(nq))), :], q_s),
