@@ -51,14 +51,15 @@ class FusedConfig:
 
 # ---------------------------------------------------------------- tables
 
-def schedule(cfg, qs, kv):
+def schedule(cfg, qs, kv, split=1):
     """The scalar-prefetched (SMEM) tables, computed outside the kernel, all int32 and flat:
 
     ring     [3]              (my_idx, right, left) = (my_idx, (my_idx + 1) % N, (my_idx - 1) % N);
     q_live   [N * b * nq]     1 (live) if my Q tile i (of batch row bi) sees some key of shard r, else 0;
     k_live   [N * b * nk]     1 (live) if K/V tile j of shard r is seen by some of my queries, else 0;
     q_bounds [b * nq * 4]     (pos_min, pos_max, seg_min, seg_max) of each of my Q tiles;
-    k_bounds [N * b * nk * 4] the same for each K/V tile of every shard (`tiles.tile_bounds`).
+    k_bounds [N * b * nk * 4] the same for each K/V tile of every shard (`tiles.tile_bounds`);
+    q_sub, k_sub              the same two at sides block / ``split`` (`by_kind`'s sub-tiles).
     A tile is skipped when ``masks.bounds_empty`` proves it empty from these bounds (`tile_empty`),
     and a Q (K/V) tile that is not live in a hop (all its tiles empty) costs no DMA at all: O(tiles)
     of SMEM, not O(tiles^2). Building ``k_bounds`` needs every shard's k positions: an ``all_gather`` of int32
@@ -69,16 +70,17 @@ def schedule(cfg, qs, kv):
     ring = jnp.stack([my_idx, lax.rem(my_idx + I32(1), n), lax.rem(my_idx + n - I32(1), n)])
     k_pos = lax.all_gather(kv.pos, cfg.axis_name)                           # (N, b, sk)
     k_seg = None if kv.seg is None else lax.all_gather(kv.seg, cfg.axis_name)
-    qb = tile_bounds(qs.pos, qs.seg, hop.block_q)                         # (b, nq, 4)
-    kb = jnp.stack([tile_bounds(k_pos[r], None if k_seg is None else k_seg[r], hop.block_kv)
-                    for r in range(cfg.axis_size)])                       # (N, b, nk, 4)
+    k_bounds = lambda block: jnp.stack([tile_bounds(k_pos[r], None if k_seg is None else k_seg[r], block)  # noqa: E731
+                                        for r in range(cfg.axis_size)])  # (N, b, sk / block, 4)
+    qb, kb = tile_bounds(qs.pos, qs.seg, hop.block_q), k_bounds(hop.block_kv)  # (b, nq, 4), (N, b, nk, 4)
     nb = 4 if cfg.has_seg else 2
     empty = bounds_empty(tuple(jnp.moveaxis(qb[None, :, :, None, :nb], -1, 0)),
                          tuple(jnp.moveaxis(kb[:, :, None, :, :nb], -1, 0)), causal=hop.causal, window=hop.window)
     shape = (cfg.axis_size,) + qb.shape[:2] + kb.shape[2:3]                # (N, b, nq, nk)
     empty = jnp.zeros(shape, bool) if empty is None else jnp.broadcast_to(empty, shape)
     q_live, k_live = (jnp.logical_not(jnp.all(empty, axis=a)).astype(jnp.int32).reshape(-1) for a in (3, 2))
-    return ring, q_live, k_live, qb.reshape(-1).astype(jnp.int32), kb.reshape(-1).astype(jnp.int32)
+    subs = (tile_bounds(qs.pos, qs.seg, hop.block_q // split), k_bounds(hop.block_kv // split))
+    return (ring, q_live, k_live) + tuple(x.reshape(-1).astype(jnp.int32) for x in (qb, kb) + subs)
 
 
 def live(table_ref, kv_idx, bi, i, b, n_tiles):
@@ -104,17 +106,35 @@ def tile_empty(cfg, tables, shape, *, kv_idx, bi, i, j):
     return jnp.bool_(False) if empty is None else empty
 
 
-def by_kind(cfg, tables, shape, body, *, kv_idx, bi, i, j):
+def by_kind(cfg, tables, shape, body, *, kv_idx, bi, i, j, split=1, sub_tables=None):
     """``body(masked)`` for a tile that is not empty: ``body(False)`` (no built-in mask computed) where
     `masks.bounds_full` proves every pair visible, ``body(True)`` on a partial tile; without a built-in
     mask, ``body(False)``. As the per-hop kernels' ``_by_kind``: on a causal hop of 1024-wide tiles the
-    mask's iota compares and selects were computed on every tile, not only the diagonal."""
+    mask's iota compares and selects were computed on every tile, not only the diagonal. With ``split`` >
+    1 a partial tile runs as ``split`` x ``split`` sub-tiles, each by its own kind from ``sub_tables``
+    (`schedule`'s ``q_sub``, ``k_sub``): ``body(masked, query rows, key rows)`` with static slices, an
+    empty sub-tile skipped (on a causal diagonal, a quarter of the tile at ``split`` = 2)."""
     full = bounds_full(*_bounds(cfg, tables, shape, kv_idx, bi, i, j), causal=cfg.hop.causal, window=cfg.hop.window)
     if full is None:
         body(False)
         return
     pl.when(full)(lambda: body(False))
-    pl.when(jnp.logical_not(full))(lambda: body(True))
+    if split == 1:
+        pl.when(jnp.logical_not(full))(lambda: body(True))
+        return
+
+    @pl.when(jnp.logical_not(full))
+    def _():
+        b, nq, nk = shape
+        sub_q, sub_k = cfg.hop.block_q // split, cfg.hop.block_kv // split
+        for r in range(split):
+            for c in range(split):
+                qp, kp = slice(r * sub_q, (r + 1) * sub_q), slice(c * sub_k, (c + 1) * sub_k)
+                at = dict(kv_idx=kv_idx, bi=bi, i=i * I32(split) + I32(r), j=j * I32(split) + I32(c))
+                sub_shape = (b, nq * split, nk * split)
+                empty = tile_empty(cfg, sub_tables, sub_shape, **at)
+                pl.when(jnp.logical_not(empty))(lambda qp=qp, kp=kp, at=at: by_kind(
+                    cfg, sub_tables, sub_shape, lambda masked: body(masked, qp, kp), **at))
 
 
 # ---------------------------------------------------------------- the ring

@@ -28,7 +28,7 @@ from ringattn_fast.kernels import budgets
 from ringattn_fast.kernels import fused_ring as fr
 from ringattn_fast.kernels.fused_ring import I32
 from ringattn_fast.kernels.fused_tiles import (ANY, LANES, consts, dot, fused_call, kernel_shape, lanes, logits,
-                                               outputs, unflatten, vmem)
+                                               outputs, sub_split, unflatten, vmem)
 from ringattn_fast.kernels.pallas_tpu import key_major_grads
 from ringattn_fast.kernels.tiles import finite_keys, same_vma
 from ringattn_fast.masks import masked_grad
@@ -102,7 +102,7 @@ def _kv_pairs(cfg, ring, kv_ring, kmeta_ring, bi, kv_head, cols, tiles):
     return tuple(pairs + ([(lambda j: kmeta_ring.at[ring.slot, bi, :, cols(j)], km_s)] if cfg.masked else []))
 
 
-def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,      # SMEM tables
+def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref, qsb_ref, ksb_ref,  # SMEM
                      q_hbm, do_hbm, stat_hbm, qrow_hbm, kv_hbm, kmeta_hbm, const_refs,   # inputs (HBM)
                      dq_hbm, kv_ring, kmeta_ring, dkv_ring, cnt_ref,                     # outputs (HBM; cnt SMEM)
                      dk_v, dv_v, q_v, qs_v, do_v, st_v, qm_v, dq_v, k_s, v_s, km_s,      # VMEM
@@ -114,15 +114,14 @@ def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
     backward's (``pallas_tpu.key_major_grads``): S^T = K (scale Q)^T is (bk, bq), lse and delta are the
     (1, bq) rows of ``stat`` [b, h, 2, sq], query positions rows of ``qrow`` [b, 2, sq]; dV_j += P^T dO and
     dK_j += dS^T Q are plain matmuls, dQ += dS K transposes dS^T once. No program (`one_pass_applies`)."""
-    del prog, const_refs
+    del const_refs
     b, h, hk, nq, nk = kernel_shape(cfg, q_hbm.shape, kv_hbm.shape)
-    bq, bk, group, seg = cfg.hop.block_q, cfg.hop.block_kv, h // hk, cfg.has_seg
+    bq, bk, group, seg, split = cfg.hop.block_q, cfg.hop.block_kv, h // hk, cfg.has_seg, sub_split(cfg, prog)
     ring, kv_copies = _opening(cfg, ring_ref, kv_ring, kv_hbm, kmeta_ring, kmeta_hbm, cnt_ref, sem, send_sem,
                                recv_sem, cap_sem)
     n, slot, first = ring.n, ring.slot, ring.step == 0
     tables, shape = (qb_ref, kb_ref), (b, nq, nk)
     rows, cols = (lambda i: pl.ds(i * I32(bq), bq)), (lambda j: pl.ds(j * I32(bk), bk))
-    row = lambda ref, r: ref.at[pl.ds(r, 1)]  # noqa: E731  row r of a (2, n) VMEM tile as a (1, n) ref
 
     def dkv_sends(bi, kv_head):  # this (batch row, kv head)'s dK, dV: my slot -> the right neighbour's other slot
         return [pltpu.make_async_remote_copy(dkv_ring.at[slot, I32(a), bi, kv_head],
@@ -149,20 +148,24 @@ def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
 
         pl.when(jnp.logical_not(first) & live)(lambda: fr.copy(dq_hbm.at[bi, hi, rows(i), :], dq_v, sem))
 
-        def fold(j, buf, masked):
-            do, k = do_v[...], k_s[buf]
-            km = km_s.at[buf]
-            pt, dst = key_major_grads(k, qs_v[...], v_s[buf], do, row(st_v, 0), row(st_v, 1), row(qm_v, 0),
-                                      row(km, 0), row(qm_v, 1) if seg else None, row(km, 1) if seg else None,
-                                      cfg.hop, masked)  # (bk, bq) each
-            keys = pl.ds(pl.multiple_of(j * I32(bk), bk), bk)  # K/V tile j's rows of the shard's dK, dV
-            dv_v[keys, :] += dot(pt.astype(do.dtype), do, _NN)         # dV_j += P^T dO_i
-            dk_v[keys, :] += dot(dst.astype(k.dtype), q_v[...], _NN)   # dK_j += dS^T Q_i (scale: the caller)
-            dq_v[...] += dot(dst.T.astype(k.dtype), finite_keys(k), _NN)  # dQ_i += dS K_j; a masked NaN key: 0
+        def fold(j, buf, masked, qp=slice(None), kp=slice(None)):  # the tile, or its sub-tile (rows qp, keys kp)
+            do, k = do_v[qp, :], k_s[buf, kp, :]
+            # the (2, n) rows loaded whole, a sub-tile's part sliced from the value: the TPU v4's Mosaic refuses
+            # to load part of one row of a 2-row VMEM array (its lane tiles are not contiguous)
+            st, qm, km = st_v[...], qm_v[...], km_s[buf]
+            pt, dst = key_major_grads(k, qs_v[qp, :], v_s[buf, kp, :], do, st[0:1], st[1:2], qm[0:1], km[0:1],
+                                      qm[1:2] if seg else None, km[1:2] if seg else None, cfg.hop, masked,
+                                      part=(qp, kp))  # (bk, bq) each
+            start, size = (0, bk) if kp.start is None else (kp.start, kp.stop - kp.start)
+            keys = pl.ds(pl.multiple_of(j * I32(bk) + I32(start), size), size)  # these keys' rows of dK, dV
+            dv_v[keys, :] += dot(pt.astype(do.dtype), do, _NN)            # dV_j += P^T dO_i
+            dk_v[keys, :] += dot(dst.astype(k.dtype), q_v[qp, :], _NN)    # dK_j += dS^T Q_i (scale: the caller)
+            dq_v[qp, :] += dot(dst.T.astype(k.dtype), finite_keys(k), _NN)  # dQ_i += dS K_j; a masked NaN key: 0
 
         def k_tile(j, buf):
             _count(cnt_ref)
-            fr.by_kind(cfg, tables, shape, functools.partial(fold, j, buf), kv_idx=ring.kv_idx, bi=bi, i=i, j=j)
+            fr.by_kind(cfg, tables, shape, functools.partial(fold, j, buf), kv_idx=ring.kv_idx, bi=bi, i=i, j=j,
+                       split=split, sub_tables=(qsb_ref, ksb_ref))
 
         stream = fr.Stream(_kv_pairs(cfg, ring, kv_ring, kmeta_ring, bi, kv_head, cols, (k_s, v_s, km_s)), kv_sems)
         tile_empty = lambda j: fr.tile_empty(cfg, tables, shape, kv_idx=ring.kv_idx, bi=bi, i=i, j=j)  # noqa: E731
@@ -201,7 +204,7 @@ def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
     fr.signal_cap(cfg, ring, cap_sem, fr.last_send(n, backward=True))
 
 
-def _two_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,      # SMEM tables
+def _two_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref, qsb_ref, ksb_ref,  # SMEM
                      q_hbm, do_hbm, stat_hbm, qmeta_hbm, kv_hbm, kmeta_hbm, const_refs,  # inputs (HBM; consts VMEM)
                      dq_hbm, kv_ring, kmeta_ring, dkv_ring, cnt_ref,                     # outputs (HBM; cnt SMEM)
                      k_v, v_v, km_v, dk_v, dv_v, q_s, do_s, st_s, qm_s,                  # pass B tiles (dK, dV)
@@ -209,6 +212,7 @@ def _two_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
                      sem, q_sems, kv_sems, send_sem, recv_sem, cap_sem):
     """Per ring step, pass B then pass A (module docstring). dK/dV make N sends (K/V make N-1): the last
     step sends only ``dkv``, and the device receives its own shard's dK/dV into slot N % 2."""
+    del qsb_ref, ksb_ref  # whole tiles here
     b, h, hk, nq, nk = kernel_shape(cfg, q_hbm.shape, kv_hbm.shape)
     bq, bk, group = cfg.hop.block_q, cfg.hop.block_kv, h // hk
     ring, kv_copies = _opening(cfg, ring_ref, kv_ring, kv_hbm, kmeta_ring, kmeta_hbm, cnt_ref, sem, send_sem,

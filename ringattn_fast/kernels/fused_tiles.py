@@ -17,7 +17,7 @@ from ringattn_fast.masks import allowed
 LANES, SUBLANES = 128, 8
 COLLECTIVE_ID = 7  # forward and backward talk only to ring neighbours on one axis: one id serves both
 ANY = pl.BlockSpec(memory_space=pl.ANY)
-N_TABLES = 5  # `fused_ring.schedule`'s scalar-prefetch tables: ring, q_live, k_live, q_bounds, k_bounds
+N_TABLES = 7  # `fused_ring.schedule`'s scalar-prefetch tables: ring, q_live, k_live, q/k bounds, q/k sub-bounds
 
 
 def dot(a, b, contract):
@@ -34,18 +34,30 @@ def unflatten(t, sizes):
     return [t] + out[::-1]
 
 
-def logits(cfg, fn, q, k, qm, km, *, grad=False, masked=True):
+def sub_split(cfg, prog):
+    """2 where a partial tile runs as 2 x 2 sub-tiles (`fused_ring.by_kind`), else 1: no program (its tables
+    are per tile), tile sides that halve into multiples of 128 (interpreted: of 8), as the per-hop kernels'
+    ``pallas_tpu._split``. Measured on a v5e for the per-hop kernel: 2 x 2 beat whole tiles and 4 x 4."""
+    side = SUBLANES if cfg.interpret else LANES
+    ok = prog is None and all(block % 2 == 0 and (block // 2) % side == 0
+                              for block in (cfg.hop.block_q, cfg.hop.block_kv))
+    return 2 if ok else 1
+
+
+def logits(cfg, fn, q, k, qm, km, *, grad=False, masked=True, part=(slice(None), slice(None))):
     """fp32 (bq, bk) ``scale * q k^T``, soft-capped, scored and masked by ``fn`` = (the `tiles.Program`,
     its consts' refs, the query head), -inf where the true positions (and segments) forbid the pair
     (only when ``masked``: a tile `fused_ring.by_kind` proves full needs no mask).
     qm: VMEM (2, bq, 128) lane-replicated query (pos, seg); km: VMEM (2, bk) key (pos, seg) rows. With
-    ``grad``: ``(s, pullback)`` (`tiles.programmed`)."""
+    ``grad``: ``(s, pullback)`` (`tiles.programmed`). ``part``: the (query rows, key rows) of a sub-tile
+    whose q and k these are."""
     s = dot(q, k, ((1,), (1,))) * cfg.hop.scale
     prog, const_refs, head = fn
     pull = None
     if cfg.masked:
-        q_pos, k_pos = qm[0, :, :1], km[0:1, :]
-        seg = (qm[1, :, :1], km[1:2, :]) if cfg.has_seg else (None, None)
+        (qp, kp) = part
+        q_pos, k_pos = qm[0, qp, :1], km[0:1, kp]
+        seg = (qm[1, qp, :1], km[1:2, kp]) if cfg.has_seg else (None, None)
         s, pull = programmed(prog, [r[...] for r in const_refs], s, q_pos=q_pos, k_pos=k_pos, q_seg=seg[0],
                              k_seg=seg[1], head=head, grad=grad)
         allow = allowed(q_pos, k_pos, *seg, causal=cfg.hop.causal, window=cfg.hop.window) if masked else None

@@ -104,7 +104,7 @@ from ringattn_fast.kernels import fused_ring as fr
 from ringattn_fast.kernels import fused_ring_bwd as bwd
 from ringattn_fast.kernels.fused_ring import I32
 from ringattn_fast.kernels.fused_tiles import (ANY, LANES, SUBLANES, consts, dot, fused_call, kernel_shape, lanes,
-                                               logits, outputs, unflatten, vmem)
+                                               logits, outputs, sub_split, unflatten, vmem)
 from ringattn_fast.kernels.tiles import NEG_INF, check_budget, check_kernel_call, interpret_mode, same_vma, target_chip
 from ringattn_fast.schedule import HopConfig, KVShard, QShard
 
@@ -113,7 +113,7 @@ IMPL = "pallas_tpu_fused"
 
 # ---------------------------------------------------------------- forward kernel
 
-def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,       # SMEM tables
+def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref, qsb_ref, ksb_ref,  # SMEM tables
                 q_hbm, qmeta_hbm, kv_hbm, kmeta_hbm, const_refs,                     # inputs (HBM; consts VMEM)
                 o_hbm, stat_hbm, acc_hbm, kv_ring, kmeta_ring, cnt_ref,              # outputs (HBM; cnt SMEM)
                 q_v, qm_v, acc_v, stat_v, o_v, k_s, v_s, km_s,                       # VMEM tiles
@@ -123,7 +123,7 @@ def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,    
     tiles. A Q tile that sees nothing of the shard is not touched (its state stays in HBM), except at
     step 0 (its state is initialised) and at the last step (its o and lse are written)."""
     b, h, hk, nq, nk = kernel_shape(cfg, q_hbm.shape, kv_hbm.shape)
-    bq, bk = cfg.hop.block_q, cfg.hop.block_kv
+    bq, bk, split = cfg.hop.block_q, cfg.hop.block_kv, sub_split(cfg, prog)
     del k_live_ref  # the backward's table
 
     def init():
@@ -168,19 +168,20 @@ def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref,    
             if cnt_ref is not None:
                 cnt_ref[0] += 1
             fr.by_kind(cfg, (qb_ref, kb_ref), (b, nq, nk), functools.partial(fold, buf), kv_idx=ring.kv_idx, bi=bi,
-                       i=i, j=j)
+                       i=i, j=j, split=split, sub_tables=(qsb_ref, ksb_ref))
 
-        def fold(buf, masked):
-            v = v_s[buf]
-            s = logits(cfg, (prog, const_refs, hi), q_v[...], k_s[buf], qm_v, km_s.at[buf], masked=masked)  # (bq, bk)
-            m_prev, l_prev = stat_v[:, :LANES], stat_v[:, LANES:]        # (bq, 128) each, lane-replicated
+        def fold(buf, masked, qp=slice(None), kp=slice(None)):  # the tile, or its sub-tile (query rows qp, keys kp)
+            v = v_s[buf, kp, :]
+            s = logits(cfg, (prog, const_refs, hi), q_v[qp, :], k_s[buf, kp, :], qm_v, km_s.at[buf], masked=masked,
+                       part=(qp, kp))                                    # (bq, bk)
+            m_prev, l_prev = stat_v[qp, :LANES], stat_v[qp, LANES:]      # (bq, 128) each, lane-replicated
             m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row with nothing seen yet: no NaN
             p = jnp.exp(s - m_safe[:, :1])                    # FA-2 P~ (masked: 0)
             alpha = jnp.exp(m_prev - m_safe)                  # e^{m_old - m}
-            stat_v[:, LANES:] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-            stat_v[:, :LANES] = m_new
-            acc_v[...] = alpha[:, :1] * acc_v[...] + dot(p.astype(v.dtype), v, ((1,), (0,)))
+            stat_v[qp, LANES:] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+            stat_v[qp, :LANES] = m_new
+            acc_v[qp, :] = alpha[:, :1] * acc_v[qp, :] + dot(p.astype(v.dtype), v, ((1,), (0,)))
 
         cols = lambda j: pl.ds(j * I32(bk), bk)  # noqa: E731
         pairs = [(lambda j: kv_ring.at[slot, I32(0), bi, kv_head, cols(j), :], k_s),
@@ -261,11 +262,16 @@ def _pack(qs, kv):
     return _width(qs.q, width).transpose(0, 2, 1, 3), meta(qs.pos, qs.seg), kv_t, meta(kv.pos, kv.seg)
 
 
+def _schedule(cfg, qs, kv):
+    """`fused_ring.schedule`'s tables, the sub-tile bounds at the sides `fused_tiles.sub_split` gives."""
+    return fr.schedule(cfg, qs, kv, sub_split(cfg, consts(cfg)[0]))
+
+
 def _forward(cfg, qs, kv):
     """-> o [b, sq, h, d] (q dtype), lse [b, h, sq] float32, tiles computed on this device (int32 [1]
     with ``cfg.count``, else None)."""
     q_t, qmeta, kv_t, kmeta = _pack(qs, kv)
-    o, stat, cnt = _fwd_call(cfg, fr.schedule(cfg, qs, kv), q_t, lanes(qmeta), kv_t, kmeta)
+    o, stat, cnt = _fwd_call(cfg, _schedule(cfg, qs, kv), q_t, lanes(qmeta), kv_t, kmeta)
     return o[..., :kv.v.shape[-1]].transpose(0, 2, 1, 3), stat[..., 0], cnt
 
 
@@ -278,7 +284,7 @@ def _backward(cfg, qs, kv, *, o, lse, do, dlse):
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))  # (b, h, sq)
     delta = delta - dlse.astype(jnp.float32)
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # a row that saw nothing: every p is 0 anyway
-    dq, dkv, cnt = bwd.backward_call(cfg, fr.schedule(cfg, qs, kv), q_t, qmeta, kv_t, kmeta,
+    dq, dkv, cnt = bwd.backward_call(cfg, _schedule(cfg, qs, kv), q_t, qmeta, kv_t, kmeta,
                                      do_t=_width(do, q_t.shape[-1]).transpose(0, 2, 1, 3),
                                      lse=lse.astype(jnp.float32), delta=delta)
     home = cfg.axis_size % 2 if cfg.axis_size > 1 else 0  # after N sends (none when N == 1)
@@ -327,10 +333,10 @@ def footprints(hop, q_shape, k_shape, dtype, *, n, has_seg=True):
             bwd.footprints(cfg, q_shape, k_shape, dtype, smem)[1]]
 
 
-def _smem(hop, q_shape, k_shape, n):
-    """Bytes of `fused_ring.schedule`'s SMEM tables."""
+def _smem(hop, q_shape, k_shape, n, split=2):
+    """Bytes of `fused_ring.schedule`'s SMEM tables (the sub-tile bounds counted at ``split`` = 2, their most)."""
     b, nq, nk = q_shape[0], q_shape[1] // hop.block_q, k_shape[1] // hop.block_kv
-    return 4 * (3 + n * b * (nq + nk) + b * nq * 4 + n * b * nk * 4)
+    return 4 * (3 + n * b * (nq + nk) + (1 + split) * (b * nq * 4 + n * b * nk * 4))
 
 
 def _one_pass(hop, q_shape, k_shape, dtype, *, n, has_seg, chip):
