@@ -34,7 +34,9 @@ Notation (FlashAttention-2, Dao 2023, Algorithms 1 and 2):
 - backward (`fused_ring_bwd`): per ring step one pass over the held shard where it fits (a kv head's dK
   and dV of the shard resident in VMEM, key-major tiles, 5 matmuls a tile, as the per-hop fused
   backward), else two passes (dK/dV, then dQ; 7 matmuls a tile). dQ accumulates in HBM over the steps.
-- a tile that `masks.bounds_full` proves full computes no built-in mask (`fused_ring.by_kind`).
+- a tile that `masks.bounds_full` proves full computes no built-in mask, and a partial one runs as 2 x 2
+  sub-tiles, each skipped, unmasked or masked by its own bounds (`fused_ring.by_kind`, `fused_tiles.sub_split`;
+  the forward and the one-pass backward).
 
 What travels (HBM to HBM). Forward: ``kv`` = stack(K, V) ``[2, b, hk, sk, d]`` (with ``d_v != d`` the
 narrower of q/K and V zero-padded to the wider, `_pack`) and ``kmeta`` =
