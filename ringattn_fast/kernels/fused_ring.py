@@ -59,7 +59,8 @@ def schedule(cfg, qs, kv, split=1):
     k_live   [N * b * nk]     1 (live) if K/V tile j of shard r is seen by some of my queries, else 0;
     q_bounds [b * nq * 4]     (pos_min, pos_max, seg_min, seg_max) of each of my Q tiles;
     k_bounds [N * b * nk * 4] the same for each K/V tile of every shard (`tiles.tile_bounds`);
-    q_sub, k_sub              the same two at sides block / ``split`` (`by_kind`'s sub-tiles).
+    q_sub, k_sub              the same two at sides block / ``split`` (`by_kind`'s sub-tiles; with ``split``
+                              = 1, unread 4-entry placeholders).
     A tile is skipped when ``masks.bounds_empty`` proves it empty from these bounds (`tile_empty`),
     and a Q (K/V) tile that is not live in a hop (all its tiles empty) costs no DMA at all: O(tiles)
     of SMEM, not O(tiles^2). Building ``k_bounds`` needs every shard's k positions: an ``all_gather`` of int32
@@ -79,7 +80,8 @@ def schedule(cfg, qs, kv, split=1):
     shape = (cfg.axis_size,) + qb.shape[:2] + kb.shape[2:3]                # (N, b, nq, nk)
     empty = jnp.zeros(shape, bool) if empty is None else jnp.broadcast_to(empty, shape)
     q_live, k_live = (jnp.logical_not(jnp.all(empty, axis=a)).astype(jnp.int32).reshape(-1) for a in (3, 2))
-    subs = (tile_bounds(qs.pos, qs.seg, hop.block_q // split), k_bounds(hop.block_kv // split))
+    subs = ((tile_bounds(qs.pos, qs.seg, hop.block_q // split), k_bounds(hop.block_kv // split)) if split > 1
+            else (jnp.zeros(4, jnp.int32),) * 2)  # unread placeholders: whole tiles only
     return (ring, q_live, k_live) + tuple(x.reshape(-1).astype(jnp.int32) for x in (qb, kb) + subs)
 
 

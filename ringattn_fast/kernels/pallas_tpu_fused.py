@@ -328,17 +328,21 @@ def footprints(hop, q_shape, k_shape, dtype, *, n, has_seg=True):
     `fused_ring_bwd.two_pass_scratch`, all shard-length independent) plus the score-sized temporaries, and the
     SMEM tables (`fused_ring.schedule`). q [b, sq, h, d], k [b, sk, hk, d] per device; ``n`` devices. The tiles
     are chosen to fit these; the one-pass backward runs where it fits too (`_one_pass`)."""
-    cfg, smem = fr.FusedConfig(None, n, hop, has_seg, False), _smem(hop, q_shape, k_shape, n)
+    cfg = fr.FusedConfig(None, n, hop, has_seg, False)
+    smem = _smem(cfg, q_shape, k_shape)
     temps = [((hop.block_q, hop.block_kv), jnp.float32)]
     return [budgets.Footprint(budgets.tpu_vmem_bytes(scratch=_fwd_scratch(cfg, q_shape[-1], dtype), temps=temps * 2),
                               smem, "the fused forward"),
             bwd.footprints(cfg, q_shape, k_shape, dtype, smem)[1]]
 
 
-def _smem(hop, q_shape, k_shape, n, split=2):
-    """Bytes of `fused_ring.schedule`'s SMEM tables (the sub-tile bounds counted at ``split`` = 2, their most)."""
+def _smem(cfg, q_shape, k_shape):
+    """Bytes of `fused_ring.schedule`'s SMEM tables for a compiled ``cfg`` (the sub-tile bounds only where
+    `fused_tiles.sub_split` splits; else two 4-entry placeholders)."""
+    hop, n, split = cfg.hop, cfg.axis_size, sub_split(cfg, consts(cfg)[0])
     b, nq, nk = q_shape[0], q_shape[1] // hop.block_q, k_shape[1] // hop.block_kv
-    return 4 * (3 + n * b * (nq + nk) + (1 + split) * (b * nq * 4 + n * b * nk * 4))
+    subs = split * (b * nq * 4 + n * b * nk * 4) if split > 1 else 8
+    return 4 * (3 + n * b * (nq + nk) + b * nq * 4 + n * b * nk * 4 + subs)
 
 
 def _one_pass(hop, q_shape, k_shape, dtype, *, n, has_seg, chip):
@@ -350,7 +354,7 @@ def _one_pass(hop, q_shape, k_shape, dtype, *, n, has_seg, chip):
         return False, None
     if chip is None:
         return True, None
-    one = bwd.footprints(cfg, q_shape, k_shape, dtype, _smem(hop, q_shape, k_shape, n))[0]
+    one = bwd.footprints(cfg, q_shape, k_shape, dtype, _smem(cfg, q_shape, k_shape))[0]
     return (True, budgets.vmem_limit(chip, [one])) if budgets.fits(chip, one) else (False, None)
 
 
