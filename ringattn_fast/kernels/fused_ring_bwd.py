@@ -155,10 +155,11 @@ def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
             do, k = do_v[qp, :], k_s[buf, kp, :]
             # the (2, n) rows loaded whole, a sub-tile's part sliced from the value: the TPU v4's Mosaic refuses
             # to load part of one row of a 2-row VMEM array (its lane tiles are not contiguous)
-            st, qm, km = st_v[...], qm_v[...], km_s[buf]
-            pt, dst = key_major_grads(k, qs_v[qp, :], v_s[buf, kp, :], do, st[0:1], st[1:2], qm[0:1], km[0:1],
-                                      qm[1:2] if seg else None, km[1:2] if seg else None, cfg.hop, masked,
-                                      part=(qp, kp))  # (bk, bq) each
+            st = st_v[...]
+            qm, km = (qm_v[...], km_s[buf]) if masked else (None, None)  # positions: loaded only where masked
+            pos = lambda x, r: x[r:r + 1] if masked and (r == 0 or seg) else None  # noqa: E731
+            pt, dst = key_major_grads(k, qs_v[qp, :], v_s[buf, kp, :], do, st[0:1], st[1:2], pos(qm, 0), pos(km, 0),
+                                      pos(qm, 1), pos(km, 1), cfg.hop, masked, part=(qp, kp))  # (bk, bq) each
             start, size = (0, bk) if kp.start is None else (kp.start, kp.stop - kp.start)
             keys = pl.ds(pl.multiple_of(j * I32(bk) + I32(start), size), size)  # these keys' rows of dK, dV
             dv_v[keys, :] += dot(pt.astype(do.dtype), do, _NN)            # dV_j += P^T dO_i
