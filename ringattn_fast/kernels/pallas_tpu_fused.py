@@ -83,7 +83,7 @@ Failure modes (JAX "Distributed computing in Pallas for TPUs" style):
 - dropping the handshake (``_handshake=False``) is a silent data race on TPU; the interpreter with
   ``detect_races=True`` reports it, and the interpreter must then be reset (use a subprocess);
 - two kernels with different communication patterns must not share ``collective_id``; forward and
-  backward here talk only to ring neighbours on one axis, so they share ``_COLLECTIVE_ID``.
+  backward here talk only to ring neighbours on one axis, so they share ``fused_tiles.COLLECTIVE_ID``.
 
 On TPU use ``block_q`` a multiple of 8 and ``block_kv`` a multiple of 128 (or the whole shard).
 Lowered for TPU v4 / v5e / v5p / v6e in CI (``tests/test_lowering.py``) and compiled for 4-chip slices of
