@@ -59,8 +59,9 @@ def schedule(cfg, qs, kv, split=1):
     k_live   [N * b * nk]     1 (live) if K/V tile j of shard r is seen by some of my queries, else 0;
     q_bounds [b * nq * 4]     (pos_min, pos_max, seg_min, seg_max) of each of my Q tiles;
     k_bounds [N * b * nk * 4] the same for each K/V tile of every shard (`tiles.tile_bounds`);
-    q_sub, k_sub              the same two at sides block / ``split`` (`by_kind`'s sub-tiles; with ``split``
-                              = 1, unread 4-entry placeholders).
+    q_sub, k_sub              the same two at sides block / ``split`` (`by_kind`'s sub-tiles).
+
+    With ``split`` = 1, ``q_sub`` and ``k_sub`` are unread 4-entry placeholders.
     A tile is skipped when ``masks.bounds_empty`` proves it empty from these bounds (`tile_empty`),
     and a Q (K/V) tile that is not live in a hop (all its tiles empty) costs no DMA at all: O(tiles)
     of SMEM, not O(tiles^2). Building ``k_bounds`` needs every shard's k positions: an ``all_gather`` of int32
