@@ -129,12 +129,11 @@ def by_kind(cfg, tables, shape, body, *, kv_idx, bi, i, j, split=1, sub_tables=N
     @pl.when(jnp.logical_not(full))
     def _():
         b, nq, nk = shape
-        sub_q, sub_k = cfg.hop.block_q // split, cfg.hop.block_kv // split
+        sub_q, sub_k, sub_shape = cfg.hop.block_q // split, cfg.hop.block_kv // split, (b, nq * split, nk * split)
         for r in range(split):
             for c in range(split):
                 qp, kp = slice(r * sub_q, (r + 1) * sub_q), slice(c * sub_k, (c + 1) * sub_k)
                 at = dict(kv_idx=kv_idx, bi=bi, i=i * I32(split) + I32(r), j=j * I32(split) + I32(c))
-                sub_shape = (b, nq * split, nk * split)
                 empty = tile_empty(cfg, sub_tables, sub_shape, **at)
                 pl.when(jnp.logical_not(empty))(lambda qp=qp, kp=kp, at=at: by_kind(
                     cfg, sub_tables, sub_shape, lambda masked: body(masked, qp, kp), **at))

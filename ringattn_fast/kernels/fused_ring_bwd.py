@@ -73,9 +73,10 @@ def _count(cnt_ref):
         cnt_ref[0] += 1
 
 
-def _dkv_in(first, load, src, accs, sem):
-    """dK and dV accumulators ``accs`` into VMEM: zeros at step 0, else, where ``load``, what the ``dkv`` slot
-    holds (``src(a)``: its view of dK for a = 0, dV for a = 1); elsewhere they are not read."""
+def _acc_in(first, load, src, accs, sem):
+    """float32 accumulators ``accs`` (dK and dV, or dQ) into VMEM: zeros at step 0, else, where ``load``, what
+    HBM holds (``src(a)``: the view for ``accs[a]``, e.g. the ``dkv`` slot's dK for a = 0, dV for a = 1);
+    elsewhere they are not read."""
     @pl.when(first)
     def _():
         for acc in accs:
@@ -145,21 +146,20 @@ def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
                 fr.copy(qrow_hbm.at[bi, :, rows(i)], qm_v, sem)
             qs_v[...] = (q_v[...].astype(jnp.float32) * cfg.hop.scale).astype(qs_v.dtype)  # once per Q tile
 
-        @pl.when(first)
-        def _():
-            dq_v[...] = jnp.zeros(dq_v.shape, jnp.float32)
-
-        pl.when(jnp.logical_not(first) & live)(lambda: fr.copy(dq_hbm.at[bi, hi, rows(i), :], dq_v, sem))
+        _acc_in(first, live, lambda _: dq_hbm.at[bi, hi, rows(i), :], (dq_v,), sem)
 
         def fold(j, buf, masked, qp=slice(None), kp=slice(None)):  # the tile, or its sub-tile (rows qp, keys kp)
             do, k = do_v[qp, :], k_s[buf, kp, :]
             # the (2, n) rows loaded whole, a sub-tile's part sliced from the value: the TPU v4's Mosaic refuses
             # to load part of one row of a 2-row VMEM array (its lane tiles are not contiguous)
             st = st_v[...]
-            qm, km = (qm_v[...], km_s[buf]) if masked else (None, None)  # positions: loaded only where masked
-            pos = lambda x, r: x[r:r + 1] if masked and (r == 0 or seg) else None  # noqa: E731
-            pt, dst = key_major_grads(k, qs_v[qp, :], v_s[buf, kp, :], do, st[0:1], st[1:2], pos(qm, 0), pos(km, 0),
-                                      pos(qm, 1), pos(km, 1), cfg.hop, masked, part=(qp, kp))  # (bk, bq) each
+
+            def pos_rows(ref):  # (positions, segment ids) rows, read only on a masked tile
+                x = ref[...] if masked else None
+                return (None, None) if x is None else (x[0:1], x[1:2] if seg else None)
+            (q_pos, q_seg), (k_pos, k_seg) = pos_rows(qm_v), pos_rows(km_s.at[buf])
+            pt, dst = key_major_grads(k, qs_v[qp, :], v_s[buf, kp, :], do, st[0:1], st[1:2], q_pos, k_pos, q_seg,
+                                      k_seg, cfg.hop, masked, part=(qp, kp))  # (bk, bq) each
             start, size = (0, bk) if kp.start is None else (kp.start, kp.stop - kp.start)
             keys = pl.ds(pl.multiple_of(j * I32(bk) + I32(start), size), size)  # these keys' rows of dK, dV
             dv_v[keys, :] += dot(pt.astype(do.dtype), do, _NN)            # dV_j += P^T dO_i
@@ -183,7 +183,7 @@ def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
                              jnp.bool_(False))
         touched = first | seen  # else dK, dV pass through as received
 
-        _dkv_in(first, touched, lambda a: dkv_ring.at[slot, I32(a), bi, kv_head], (dk_v, dv_v), sem)
+        _acc_in(first, touched, lambda a: dkv_ring.at[slot, I32(a), bi, kv_head], (dk_v, dv_v), sem)
 
         @pl.when(touched)
         def _():
@@ -237,7 +237,7 @@ def _two_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
             if cfg.masked:
                 fr.copy(kmeta_ring.at[slot, bi, :, cols(j)], km_v, sem)
 
-        _dkv_in(first, live, lambda a: dkv_ring.at[slot, I32(a), bi, kv_head, cols(j), :], (dk_v, dv_v), sem)
+        _acc_in(first, live, lambda a: dkv_ring.at[slot, I32(a), bi, kv_head, cols(j), :], (dk_v, dv_v), sem)
 
         head = lambda u: kv_head * I32(group) + u // I32(nq)  # noqa: E731  query head of stream tile u
         pairs = [(lambda u: q_hbm.at[bi, head(u), rows(lax.rem(u, I32(nq))), :], q_s),
@@ -272,11 +272,7 @@ def _two_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
         pl.when(live)(lambda: _load_q_side((q_hbm, do_hbm, stat_hbm, qmeta_hbm), (q_v, do_v, st_v, qm_v), bi, hi,
                                            rows(i), sem, cfg.masked))
 
-        @pl.when(first)
-        def _():
-            dq_v[...] = jnp.zeros(dq_v.shape, jnp.float32)
-
-        pl.when(jnp.logical_not(first) & live)(lambda: fr.copy(dq_hbm.at[bi, hi, rows(i), :], dq_v, sem))
+        _acc_in(first, live, lambda _: dq_hbm.at[bi, hi, rows(i), :], (dq_v,), sem)
 
         def fold(buf, masked):
             k = k_s[buf]

@@ -176,6 +176,8 @@ def _resident(res, bi, outer, inner, n_outer, n_inner):
     """The inner-axis block that grid step (outer, inner) of batch row ``bi`` holds, from the `_prefetch` table
     ``res`` (`tiles.resident_blocks`): ``inner``, or the last computed block when ``inner`` is skipped."""
     return res[(bi * n_outer + outer) * n_inner + inner]
+
+
 # A partial tile (the diagonal of a causal hop, a window's or a segment's edge) of the forward and of the fused
 # backward runs as SPLIT x SPLIT sub-tiles (`_sub_tiles`, `_split`; 1: whole).
 SPLIT = 2
@@ -513,7 +515,7 @@ def _dkv_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
 
 
 def key_major_grads(k, q, v, do, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, cfg, masked,
-                     part=(slice(None), slice(None))):
+                    part=(slice(None), slice(None))):
     """FA-2 Alg. 2 for one key-major tile, shared by `_dkv_key_major_kernel` and `_bwd_fused_kernel`:
     ``(P^T, dS^T)`` float32 (block_kv, block_q) from S^T = K Q^T (q or k pre-scaled), the built-in mask
     from (1, block_q) query rows and key columns read from (1, block_kv) rows (`_column`) when ``masked``, lse
@@ -548,7 +550,7 @@ def _dkv_key_major_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
     def _compute(masked):
         q, do = q_ref[...], do_ref[...]
         pt, dst = key_major_grads(k_sc[...], q, v_ref[...], do, lse_ref, delta_ref, q_pos_ref, k_pos_ref,
-                                   q_seg_ref, k_seg_ref, cfg, masked)
+                                  q_seg_ref, k_seg_ref, cfg, masked)
         dv_sc[...] += _dot(pt.astype(do.dtype), do, _NN)  # dV_j += P^T dO_i
         dk_sc[...] += _dot(dst.astype(q.dtype), q, _NN)  # dK_j += dS^T Q_i (times the scale at the end)
 
@@ -588,7 +590,7 @@ def _bwd_fused_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
     def _fold(masked, qp=slice(None), kp=slice(None)):  # the tile, or its sub-tile (query rows qp, key rows kp)
         q, do, k = q_sc[qp, :], do_ref[qp, :], k_ref[kp, :]
         pt, dst = key_major_grads(k, q, v_ref[kp, :], do, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref,
-                                   k_seg_ref, cfg, masked, part=(qp, kp))
+                                  k_seg_ref, cfg, masked, part=(qp, kp))
         first, size = (0, bk) if kp.start is None else (kp.start, kp.stop - kp.start)
         rows = pl.ds(pl.multiple_of(j * bk + first, size), size)  # these keys' rows of the shard's dK, dV
         dv_sc[rows, :] += _dot(pt.astype(do.dtype), do, _NN)  # dV_j += P^T dO_i
