@@ -161,19 +161,32 @@ def copy(src, dst, sem):
 def prologue(cfg, ring_ref, fill, init, sem):
     """The opening both kernels share. Returns the `Ring` of this step; at step 0: the barrier with
     both neighbours, slot 0 of each travelling HBM buffer filled with this device's own shard
-    (``fill``: pairs ``(ring_buf, own)``, one local DMA each) and ``init()`` (the counter)."""
+    (``fill``: pairs ``(ring_buf, own)``, one local DMA each; none on a ring of one) and ``init()`` (the
+    counter)."""
     step, n = pl.program_id(0), cfg.axis_size
     my_idx, right, left = ring_ref[0], ring_ref[1], ring_ref[2]
     ring = Ring(step, n, lax.rem(step, I32(2)), right, left, lax.rem(my_idx - step + I32(n), I32(n)))
 
     @pl.when(step == 0)
     def _():
-        if n > 1:
+        if n > 1:  # a ring of one has no travelling buffers (`held`): nothing to fill
             _barrier(cfg, right, left)
-        for buf, own in fill:
-            copy(own, buf.at[I32(0)], sem)
+            for buf, own in fill:
+                copy(own, buf.at[I32(0)], sem)
         init()
     return ring
+
+
+def held(ring, own, ring_buf):
+    """The HBM K/V (or key metadata) of the shard this step holds: the ring buffer's slot, or on a ring of one,
+    where nothing travels and no ring buffer exists (`ring_slots`), the kernel's input itself (no copy of the
+    shard into a slot: at 8K tokens, 8 heads, 64 MiB of HBM traffic in each kernel)."""
+    return own if ring.n == 1 else ring_buf.at[ring.slot]
+
+
+def ring_slots(n):
+    """Slots of a travelling HBM buffer: two (the double buffer), one on a ring of one (dK/dV's accumulator)."""
+    return 2 if n > 1 else 1
 
 
 def _barrier(cfg, right, left):

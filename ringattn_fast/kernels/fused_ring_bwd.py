@@ -98,12 +98,13 @@ def _load_q_side(refs, tiles, bi, hi, rows, sem, masked):
         fr.copy(qmeta_hbm.at[bi, :, rows, :], qm_v, sem)
 
 
-def _kv_pairs(cfg, ring, kv_ring, kmeta_ring, bi, kv_head, cols, tiles):
-    """The `fused_ring.Stream` pairs of the held shard's K/V tiles (and key positions) of one kv head."""
-    k_s, v_s, km_s = tiles
-    pairs = [(lambda j: kv_ring.at[ring.slot, I32(0), bi, kv_head, cols(j), :], k_s),
-             (lambda j: kv_ring.at[ring.slot, I32(1), bi, kv_head, cols(j), :], v_s)]
-    return tuple(pairs + ([(lambda j: kmeta_ring.at[ring.slot, bi, :, cols(j)], km_s)] if cfg.masked else []))
+def _kv_pairs(cfg, held, bi, kv_head, cols, tiles):
+    """The `fused_ring.Stream` pairs of the held shard's K/V tiles (and key positions) of one kv head;
+    ``held`` = (K/V, key metadata) in HBM (`fused_ring.held`)."""
+    (kv_src, kmeta_src), (k_s, v_s, km_s) = held, tiles
+    pairs = [(lambda j: kv_src.at[I32(0), bi, kv_head, cols(j), :], k_s),
+             (lambda j: kv_src.at[I32(1), bi, kv_head, cols(j), :], v_s)]
+    return tuple(pairs + ([(lambda j: kmeta_src.at[bi, :, cols(j)], km_s)] if cfg.masked else []))
 
 
 def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref, qsb_ref, ksb_ref,  # SMEM
@@ -123,6 +124,7 @@ def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
     bq, bk, group, seg, split = cfg.hop.block_q, cfg.hop.block_kv, h // hk, cfg.has_seg, sub_split(cfg, prog)
     ring, kv_copies = _opening(cfg, ring_ref, kv_ring, kv_hbm, kmeta_ring, kmeta_hbm, cnt_ref, sem, send_sem,
                                recv_sem, cap_sem)
+    held = fr.held(ring, kv_hbm, kv_ring), fr.held(ring, kmeta_hbm, kmeta_ring)
     n, slot, first = ring.n, ring.slot, ring.step == 0
     tables, shape = (qb_ref, kb_ref), (b, nq, nk)
     rows, cols = (lambda i: pl.ds(i * I32(bq), bq)), (lambda j: pl.ds(j * I32(bk), bk))
@@ -171,7 +173,7 @@ def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
             fr.by_kind(cfg, tables, shape, functools.partial(fold, j, buf), kv_idx=ring.kv_idx, bi=bi, i=i, j=j,
                        split=split, sub_tables=(qsb_ref, ksb_ref))
 
-        stream = fr.Stream(_kv_pairs(cfg, ring, kv_ring, kmeta_ring, bi, kv_head, cols, (k_s, v_s, km_s)), kv_sems)
+        stream = fr.Stream(_kv_pairs(cfg, held, bi, kv_head, cols, (k_s, v_s, km_s)), kv_sems)
         tile_empty = lambda j: fr.tile_empty(cfg, tables, shape, kv_idx=ring.kv_idx, bi=bi, i=i, j=j)  # noqa: E731
         pl.when(live)(lambda: fr.stream_tiles(nk, stream, tile_empty, k_tile))
         pl.when(live | first)(lambda: fr.copy(dq_v, dq_hbm.at[bi, hi, rows(i), :], sem))
@@ -221,6 +223,7 @@ def _two_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
     bq, bk, group = cfg.hop.block_q, cfg.hop.block_kv, h // hk
     ring, kv_copies = _opening(cfg, ring_ref, kv_ring, kv_hbm, kmeta_ring, kmeta_hbm, cnt_ref, sem, send_sem,
                                recv_sem, cap_sem)
+    held = fr.held(ring, kv_hbm, kv_ring), fr.held(ring, kmeta_hbm, kmeta_ring)
     n, slot, first = ring.n, ring.slot, ring.step == 0
     dkv_copies = [] if n == 1 else fr.remote_sends(cfg, ((2, dkv_ring),), send_sem, recv_sem, slot, ring.right)
     tables, shape = (qb_ref, kb_ref), (b, nq, nk)
@@ -232,10 +235,10 @@ def _two_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
 
         @pl.when(live)
         def _():
-            fr.copy(kv_ring.at[slot, I32(0), bi, kv_head, cols(j), :], k_v, sem)
-            fr.copy(kv_ring.at[slot, I32(1), bi, kv_head, cols(j), :], v_v, sem)
+            fr.copy(held[0].at[I32(0), bi, kv_head, cols(j), :], k_v, sem)
+            fr.copy(held[0].at[I32(1), bi, kv_head, cols(j), :], v_v, sem)
             if cfg.masked:
-                fr.copy(kmeta_ring.at[slot, bi, :, cols(j)], km_v, sem)
+                fr.copy(held[1].at[bi, :, cols(j)], km_v, sem)
 
         _acc_in(first, live, lambda a: dkv_ring.at[slot, I32(a), bi, kv_head, cols(j), :], (dk_v, dv_v), sem)
 
@@ -284,7 +287,7 @@ def _two_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
             _count(cnt_ref)
             fr.by_kind(cfg, tables, shape, functools.partial(fold, buf), kv_idx=ring.kv_idx, bi=bi, i=i, j=j)
 
-        stream = fr.Stream(_kv_pairs(cfg, ring, kv_ring, kmeta_ring, bi, kv_head, cols, (k_s, v_s, km_s)), kv_sems)
+        stream = fr.Stream(_kv_pairs(cfg, held, bi, kv_head, cols, (k_s, v_s, km_s)), kv_sems)
         tile_empty = lambda j: fr.tile_empty(cfg, tables, shape, kv_idx=ring.kv_idx, bi=bi, i=i, j=j)  # noqa: E731
         pl.when(live)(lambda: fr.stream_tiles(nk, stream, tile_empty, k_tile))
         pl.when(live | first)(lambda: fr.copy(dq_v, dq_hbm.at[bi, hi, rows(i), :], sem))
@@ -347,7 +350,7 @@ def footprints(cfg, q_shape, k_shape, dtype, smem):
 def backward_call(cfg, sched, q_t, qmeta, kv, kmeta, *, do_t, lse, delta):
     """q_t, do_t [b, h, sq, d], qmeta [b, 2, sq] (query positions, segment ids), kv [2, b, hk, sk, d], kmeta [b, 2, sk],
     lse, delta [b, h, sq] float32 -> dq [b, h, sq, d] float32, dkv ring [2, 2, b, hk, sk, d] float32 (home: slot
-    N % 2), both unscaled (times the softmax scale: the caller), computed-tile count or None. One pass where
+    N % 2; one slot on a ring of one), both unscaled (times the softmax scale: the caller), computed-tile count or None. One pass where
     ``cfg.one_pass``: lse and delta as rows [b, h, 2, sq]; else [lse | delta] lane-replicated [b, h, sq, 256]
     and query positions lane-replicated [b, 2, sq, 128] (the two-pass kernel's query-major columns)."""
     f32 = jnp.float32
@@ -358,8 +361,10 @@ def backward_call(cfg, sched, q_t, qmeta, kv, kmeta, *, do_t, lse, delta):
         stat = jnp.concatenate([lanes(lse), lanes(delta)], axis=-1)                             # (b, h, sq, 256)
         qmeta = lanes(qmeta)                                                                     # (b, 2, sq, 128)
     q_t, do_t, stat, qmeta, kv, kmeta, *values = same_vma(q_t, do_t, stat, qmeta, kv, kmeta, *values)
-    out_shape, out_specs = outputs(cfg, q_t, (q_t.shape, f32), ((2,) + kv.shape, kv.dtype),
-                                   ((2,) + kmeta.shape, jnp.int32), ((2,) + kv.shape, f32))
+    ring = cfg.axis_size > 1  # the travelling K/V exist only then (`fused_ring.held`)
+    out_shape, out_specs = outputs(cfg, q_t, (q_t.shape, f32), ((2,) + kv.shape, kv.dtype) if ring else None,
+                                   ((2,) + kmeta.shape, jnp.int32) if ring else None,
+                                   ((fr.ring_slots(cfg.axis_size),) + kv.shape, f32))
     d, dma = q_t.shape[-1], pltpu.SemaphoreType.DMA
     if cfg.one_pass:
         kernel, name, limit = _one_pass_kernel, "ring_fused_bwd_one_pass_tpu", cfg.one_pass_limit

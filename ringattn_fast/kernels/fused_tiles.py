@@ -103,11 +103,13 @@ def vmem(tiles):
 
 
 def outputs(cfg, like, *shapes_dtypes):
-    """Output types (`tiles.out_struct`) from ``(shape, dtype)`` pairs, then the computed-tile counter
-    (int32 [1] in SMEM with ``cfg.count``, else None); every other output lives in HBM."""
-    structs = [out_struct(*sd, like) for sd in shapes_dtypes]
+    """Output types (`tiles.out_struct`) from ``(shape, dtype)`` pairs (None: no such output, the kernel's ref is
+    None), then the computed-tile counter (int32 [1] in SMEM with ``cfg.count``, else None); every other
+    output lives in HBM."""
+    structs = [None if sd is None else out_struct(*sd, like) for sd in shapes_dtypes]
     structs.append(out_struct((1,), jnp.int32, like) if cfg.count else None)
-    specs = [ANY] * len(shapes_dtypes) + [pl.BlockSpec(memory_space=pltpu.SMEM) if cfg.count else None]
+    specs = [None if sd is None else ANY for sd in shapes_dtypes]
+    specs.append(pl.BlockSpec(memory_space=pltpu.SMEM) if cfg.count else None)
     return structs, specs
 
 

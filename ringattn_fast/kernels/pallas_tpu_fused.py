@@ -117,13 +117,14 @@ IMPL = "pallas_tpu_fused"
 
 def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref, qsb_ref, ksb_ref,  # SMEM tables
                 q_hbm, qmeta_hbm, kv_hbm, kmeta_hbm, const_refs,                     # inputs (HBM; consts VMEM)
-                o_hbm, stat_hbm, acc_hbm, kv_ring, kmeta_ring, cnt_ref,              # outputs (HBM; cnt SMEM)
-                q_v, qm_v, acc_v, stat_v, o_v, k_s, v_s, km_s,                       # VMEM tiles
+                o_hbm, lse_hbm, stat_hbm, acc_hbm, kv_ring, kmeta_ring, cnt_ref,     # outputs (HBM; cnt SMEM)
+                q_v, qm_v, acc_v, stat_v, o_v, lse_v, k_s, v_s, km_s,                # VMEM tiles
                 sem, tile_sems, send_sem, recv_sem, cap_sem):
     """Grid = (axis_size,): grid step ``step`` is ring step ``step`` (FA-2 Alg. 1 with the ring as its
     outer Bc loop); per step, every Q tile that is live in this hop runs through the held shard's K/V
     tiles. A Q tile that sees nothing of the shard is not touched (its state stays in HBM), except at
-    step 0 (its state is initialised) and at the last step (its o and lse are written)."""
+    step 0 (its state is initialised) and at the last step (its o and lse are written). On a ring of one
+    there is no state between steps (``stat``, ``acc`` and the ring buffers are None)."""
     b, h, hk, nq, nk = kernel_shape(cfg, q_hbm.shape, kv_hbm.shape)
     bq, bk, split = cfg.hop.block_q, cfg.hop.block_kv, sub_split(cfg, prog)
     del k_live_ref  # the backward's table
@@ -134,6 +135,7 @@ def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref, qsb
 
     ring = fr.prologue(cfg, ring_ref, [(kv_ring, kv_hbm), (kmeta_ring, kmeta_hbm)], init, sem)
     n, slot, last_send = ring.n, ring.slot, fr.last_send(ring.n)  # K/V are sent at steps 0 .. N-2
+    kv_src, kmeta_src, lse_rows = fr.held(ring, kv_hbm, kv_ring), fr.held(ring, kmeta_hbm, kmeta_ring), _lse_rows(cfg)
     copies = [] if n == 1 else fr.remote_sends(cfg, ((0, kv_ring), (1, kmeta_ring)), send_sem, recv_sem, slot,
                                                ring.right)
     fr.wait_cap(cfg, ring, cap_sem, last_send)
@@ -161,10 +163,11 @@ def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref, qsb
             stat_v[:, LANES:] = jnp.zeros((bq, LANES), jnp.float32)
             acc_v[...] = jnp.zeros(acc_v.shape, jnp.float32)
 
-        @pl.when(jnp.logical_not(first) & (live | last))
-        def _():
-            fr.copy(acc_hbm.at[bi, hi, rows, :], acc_v, sem)
-            fr.copy(stat_hbm.at[bi, hi, rows, :], stat_v, sem)
+        if n > 1:
+            @pl.when(jnp.logical_not(first) & (live | last))
+            def _():
+                fr.copy(acc_hbm.at[bi, hi, rows, :], acc_v, sem)
+                fr.copy(stat_hbm.at[bi, hi, rows, :], stat_v, sem)
 
         def kv_tile(j, buf):
             if cnt_ref is not None:
@@ -186,9 +189,9 @@ def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref, qsb
             acc_v[qp, :] = alpha[:, :1] * acc_v[qp, :] + dot(p.astype(v.dtype), v, ((1,), (0,)))
 
         cols = lambda j: pl.ds(j * I32(bk), bk)  # noqa: E731
-        pairs = [(lambda j: kv_ring.at[slot, I32(0), bi, kv_head, cols(j), :], k_s),
-                 (lambda j: kv_ring.at[slot, I32(1), bi, kv_head, cols(j), :], v_s)]
-        pairs += [(lambda j: kmeta_ring.at[slot, bi, :, cols(j)], km_s)] if cfg.masked else []
+        pairs = [(lambda j: kv_src.at[I32(0), bi, kv_head, cols(j), :], k_s),
+                 (lambda j: kv_src.at[I32(1), bi, kv_head, cols(j), :], v_s)]
+        pairs += [(lambda j: kmeta_src.at[bi, :, cols(j)], km_s)] if cfg.masked else []
         tile_empty = lambda j: fr.tile_empty(cfg, (qb_ref, kb_ref), (b, nq, nk),  # noqa: E731
                                              kv_idx=ring.kv_idx, bi=bi, i=i, j=j)
 
@@ -202,14 +205,16 @@ def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref, qsb
             empty = l == 0.0  # saw nothing (a NaN l stays NaN)
             l_safe = jnp.where(empty, 1.0, l)
             o_v[...] = jnp.where(empty[:, :1], 0.0, acc_v[...] / l_safe[:, :1]).astype(o_v.dtype)
-            stat_v[:, :LANES] = jnp.where(empty, NEG_INF, m + jnp.log(l_safe))  # lse, lane-replicated
+            lse = jnp.where(empty, NEG_INF, m + jnp.log(l_safe))  # (bq, 128), lane-replicated
+            lse_v[...] = jnp.transpose(lse)[:1, :] if lse_rows else lse  # a lane-dense (1, bq) row
             fr.copy(o_v, o_hbm.at[bi, hi, rows, :], sem)
-            fr.copy(stat_v, stat_hbm.at[bi, hi, rows, :], sem)
+            fr.copy(lse_v, lse_hbm.at[bi, hi, :, rows] if lse_rows else lse_hbm.at[bi, hi, rows, :], sem)
 
-        @pl.when(jnp.logical_not(last) & (live | first))
-        def _():
-            fr.copy(acc_v, acc_hbm.at[bi, hi, rows, :], sem)
-            fr.copy(stat_v, stat_hbm.at[bi, hi, rows, :], sem)
+        if n > 1:
+            @pl.when(jnp.logical_not(last) & (live | first))
+            def _():
+                fr.copy(acc_v, acc_hbm.at[bi, hi, rows, :], sem)
+                fr.copy(stat_v, stat_hbm.at[bi, hi, rows, :], sem)
         return carry
 
     lax.fori_loop(I32(0), I32(b * h * nq), q_tile, I32(0))
@@ -220,29 +225,41 @@ def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref, qsb
     fr.signal_cap(cfg, ring, cap_sem, last_send)
 
 
+def _lse_rows(cfg):
+    """lse leaves the forward as rows [b, h, 1, sq] (block_q a multiple of 128: Mosaic's lane rule for a
+    (1, block_q) row and its transpose) or as lane-replicated columns [b, h, sq, 128] (128x the bytes)."""
+    return cfg.hop.block_q % LANES == 0
+
+
 def _fwd_scratch(cfg, d, dtype):
     """(shape, dtype) of the forward's VMEM tiles, in kernel order (`_fwd_call`, `footprints`)."""
     bq, bk, f32, i32 = cfg.hop.block_q, cfg.hop.block_kv, jnp.float32, jnp.int32
-    return [((bq, d), dtype), ((2, bq, LANES), i32), ((bq, d), f32), ((bq, 2 * LANES), f32), ((bq, d), dtype),
+    lse = ((1, bq) if _lse_rows(cfg) else (bq, LANES), f32)
+    return [((bq, d), dtype), ((2, bq, LANES), i32), ((bq, d), f32), ((bq, 2 * LANES), f32), ((bq, d), dtype), lse,
             ((2, bk, d), dtype), ((2, bk, d), dtype), ((2, 2, bk), i32)]
 
 
 def _fwd_call(cfg, sched, q_t, qmeta, kv, kmeta):
     """q_t [b, h, sq, d], qmeta [b, 2, sq, 128], kv [2, b, hk, sk, d], kmeta [b, 2, sk] -> o [b, h, sq, d]
-    (q dtype), stat [b, h, sq, 256] float32 (lse in lanes 0..127), computed-tile count int32 [1] or None."""
+    (q dtype), lse [b, h, sq] float32, computed-tile count int32 [1] or None. The running state between
+    ring steps (``stat`` [m | l] and ``acc``, float32) and the ring buffers exist only for N > 1."""
     f32 = jnp.float32
     prog, values, const_specs = consts(cfg)
     q_t, qmeta, kv, kmeta, *values = same_vma(q_t, qmeta, kv, kmeta, *values)
     b, h, sq, d = q_t.shape
-    out_shape, out_specs = outputs(cfg, q_t, (q_t.shape, q_t.dtype), ((b, h, sq, 2 * LANES), f32), (q_t.shape, f32),
-                                    ((2,) + kv.shape, kv.dtype), ((2,) + kmeta.shape, jnp.int32))
+    ring = cfg.axis_size > 1
+    out_shape, out_specs = outputs(cfg, q_t, (q_t.shape, q_t.dtype),
+                                   ((b, h, 1, sq) if _lse_rows(cfg) else (b, h, sq, LANES), f32),
+                                   ((b, h, sq, 2 * LANES), f32) if ring else None, (q_t.shape, f32) if ring else None,
+                                   ((2,) + kv.shape, kv.dtype) if ring else None,
+                                   ((2,) + kmeta.shape, jnp.int32) if ring else None)
     sems = [pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA((3, 2)), pltpu.SemaphoreType.DMA((2,)),
             pltpu.SemaphoreType.DMA((2, 2)), pltpu.SemaphoreType.REGULAR]
     call = fused_call(_fwd_kernel, "ring_fused_fwd_tpu", cfg, prog, out_shape=out_shape,
                  in_specs=[ANY] * 4 + [const_specs], out_specs=out_specs,
                  scratch=vmem(_fwd_scratch(cfg, d, q_t.dtype)) + sems)
-    o, stat, _, _, _, cnt = call(*sched, q_t, qmeta, kv, kmeta, tuple(values))
-    return o, stat, cnt
+    o, lse, _, _, _, _, cnt = call(*sched, q_t, qmeta, kv, kmeta, tuple(values))
+    return o, lse[:, :, 0, :] if _lse_rows(cfg) else lse[..., 0], cnt
 
 
 # ---------------------------------------------------------------- layout glue and custom_vjp
@@ -273,8 +290,8 @@ def _forward(cfg, qs, kv):
     """-> o [b, sq, h, d] (q dtype), lse [b, h, sq] float32, tiles computed on this device (int32 [1]
     with ``cfg.count``, else None)."""
     q_t, qmeta, kv_t, kmeta = _pack(qs, kv)
-    o, stat, cnt = _fwd_call(cfg, _schedule(cfg, qs, kv), q_t, lanes(qmeta), kv_t, kmeta)
-    return o[..., :kv.v.shape[-1]].transpose(0, 2, 1, 3), stat[..., 0], cnt
+    o, lse, cnt = _fwd_call(cfg, _schedule(cfg, qs, kv), q_t, lanes(qmeta), kv_t, kmeta)
+    return o[..., :kv.v.shape[-1]].transpose(0, 2, 1, 3), lse, cnt
 
 
 def _backward(cfg, qs, kv, *, o, lse, do, dlse):
@@ -289,11 +306,13 @@ def _backward(cfg, qs, kv, *, o, lse, do, dlse):
     dq, dkv, cnt = bwd.backward_call(cfg, _schedule(cfg, qs, kv), q_t, qmeta, kv_t, kmeta,
                                      do_t=_width(do, q_t.shape[-1]).transpose(0, 2, 1, 3),
                                      lse=lse.astype(jnp.float32), delta=delta)
-    home = cfg.axis_size % 2 if cfg.axis_size > 1 else 0  # after N sends (none when N == 1)
-    dk, dv = dkv[home].transpose(0, 1, 3, 2, 4)           # (b, sk, hk, D) each
+    home = cfg.axis_size % 2 if cfg.axis_size > 1 else 0  # after N sends (none when N == 1: one slot)
     d, d_v, scale = qs.q.shape[-1], kv.v.shape[-1], cfg.hop.scale  # the kernels add dS K and dS^T Q unscaled
-    return ((scale * dq[..., :d]).transpose(0, 2, 1, 3).astype(qs.q.dtype), (scale * dk[..., :d]).astype(kv.k.dtype),
-            dv[..., :d_v].astype(kv.v.dtype), cnt)
+
+    def grad(x, width, dtype, by=1.0):  # float32 [b, h, s, D] -> [b, s, h, width]; cast first, one pass of XLA
+        return (by * x[..., :width]).astype(dtype).transpose(0, 2, 1, 3)
+    return (grad(dq, d, qs.q.dtype, scale), grad(dkv[home, 0], d, kv.k.dtype, scale),
+            grad(dkv[home, 1], d_v, kv.v.dtype), cnt)
 
 
 def _int_zeros(x):
