@@ -30,7 +30,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ringattn_fast.kernels import budgets
 from ringattn_fast.kernels import fused_ring as fr
 from ringattn_fast.kernels.fused_ring import I32
-from ringattn_fast.kernels.fused_tiles import (ANY, LANES, consts, dot, fused_call, kernel_shape, lanes, logits,
+from ringattn_fast.kernels.fused_tiles import (ANY, LANES, SUBLANES, consts, dot, fused_call, kernel_shape, lanes, logits,
                                                outputs, sub_split, unflatten, vmem)
 from ringattn_fast.kernels.pallas_tpu import key_major_grads
 from ringattn_fast.kernels.tiles import finite_keys, same_vma
@@ -110,14 +110,21 @@ def _kv_pairs(cfg, held, bi, kv_head, cols, tiles):
 def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref, qsb_ref, ksb_ref,  # SMEM
                      q_hbm, do_hbm, stat_hbm, qrow_hbm, kv_hbm, kmeta_hbm, const_refs,   # inputs (HBM)
                      dq_hbm, kv_ring, kmeta_ring, dkv_ring, cnt_ref,                     # outputs (HBM; cnt SMEM)
-                     dk_v, dv_v, q_v, qs_v, do_v, st_v, qm_v, dq_v, k_s, v_s, km_s,      # VMEM
-                     sem, kv_sems, send_sem, recv_sem, cap_sem):
-    """Grid = ring steps. Per step, per (batch row bi, kv head): dK, dV of the held shard into VMEM (zeros at
-    step 0), then each live Q tile of the head group: its dQ from HBM, the shard's K/V tiles streamed
-    through, dQ back to HBM; then dK, dV back to the ``dkv`` slot and sent to the right neighbour's other
-    slot. Every send is waited on at the step's end. The tile is key-major, as the per-hop fused
-    backward's (``pallas_tpu.key_major_grads``): S^T = K (scale Q)^T is (bk, bq), lse and delta are the
-    (1, bq) rows of ``stat`` [b, h, 2, sq], query positions rows of ``qrow`` [b, 2, sq]; dV_j += P^T dO and
+                     dk_v, dv_v, k_v, v_v, km_v, q_v, do_v, st_v, qm_v, dq_in, dq_v, qs_v,  # VMEM
+                     sem, q_sems, wb_sems, send_sem, recv_sem, cap_sem):
+    """Grid = ring steps. Per step, per (batch row bi, kv head): the held shard's K, V (and key positions)
+    of that head and its dK, dV (zeros at step 0) into VMEM, then each live Q tile of the head group runs
+    through the shard's K/V tiles, read in place; then dK, dV back to the ``dkv`` slot and sent to the
+    right neighbour's other slot. Every send is waited on at the step's end.
+
+    Q tiles are double-buffered: tile t + 1's q, dO, [lse; delta] and positions (and its dQ so far, after
+    step 0) are copied in while tile t computes, and tile t's dQ goes back to HBM while t + 1 computes
+    (waited on two tiles later, when its buffer comes round again). On a v5e these copies, waited on
+    in place, cost 5-9 % of the backward (docs/benchmarks.md, sixth chip session).
+
+    The tile is key-major, as the per-hop fused backward's (``pallas_tpu.key_major_grads``): S^T = K
+    (scale Q)^T is (bk, bq), lse and delta are the (1, bq) rows of ``stat`` [b, h, 2, sq], query positions
+    rows of ``qrow`` [b, 2, sq], key positions (2, bk) tiles of ``kmeta`` [b, nk, 2, bk]; dV_j += P^T dO and
     dK_j += dS^T Q are plain matmuls, dQ += dS K transposes dS^T once. No program (`one_pass_applies`)."""
     del const_refs
     b, h, hk, nq, nk = kernel_shape(cfg, q_hbm.shape, kv_hbm.shape)
@@ -126,8 +133,8 @@ def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
                                recv_sem, cap_sem)
     held = fr.held(ring, kv_hbm, kv_ring), fr.held(ring, kmeta_hbm, kmeta_ring)
     n, slot, first = ring.n, ring.slot, ring.step == 0
-    tables, shape = (qb_ref, kb_ref), (b, nq, nk)
-    rows, cols = (lambda i: pl.ds(i * I32(bq), bq)), (lambda j: pl.ds(j * I32(bk), bk))
+    tables, shape, count = (qb_ref, kb_ref), (b, nq, nk), group * nq  # count: Q tiles of one head group
+    rows = lambda i: pl.ds(i * I32(bq), bq)  # noqa: E731
 
     def dkv_sends(bi, kv_head):  # this (batch row, kv head)'s dK, dV: my slot -> the right neighbour's other slot
         return [pltpu.make_async_remote_copy(dkv_ring.at[slot, I32(a), bi, kv_head],
@@ -135,61 +142,104 @@ def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
                                              recv_sem.at[I32(2), I32(1) - slot], device_id={cfg.axis_name: ring.right})
                 for a in (0, 1)]
 
-    def q_tile(bi, kv_head, u, carry):
-        member, i = unflatten(u, (group, nq))
-        hi, live = kv_head * I32(group) + member, fr.live(q_live_ref, ring.kv_idx, bi, i, b, nq)
+    def q_loads(bi, kv_head, t, buf, action):  # Q tile t's inputs -> buffer buf: start or wait them (`action`)
+        member, i = unflatten(t, (group, nq))
+        hi = kv_head * I32(group) + member
+        pairs = [(q_hbm.at[bi, hi, rows(i), :], q_v), (do_hbm.at[bi, hi, rows(i), :], do_v),
+                 (stat_hbm.at[bi, hi, :, rows(i)], st_v)] + ([(qrow_hbm.at[bi, :, rows(i)], qm_v)] if cfg.masked else [])
+        for a, (src, dst) in enumerate(pairs):
+            action(pltpu.make_async_copy(src, dst.at[buf], q_sems.at[I32(a), buf]))
+        if n > 1:  # dQ so far: none at step 0
+            pl.when(jnp.logical_not(first))(lambda: action(pltpu.make_async_copy(
+                dq_hbm.at[bi, hi, rows(i), :], dq_in.at[buf], q_sems.at[I32(4), buf])))
 
-        @pl.when(live)
+    def write_back(bi, kv_head, t, buf):  # Q tile t's dQ: VMEM buffer buf -> HBM
+        member, i = unflatten(t, (group, nq))
+        return pltpu.make_async_copy(dq_v.at[buf], dq_hbm.at[bi, kv_head * I32(group) + member, rows(i), :],
+                                     wb_sems.at[buf])
+
+    live = lambda bi, t: fr.live(q_live_ref, ring.kv_idx, bi, lax.rem(t, I32(nq)), b, nq)  # noqa: E731
+    writes = lambda bi, t: first | live(bi, t)  # noqa: E731  Q tiles whose dQ goes to HBM (all of them at step 0)
+
+    def q_tile(bi, kv_head, t, carry):
+        i, buf, nxt = lax.rem(t, I32(nq)), lax.rem(t, I32(2)), t + I32(1)
+
+        @pl.when((nxt < I32(count)) & live(bi, jnp.minimum(nxt, I32(count - 1))))
+        def _():  # its buffer held tile t - 1, whose compute is done
+            q_loads(bi, kv_head, nxt, I32(1) - buf, lambda c: c.start())
+
+        @pl.when((t >= I32(2)) & writes(bi, jnp.maximum(t - I32(2), I32(0))))
+        def _():  # tile t - 2 wrote dQ from this buffer
+            write_back(bi, kv_head, t - I32(2), buf).wait()
+
+        @pl.when(live(bi, t))
         def _():
-            for src, dst in ((q_hbm, q_v), (do_hbm, do_v)):
-                fr.copy(src.at[bi, hi, rows(i), :], dst, sem)
-            fr.copy(stat_hbm.at[bi, hi, :, rows(i)], st_v, sem)
-            if cfg.masked:
-                fr.copy(qrow_hbm.at[bi, :, rows(i)], qm_v, sem)
-            qs_v[...] = (q_v[...].astype(jnp.float32) * cfg.hop.scale).astype(qs_v.dtype)  # once per Q tile
+            q_loads(bi, kv_head, t, buf, lambda c: c.wait())
+            qs_v[...] = (q_v[buf].astype(jnp.float32) * cfg.hop.scale).astype(qs_v.dtype)  # once per Q tile
 
-        _acc_in(first, live, lambda _: dq_hbm.at[bi, hi, rows(i), :], (dq_v,), sem)
+        @pl.when(first)
+        def _():
+            dq_v[buf] = jnp.zeros(dq_v.shape[1:], jnp.float32)
+        if n > 1:
+            @pl.when(jnp.logical_not(first) & live(bi, t))
+            def _():
+                dq_v[buf] = dq_in[buf]
 
-        def fold(j, buf, masked, qp=slice(None), kp=slice(None)):  # the tile, or its sub-tile (rows qp, keys kp)
-            do, k = do_v[qp, :], k_s[buf, kp, :]
+        def fold(j, masked, qp=slice(None), kp=slice(None)):  # the tile, or its sub-tile (rows qp, keys kp)
+            start, size = (0, bk) if kp.start is None else (kp.start, kp.stop - kp.start)
+            keys = pl.ds(pl.multiple_of(j * I32(bk) + I32(start), size), size)  # these keys' rows of K, V, dK, dV
+            do, k = do_v[buf, qp, :], k_v[keys, :]
             # the (2, n) rows loaded whole, a sub-tile's part sliced from the value: the TPU v4's Mosaic refuses
             # to load part of one row of a 2-row VMEM array (its lane tiles are not contiguous)
-            st = st_v[...]
+            st = st_v[buf]
 
             def pos_rows(ref):  # (positions, segment ids) rows, read only on a masked tile
                 x = ref[...] if masked else None
                 return (None, None) if x is None else (x[0:1], x[1:2] if seg else None)
-            (q_pos, q_seg), (k_pos, k_seg) = pos_rows(qm_v), pos_rows(km_s.at[buf])
-            pt, dst = key_major_grads(k, qs_v[qp, :], v_s[buf, kp, :], do, st[0:1], st[1:2], q_pos, k_pos, q_seg,
-                                      k_seg, cfg.hop, masked, part=(qp, kp))  # (bk, bq) each
-            start, size = (0, bk) if kp.start is None else (kp.start, kp.stop - kp.start)
-            keys = pl.ds(pl.multiple_of(j * I32(bk) + I32(start), size), size)  # these keys' rows of dK, dV
-            dv_v[keys, :] += dot(pt.astype(do.dtype), do, _NN)            # dV_j += P^T dO_i
-            dk_v[keys, :] += dot(dst.astype(k.dtype), q_v[qp, :], _NN)    # dK_j += dS^T Q_i (scale: the caller)
-            dq_v[qp, :] += dot(dst.T.astype(k.dtype), finite_keys(k), _NN)  # dQ_i += dS K_j; a masked NaN key: 0
+            (q_pos, q_seg), (k_pos, k_seg) = pos_rows(qm_v.at[buf]), pos_rows(km_v.at[j])
+            pt, dst = key_major_grads(k, qs_v[qp, :], v_v[keys, :], do, st[0:1], st[1:2], q_pos, k_pos, q_seg,
+                                      k_seg, cfg.hop, masked, part=(qp, kp))
+            dv_v[keys, :] += dot(pt.astype(do.dtype), do, _NN)                  # dV_j += P^T dO_i
+            dk_v[keys, :] += dot(dst.astype(k.dtype), q_v[buf, qp, :], _NN)     # dK_j += dS^T Q_i (scale: caller)
+            dq_v[buf, qp, :] += dot(dst.T.astype(k.dtype), finite_keys(k), _NN)  # dQ_i += dS K_j; masked NaN key: 0
 
-        def k_tile(j, buf):
-            _count(cnt_ref)
-            fr.by_kind(cfg, tables, shape, functools.partial(fold, j, buf), kv_idx=ring.kv_idx, bi=bi, i=i, j=j,
-                       split=split, sub_tables=(qsb_ref, ksb_ref))
+        def k_tile(j, c):
+            @pl.when(jnp.logical_not(fr.tile_empty(cfg, tables, shape, kv_idx=ring.kv_idx, bi=bi, i=i, j=j)))
+            def _():
+                _count(cnt_ref)
+                fr.by_kind(cfg, tables, shape, functools.partial(fold, j), kv_idx=ring.kv_idx, bi=bi, i=i, j=j,
+                           split=split, sub_tables=(qsb_ref, ksb_ref))
+            return c
 
-        stream = fr.Stream(_kv_pairs(cfg, held, bi, kv_head, cols, (k_s, v_s, km_s)), kv_sems)
-        tile_empty = lambda j: fr.tile_empty(cfg, tables, shape, kv_idx=ring.kv_idx, bi=bi, i=i, j=j)  # noqa: E731
-        pl.when(live)(lambda: fr.stream_tiles(nk, stream, tile_empty, k_tile))
-        pl.when(live | first)(lambda: fr.copy(dq_v, dq_hbm.at[bi, hi, rows(i), :], sem))
+        @pl.when(live(bi, t))
+        def _():
+            lax.fori_loop(I32(0), I32(nk), k_tile, I32(0))
+        pl.when(writes(bi, t))(lambda: write_back(bi, kv_head, t, buf).start())
         return carry
 
-    def head(t, carry):  # one (batch row, kv head): its dK, dV resident while the group's Q tiles run
+    def head(t, carry):  # one (batch row, kv head): its K, V, dK, dV resident while the group's Q tiles run
         bi, kv_head = unflatten(t, (b, hk))
         seen = lax.fori_loop(I32(0), I32(nk), lambda j, acc: acc | fr.live(k_live_ref, ring.kv_idx, bi, j, b, nk),
                              jnp.bool_(False))
         touched = first | seen  # else dK, dV pass through as received
+        kv_loads = [pltpu.make_async_copy(held[0].at[I32(a), bi, kv_head], dst, sem)
+                    for a, dst in ((0, k_v), (1, v_v))]
+        kv_loads += [pltpu.make_async_copy(held[1].at[bi], km_v, sem)] if cfg.masked else []
+        @pl.when(touched)
+        def _():  # under the dK, dV copies in
+            for c in kv_loads:
+                c.start()
 
         _acc_in(first, touched, lambda a: dkv_ring.at[slot, I32(a), bi, kv_head], (dk_v, dv_v), sem)
 
         @pl.when(touched)
         def _():
-            lax.fori_loop(I32(0), I32(group * nq), functools.partial(q_tile, bi, kv_head), I32(0))
+            for c in kv_loads:
+                c.wait()
+            pl.when(live(bi, I32(0)))(lambda: q_loads(bi, kv_head, I32(0), I32(0), lambda c: c.start()))
+            lax.fori_loop(I32(0), I32(count), functools.partial(q_tile, bi, kv_head), I32(0))
+            for last in range(max(count - 2, 0), count):  # the write-backs no later tile waited on
+                pl.when(writes(bi, I32(last)))(lambda last=last: write_back(bi, kv_head, I32(last), I32(last % 2)).wait())
             fr.copy(dk_v, dkv_ring.at[slot, I32(0), bi, kv_head], sem)
             fr.copy(dv_v, dkv_ring.at[slot, I32(1), bi, kv_head], sem)
         if n > 1:
@@ -321,12 +371,16 @@ def two_pass_scratch(cfg, d, dtype):
 
 
 def one_pass_scratch(cfg, d, dtype, sk):
-    """(shape, dtype) of `_one_pass_kernel`'s VMEM, in kernel order: the shard's dK, dV ([sk, d] float32
-    each, for one kv head), one Q tile's q, scaled q, dO, [lse; delta] and positions as rows, its dQ, and
-    double-buffered K/V tiles."""
-    bq, bk, f32 = cfg.hop.block_q, cfg.hop.block_kv, jnp.float32
-    q, k, km = ((bq, d), dtype), ((2, bk, d), dtype), ((2, 2, bk), jnp.int32)
-    return [((sk, d), f32), ((sk, d), f32), q, q, q, ((2, bq), f32), ((2, bq), jnp.int32), ((bq, d), f32), k, k, km]
+    """(shape, dtype) of `_one_pass_kernel`'s VMEM, in kernel order: one kv head's dK, dV ([sk, d] float32
+    each), K, V ([sk, d]) and key positions ((nk, 2, block_kv) tiles) of the shard; then, double-buffered,
+    a Q tile's q, dO, [lse; delta] and positions as rows, its dQ so far (N > 1; else a placeholder) and its
+    dQ; the scaled q."""
+    bq, bk, f32, i32 = cfg.hop.block_q, cfg.hop.block_kv, jnp.float32, jnp.int32
+    two = lambda shape, dt: ((2,) + shape, dt)  # noqa: E731  double-buffered
+    dq_in = two((bq, d), f32) if cfg.axis_size > 1 else ((1, SUBLANES, LANES), f32)
+    return [((sk, d), f32), ((sk, d), f32), ((sk, d), dtype), ((sk, d), dtype), ((sk // bk, 2, bk), i32),
+            two((bq, d), dtype), two((bq, d), dtype), two((2, bq), f32), two((2, bq), i32), dq_in, two((bq, d), f32),
+            ((bq, d), dtype)]
 
 
 def one_pass_applies(cfg, prog, chip):
@@ -357,6 +411,8 @@ def backward_call(cfg, sched, q_t, qmeta, kv, kmeta, *, do_t, lse, delta):
     prog, values, const_specs = consts(cfg)
     if cfg.one_pass:
         stat = jnp.stack([lse, delta], axis=2)                                                    # (b, h, 2, sq)
+        b, _, sk = kmeta.shape
+        kmeta = kmeta.reshape(b, 2, sk // cfg.hop.block_kv, cfg.hop.block_kv).swapaxes(1, 2)    # (b, nk, 2, bk)
     else:
         stat = jnp.concatenate([lanes(lse), lanes(delta)], axis=-1)                             # (b, h, sq, 256)
         qmeta = lanes(qmeta)                                                                     # (b, 2, sq, 128)
@@ -368,7 +424,7 @@ def backward_call(cfg, sched, q_t, qmeta, kv, kmeta, *, do_t, lse, delta):
     d, dma = q_t.shape[-1], pltpu.SemaphoreType.DMA
     if cfg.one_pass:
         kernel, name, limit = _one_pass_kernel, "ring_fused_bwd_one_pass_tpu", cfg.one_pass_limit
-        scratch = vmem(one_pass_scratch(cfg, d, q_t.dtype, kv.shape[3])) + [dma(()), dma((3, 2))]
+        scratch = vmem(one_pass_scratch(cfg, d, q_t.dtype, kv.shape[3])) + [dma(()), dma((5, 2)), dma((2,))]
     else:
         kernel, name, limit = _two_pass_kernel, "ring_fused_bwd_tpu", None
         scratch = vmem(two_pass_scratch(cfg, d, q_t.dtype)) + [dma(()), dma((4, 2)), dma((3, 2))]
