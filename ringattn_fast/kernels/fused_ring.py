@@ -28,7 +28,8 @@ I32 = jnp.int32  # every index constant: with jax_enable_x64 a Python int would 
 class FusedConfig:
     """Static configuration of one fused-ring call (hashable: a custom_vjp nondiff argument).
     ``vmem_limit``: the compiler's ``vmem_limit_bytes`` for the chip (None: its default; `budgets`);
-    ``one_pass``: which backward runs (`fused_ring_bwd`), ``one_pass_limit`` its limit."""
+    ``one_pass``: which backward runs (`fused_ring_bwd`), ``one_pass_limit`` its limit; ``whole_kv``: which
+    forward runs, ``whole_kv_limit`` its limit."""
     axis_name: object
     axis_size: int
     hop: object  # the checked HopConfig (blocks clamped to the shard)
@@ -39,6 +40,8 @@ class FusedConfig:
     vmem_limit: int | None = None
     one_pass: bool = False  # the backward in one pass (`fused_ring_bwd`), with its own vmem_limit_bytes
     one_pass_limit: int | None = None
+    whole_kv: bool = False  # the forward holds a kv head's K/V whole in VMEM (`pallas_tpu_fused._whole_kv`)
+    whole_kv_limit: int | None = None
 
     @property
     def masked(self):

@@ -111,6 +111,7 @@ from ringattn_fast.kernels.tiles import NEG_INF, check_budget, check_kernel_call
 from ringattn_fast.schedule import HopConfig, KVShard, QShard
 
 IMPL = "pallas_tpu_fused"
+WHOLE_KV = True  # the forward holds a kv head's K/V whole in VMEM where it fits (`_whole_kv`); else streams tiles
 
 
 # ---------------------------------------------------------------- forward kernel
@@ -118,16 +119,23 @@ IMPL = "pallas_tpu_fused"
 def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref, qsb_ref, ksb_ref,  # SMEM tables
                 q_hbm, qmeta_hbm, kv_hbm, kmeta_hbm, const_refs,                     # inputs (HBM; consts VMEM)
                 o_hbm, lse_hbm, stat_hbm, acc_hbm, kv_ring, kmeta_ring, cnt_ref,     # outputs (HBM; cnt SMEM)
-                q_v, qm_v, acc_v, stat_v, o_v, lse_v, k_s, v_s, km_s,                # VMEM tiles
-                sem, tile_sems, send_sem, recv_sem, cap_sem):
+                q_v, qm_v, acc_v, stat_v, o_v, lse_v, k_t, v_t, km_t,                # VMEM
+                sem, tile_sems, q_sems, wb_sems, send_sem, recv_sem, cap_sem):
     """Grid = (axis_size,): grid step ``step`` is ring step ``step`` (FA-2 Alg. 1 with the ring as its
-    outer Bc loop); per step, every Q tile that is live in this hop runs through the held shard's K/V
-    tiles. A Q tile that sees nothing of the shard is not touched (its state stays in HBM), except at
-    step 0 (its state is initialised) and at the last step (its o and lse are written). On a ring of one
-    there is no state between steps (``stat``, ``acc`` and the ring buffers are None)."""
+    outer Bc loop); per step, per (batch row, kv head), every Q tile of the head group that is live in
+    this hop runs through the held shard's K/V tiles. A Q tile that sees nothing of the shard is not
+    touched (its state stays in HBM), except at step 0 (its state is initialised) and at the last step
+    (its o and lse are written). On a ring of one there is no state between steps (``stat``, ``acc`` and
+    the ring buffers are None).
+
+    K/V: with ``cfg.whole_kv`` the kv head's K, V (and key positions, (nk, 2, bk) tiles of ``kmeta`` [b,
+    nk, 2, bk]) of the shard are copied into VMEM once (``k_t``, ``v_t``, ``km_t`` [sk, d]) and read in
+    place, shared by the group's query heads; else streamed a tile at a time into double buffers (VMEM
+    independent of the shard). Q tiles are double-buffered: tile t + 1's q (and positions) are copied in
+    while tile t computes; o and lse leave asynchronously, waited on two tiles later."""
     b, h, hk, nq, nk = kernel_shape(cfg, q_hbm.shape, kv_hbm.shape)
-    bq, bk, split = cfg.hop.block_q, cfg.hop.block_kv, sub_split(cfg, prog)
-    del k_live_ref  # the backward's table
+    bq, bk, split, group = cfg.hop.block_q, cfg.hop.block_kv, sub_split(cfg, prog), h // hk
+    count = group * nq  # Q tiles of one head group
 
     def init():
         if cnt_ref is not None:
@@ -136,6 +144,7 @@ def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref, qsb
     ring = fr.prologue(cfg, ring_ref, [(kv_ring, kv_hbm), (kmeta_ring, kmeta_hbm)], init, sem)
     n, slot, last_send = ring.n, ring.slot, fr.last_send(ring.n)  # K/V are sent at steps 0 .. N-2
     kv_src, kmeta_src, lse_rows = fr.held(ring, kv_hbm, kv_ring), fr.held(ring, kmeta_hbm, kmeta_ring), _lse_rows(cfg)
+    first, last = ring.step == 0, ring.step == n - 1
     copies = [] if n == 1 else fr.remote_sends(cfg, ((0, kv_ring), (1, kmeta_ring)), send_sem, recv_sem, slot,
                                                ring.right)
     fr.wait_cap(cfg, ring, cap_sem, last_send)
@@ -145,17 +154,38 @@ def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref, qsb
         for c in copies:
             c.start()
 
-    def q_tile(t, carry):
-        bi, hi, i = unflatten(t, (b, h, nq))
-        kv_head, rows = hi // I32(h // hk), pl.ds(i * I32(bq), bq)
-        live = fr.live(q_live_ref, ring.kv_idx, bi, i, b, nq)
-        first, last = ring.step == 0, ring.step == n - 1
+    rows, cols = (lambda i: pl.ds(i * I32(bq), bq)), (lambda j: pl.ds(j * I32(bk), bk))
+    live = lambda bi, t: fr.live(q_live_ref, ring.kv_idx, bi, lax.rem(t, I32(nq)), b, nq)  # noqa: E731
 
-        @pl.when(live)
-        def _():
-            fr.copy(q_hbm.at[bi, hi, rows, :], q_v, sem)
-            if cfg.masked:
-                fr.copy(qmeta_hbm.at[bi, :, rows, :], qm_v, sem)
+    def head_of(kv_head, t):
+        member, i = unflatten(t, (group, nq))
+        return kv_head * I32(group) + member, i
+
+    def q_loads(bi, kv_head, t, buf, action):  # Q tile t's q (and positions) -> buffer buf: start or wait them
+        hi, i = head_of(kv_head, t)
+        action(pltpu.make_async_copy(q_hbm.at[bi, hi, rows(i), :], q_v.at[buf], q_sems.at[I32(0), buf]))
+        if cfg.masked:
+            action(pltpu.make_async_copy(qmeta_hbm.at[bi, :, rows(i), :], qm_v.at[buf], q_sems.at[I32(1), buf]))
+
+    def write_backs(bi, kv_head, t, buf):  # Q tile t's o and lse: VMEM buffer buf -> HBM (at the last step)
+        hi, i = head_of(kv_head, t)
+        lse_at = lse_hbm.at[bi, hi, :, rows(i)] if lse_rows else lse_hbm.at[bi, hi, rows(i), :]
+        return [pltpu.make_async_copy(o_v.at[buf], o_hbm.at[bi, hi, rows(i), :], wb_sems.at[I32(0), buf]),
+                pltpu.make_async_copy(lse_v.at[buf], lse_at, wb_sems.at[I32(1), buf])]
+
+    def q_tile(bi, kv_head, t, carry):
+        (hi, i), buf, nxt = head_of(kv_head, t), lax.rem(t, I32(2)), t + I32(1)
+
+        @pl.when((nxt < I32(count)) & live(bi, jnp.minimum(nxt, I32(count - 1))))
+        def _():  # its buffer held tile t - 1, whose compute is done
+            q_loads(bi, kv_head, nxt, I32(1) - buf, lambda c: c.start())
+
+        @pl.when(last & (t >= I32(2)))
+        def _():  # tile t - 2 wrote o and lse from this buffer
+            for c in write_backs(bi, kv_head, t - I32(2), buf):
+                c.wait()
+
+        pl.when(live(bi, t))(lambda: q_loads(bi, kv_head, t, buf, lambda c: c.wait()))
 
         @pl.when(first)
         def _():
@@ -164,20 +194,19 @@ def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref, qsb
             acc_v[...] = jnp.zeros(acc_v.shape, jnp.float32)
 
         if n > 1:
-            @pl.when(jnp.logical_not(first) & (live | last))
+            @pl.when(jnp.logical_not(first) & (live(bi, t) | last))
             def _():
-                fr.copy(acc_hbm.at[bi, hi, rows, :], acc_v, sem)
-                fr.copy(stat_hbm.at[bi, hi, rows, :], stat_v, sem)
+                fr.copy(acc_hbm.at[bi, hi, rows(i), :], acc_v, sem)
+                fr.copy(stat_hbm.at[bi, hi, rows(i), :], stat_v, sem)
 
-        def kv_tile(j, buf):
-            if cnt_ref is not None:
-                cnt_ref[0] += 1
-            fr.by_kind(cfg, (qb_ref, kb_ref), (b, nq, nk), functools.partial(fold, buf), kv_idx=ring.kv_idx, bi=bi,
-                       i=i, j=j, split=split, sub_tables=(qsb_ref, ksb_ref))
-
-        def fold(buf, masked, qp=slice(None), kp=slice(None)):  # the tile, or its sub-tile (query rows qp, keys kp)
-            v = v_s[buf, kp, :]
-            s = logits(cfg, (prog, const_refs, hi), q_v[qp, :], k_s[buf, kp, :], qm_v, km_s.at[buf], masked=masked,
+        def fold(j, buf_kv, masked, qp=slice(None), kp=slice(None)):  # the tile, or its sub-tile (rows qp, keys kp)
+            if cfg.whole_kv:  # this tile's (or sub-tile's) keys of the resident shard
+                start, size = (0, bk) if kp.start is None else (kp.start, kp.stop - kp.start)
+                keys = pl.ds(pl.multiple_of(j * I32(bk) + I32(start), size), size)
+                k, v, km = k_t[keys, :], v_t[keys, :], km_t.at[j]
+            else:
+                k, v, km = k_t[buf_kv, kp, :], v_t[buf_kv, kp, :], km_t.at[buf_kv]
+            s = logits(cfg, (prog, const_refs, hi), q_v[buf, qp, :], k, qm_v.at[buf], km, masked=masked,
                        part=(qp, kp))                                    # (bq, bk)
             m_prev, l_prev = stat_v[qp, :LANES], stat_v[qp, LANES:]      # (bq, 128) each, lane-replicated
             m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -188,36 +217,69 @@ def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref, qsb
             stat_v[qp, :LANES] = m_new
             acc_v[qp, :] = alpha[:, :1] * acc_v[qp, :] + dot(p.astype(v.dtype), v, ((1,), (0,)))
 
-        cols = lambda j: pl.ds(j * I32(bk), bk)  # noqa: E731
-        pairs = [(lambda j: kv_src.at[I32(0), bi, kv_head, cols(j), :], k_s),
-                 (lambda j: kv_src.at[I32(1), bi, kv_head, cols(j), :], v_s)]
-        pairs += [(lambda j: kmeta_src.at[bi, :, cols(j)], km_s)] if cfg.masked else []
+        def kv_tile(j, buf_kv):
+            if cnt_ref is not None:
+                cnt_ref[0] += 1
+            fr.by_kind(cfg, (qb_ref, kb_ref), (b, nq, nk), functools.partial(fold, j, buf_kv), kv_idx=ring.kv_idx,
+                       bi=bi, i=i, j=j, split=split, sub_tables=(qsb_ref, ksb_ref))
+
         tile_empty = lambda j: fr.tile_empty(cfg, (qb_ref, kb_ref), (b, nq, nk),  # noqa: E731
                                              kv_idx=ring.kv_idx, bi=bi, i=i, j=j)
 
-        @pl.when(live)
+        @pl.when(live(bi, t))
         def _():
-            fr.stream_tiles(nk, fr.Stream(tuple(pairs), tile_sems), tile_empty, kv_tile)
+            if cfg.whole_kv:
+                def step(j, c):
+                    pl.when(jnp.logical_not(tile_empty(j)))(lambda: kv_tile(j, None))
+                    return c
+                lax.fori_loop(I32(0), I32(nk), step, I32(0))
+            else:
+                pairs = [(lambda j: kv_src.at[I32(0), bi, kv_head, cols(j), :], k_t),
+                         (lambda j: kv_src.at[I32(1), bi, kv_head, cols(j), :], v_t)]
+                pairs += [(lambda j: kmeta_src.at[bi, :, cols(j)], km_t)] if cfg.masked else []
+                fr.stream_tiles(nk, fr.Stream(tuple(pairs), tile_sems), tile_empty, lambda j, bkv: kv_tile(j, bkv))
 
         @pl.when(last)
         def _():
             l, m = stat_v[:, LANES:], stat_v[:, :LANES]
             empty = l == 0.0  # saw nothing (a NaN l stays NaN)
             l_safe = jnp.where(empty, 1.0, l)
-            o_v[...] = jnp.where(empty[:, :1], 0.0, acc_v[...] / l_safe[:, :1]).astype(o_v.dtype)
+            o_v[buf] = jnp.where(empty[:, :1], 0.0, acc_v[...] / l_safe[:, :1]).astype(o_v.dtype)
             lse = jnp.where(empty, NEG_INF, m + jnp.log(l_safe))  # (bq, 128), lane-replicated
-            lse_v[...] = jnp.transpose(lse)[:1, :] if lse_rows else lse  # a lane-dense (1, bq) row
-            fr.copy(o_v, o_hbm.at[bi, hi, rows, :], sem)
-            fr.copy(lse_v, lse_hbm.at[bi, hi, :, rows] if lse_rows else lse_hbm.at[bi, hi, rows, :], sem)
+            lse_v[buf] = jnp.transpose(lse)[:1, :] if lse_rows else lse  # a lane-dense (1, bq) row
+            for c in write_backs(bi, kv_head, t, buf):
+                c.start()
 
         if n > 1:
-            @pl.when(jnp.logical_not(last) & (live | first))
+            @pl.when(jnp.logical_not(last) & (live(bi, t) | first))
             def _():
-                fr.copy(acc_v, acc_hbm.at[bi, hi, rows, :], sem)
-                fr.copy(stat_v, stat_hbm.at[bi, hi, rows, :], sem)
+                fr.copy(acc_v, acc_hbm.at[bi, hi, rows(i), :], sem)
+                fr.copy(stat_v, stat_hbm.at[bi, hi, rows(i), :], sem)
         return carry
 
-    lax.fori_loop(I32(0), I32(b * h * nq), q_tile, I32(0))
+    def head(t, carry):  # one (batch row, kv head): the group's Q tiles, its K/V whole in VMEM (``whole_kv``)
+        bi, kv_head = unflatten(t, (b, hk))
+        if cfg.whole_kv:
+            seen = lax.fori_loop(I32(0), I32(nk),
+                                 lambda j, acc: acc | fr.live(k_live_ref, ring.kv_idx, bi, j, b, nk), jnp.bool_(False))
+
+            @pl.when(seen)
+            def _():
+                fr.copy(kv_src.at[I32(0), bi, kv_head], k_t, sem)
+                fr.copy(kv_src.at[I32(1), bi, kv_head], v_t, sem)
+                if cfg.masked:
+                    fr.copy(kmeta_src.at[bi], km_t, sem)
+        pl.when(live(bi, I32(0)))(lambda: q_loads(bi, kv_head, I32(0), I32(0), lambda c: c.start()))
+        lax.fori_loop(I32(0), I32(count), functools.partial(q_tile, bi, kv_head), I32(0))
+
+        @pl.when(last)
+        def _():  # the write-backs no later tile waited on
+            for tail in range(max(count - 2, 0), count):
+                for c in write_backs(bi, kv_head, I32(tail), I32(tail % 2)):
+                    c.wait()
+        return carry
+
+    lax.fori_loop(I32(0), I32(b * hk), head, I32(0))
 
     @pl.when(ring.step <= last_send)
     def _():
@@ -231,12 +293,16 @@ def _lse_rows(cfg):
     return cfg.hop.block_q % LANES == 0
 
 
-def _fwd_scratch(cfg, d, dtype):
-    """(shape, dtype) of the forward's VMEM tiles, in kernel order (`_fwd_call`, `footprints`)."""
+def _fwd_scratch(cfg, d, dtype, sk):
+    """(shape, dtype) of the forward's VMEM, in kernel order (`_fwd_call`, `footprints`): double-buffered q,
+    positions, o and lse of a Q tile, its running acc and [m | l]; then a kv head's K, V ([sk, d]) and key
+    positions ((nk, 2, bk) tiles) whole (``cfg.whole_kv``), or double-buffered K/V tiles."""
     bq, bk, f32, i32 = cfg.hop.block_q, cfg.hop.block_kv, jnp.float32, jnp.int32
-    lse = ((1, bq) if _lse_rows(cfg) else (bq, LANES), f32)
-    return [((bq, d), dtype), ((2, bq, LANES), i32), ((bq, d), f32), ((bq, 2 * LANES), f32), ((bq, d), dtype), lse,
-            ((2, bk, d), dtype), ((2, bk, d), dtype), ((2, 2, bk), i32)]
+    lse = ((2, 1, bq) if _lse_rows(cfg) else (2, bq, LANES), f32)
+    kv = ([((sk, d), dtype)] * 2 + [((sk // bk, 2, bk), i32)] if cfg.whole_kv else
+          [((2, bk, d), dtype)] * 2 + [((2, 2, bk), i32)])
+    return [((2, bq, d), dtype), ((2, 2, bq, LANES), i32), ((bq, d), f32), ((bq, 2 * LANES), f32),
+            ((2, bq, d), dtype), lse] + kv
 
 
 def _fwd_call(cfg, sched, q_t, qmeta, kv, kmeta):
@@ -253,11 +319,12 @@ def _fwd_call(cfg, sched, q_t, qmeta, kv, kmeta):
                                    ((b, h, sq, 2 * LANES), f32) if ring else None, (q_t.shape, f32) if ring else None,
                                    ((2,) + kv.shape, kv.dtype) if ring else None,
                                    ((2,) + kmeta.shape, jnp.int32) if ring else None)
-    sems = [pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA((3, 2)), pltpu.SemaphoreType.DMA((2,)),
-            pltpu.SemaphoreType.DMA((2, 2)), pltpu.SemaphoreType.REGULAR]
+    dma = pltpu.SemaphoreType.DMA
+    sems = [dma(()), dma((3, 2)), dma((2, 2)), dma((2, 2)), dma((2,)), dma((2, 2)), pltpu.SemaphoreType.REGULAR]
     call = fused_call(_fwd_kernel, "ring_fused_fwd_tpu", cfg, prog, out_shape=out_shape,
-                 in_specs=[ANY] * 4 + [const_specs], out_specs=out_specs,
-                 scratch=vmem(_fwd_scratch(cfg, d, q_t.dtype)) + sems)
+                      in_specs=[ANY] * 4 + [const_specs], out_specs=out_specs,
+                      scratch=vmem(_fwd_scratch(cfg, d, q_t.dtype, kv.shape[3])) + sems,
+                      vmem_limit=cfg.whole_kv_limit if cfg.whole_kv else None)
     o, lse, _, _, _, _, cnt = call(*sched, q_t, qmeta, kv, kmeta, tuple(values))
     return o, lse[:, :, 0, :] if _lse_rows(cfg) else lse[..., 0], cnt
 
@@ -290,6 +357,9 @@ def _forward(cfg, qs, kv):
     """-> o [b, sq, h, d] (q dtype), lse [b, h, sq] float32, tiles computed on this device (int32 [1]
     with ``cfg.count``, else None)."""
     q_t, qmeta, kv_t, kmeta = _pack(qs, kv)
+    if cfg.whole_kv:  # key positions as (2, bk) tiles, indexed by tile in VMEM
+        b, _, sk = kmeta.shape
+        kmeta = kmeta.reshape(b, 2, sk // cfg.hop.block_kv, cfg.hop.block_kv).swapaxes(1, 2)  # (b, nk, 2, bk)
     o, lse, cnt = _fwd_call(cfg, _schedule(cfg, qs, kv), q_t, lanes(qmeta), kv_t, kmeta)
     return o[..., :kv.v.shape[-1]].transpose(0, 2, 1, 3), lse, cnt
 
@@ -350,8 +420,8 @@ def footprints(hop, q_shape, k_shape, dtype, *, n, has_seg=True):
     cfg = fr.FusedConfig(None, n, hop, has_seg, False)
     smem = _smem(cfg, q_shape, k_shape)
     temps = [((hop.block_q, hop.block_kv), jnp.float32)]
-    return [budgets.Footprint(budgets.tpu_vmem_bytes(scratch=_fwd_scratch(cfg, q_shape[-1], dtype), temps=temps * 2),
-                              smem, "the fused forward"),
+    return [budgets.Footprint(budgets.tpu_vmem_bytes(scratch=_fwd_scratch(cfg, q_shape[-1], dtype, k_shape[1]),
+                                                     temps=temps * 2), smem, "the fused forward"),
             bwd.footprints(cfg, q_shape, k_shape, dtype, smem)[1]]
 
 
@@ -375,6 +445,21 @@ def _one_pass(hop, q_shape, k_shape, dtype, *, n, has_seg, chip):
         return True, None
     one = bwd.footprints(cfg, q_shape, k_shape, dtype, _smem(cfg, q_shape, k_shape))[0]
     return (True, budgets.vmem_limit(chip, [one])) if budgets.fits(chip, one) else (False, None)
+
+
+def _whole_kv(hop, q_shape, k_shape, dtype, *, n, has_seg, chip):
+    """``(whole_kv, vmem_limit)`` of the forward: a kv head's K/V of the shard whole in VMEM (:data:`WHOLE_KV`)
+    where that fits ``chip`` (always when interpreted: ``chip`` None), with the ``vmem_limit_bytes`` it needs."""
+    if not WHOLE_KV:
+        return False, None
+    if chip is None:
+        return True, None
+    cfg = fr.FusedConfig(None, n, hop, has_seg, False, whole_kv=True)
+    temps = [((hop.block_q, hop.block_kv), jnp.float32)] * 2
+    need = budgets.Footprint(budgets.tpu_vmem_bytes(scratch=_fwd_scratch(cfg, q_shape[-1], dtype, k_shape[1]),
+                                                    temps=temps), _smem(cfg, q_shape, k_shape),
+                             "the fused forward, K/V whole")
+    return (True, budgets.vmem_limit(chip, [need])) if budgets.fits(chip, need) else (False, None)
 
 
 # The tile side measured on a TPU v5e (JAX 0.10.2, `benchmarks/tune_tpu.py --kernels fused_fwd,fused_bwd`,
@@ -424,9 +509,12 @@ def make_config(qs, kv, cfg, *, axis_name, interpret=None, _handshake=True, coun
     width = max(qs.q.shape[-1], kv.v.shape[-1])
     one_pass, one_pass_limit = _one_pass(hop, qs.q.shape[:-1] + (width,), kv.k.shape[:-1] + (width,), qs.q.dtype,
                                          n=axis_size, has_seg=qs.seg is not None, chip=chip)
+    whole_kv, whole_kv_limit = _whole_kv(hop, qs.q.shape[:-1] + (width,), kv.k.shape[:-1] + (width,), qs.q.dtype,
+                                         n=axis_size, has_seg=qs.seg is not None, chip=chip)
     return fr.FusedConfig(axis_name=axis_name, axis_size=axis_size, hop=hop, has_seg=qs.seg is not None,
                           interpret=interpret, handshake=_handshake, count=count, vmem_limit=limit,
-                          one_pass=one_pass, one_pass_limit=one_pass_limit)
+                          one_pass=one_pass, one_pass_limit=one_pass_limit, whole_kv=whole_kv,
+                          whole_kv_limit=whole_kv_limit)
 
 
 def fused_ring_attention_shard(qs, kv, cfg, *, axis_name, interpret=None, return_lse=False, _handshake=True):
