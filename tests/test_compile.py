@@ -44,7 +44,10 @@ def test_the_ring_compiles_for_four_chip_slices(compiled):
                                                        for i in ("pallas_tpu", "pallas_tpu_fused")}
     for r in rings:
         assert r["ok"], r
-        want = ({"ring_fused_fwd_tpu", "ring_fused_bwd_one_pass_tpu"} if r["impl"] == "pallas_tpu_fused" else
+        # the fused backward in one pass where a kv head's K/V and dK/dV of the 4K-token shard fit VMEM; on a v4
+        # (16 MiB) they and its 1024 x 256 tiles need an estimated 12.5 MiB, over its budget: two passes there
+        one_pass = "ring_fused_bwd_tpu" if r["chip"] == "v4" else "ring_fused_bwd_one_pass_tpu"
+        want = ({"ring_fused_fwd_tpu", one_pass} if r["impl"] == "pallas_tpu_fused" else
                 {"ring_hop_fwd_tpu", "ring_hop_bwd_fused_tpu"} if "ring_hop_bwd_fused_tpu" in r["kernels"] else
                 {"ring_hop_fwd_tpu", "ring_hop_bwd_dq_tpu", "ring_hop_bwd_dkv_tpu"})
         assert want == set(r["kernels"]), r

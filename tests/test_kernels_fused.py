@@ -146,17 +146,19 @@ def test_eight_devices_everything_at_once():
     assert_matches(got, oracle(q, k, v, do, dlse, pos, pos, seg, seg, **kw))
 
 
-@pytest.fixture
-def two_pass(monkeypatch):
-    """The fused ring's backward in two passes (`fused_ring_bwd.ONE_PASS` off), the form that runs with a
-    program or where the one-pass kernel's dK/dV of the shard do not fit VMEM."""
+def whole_shard_forms(monkeypatch, on):
+    """The fused ring's kernels that hold a kv head's shard in VMEM (the forward's K/V, `WHOLE_KV`; the one-pass
+    backward's K/V and dK/dV, `fused_ring_bwd.ONE_PASS`) on, or off: the forward streams K/V tiles and the
+    backward runs in two passes, the forms for shards too long for VMEM (and, backward, for programs)."""
     from ringattn_fast.kernels import fused_ring_bwd
-    monkeypatch.setattr(fused_ring_bwd, "ONE_PASS", False)
+    monkeypatch.setattr(fused_ring_bwd, "ONE_PASS", on)
+    monkeypatch.setattr(fused, "WHOLE_KV", on)
 
 
-def test_two_pass_backward_matches_oracle(two_pass):
-    """The two-pass backward on 4 devices: causal + window + segment ids + GQA on a random permutation, a NaN
-    key, against the oracle (every other test here runs the one-pass backward)."""
+def test_streaming_forms_match_oracle(monkeypatch):
+    """The streaming forward and the two-pass backward on 4 devices: causal + window + segment ids + GQA on a
+    random permutation, a NaN key, against the oracle (every other test here runs the whole-shard forms)."""
+    whole_shard_forms(monkeypatch, False)
     n, b, s, h, hk, d = 4, 1, 32, 2, 1, 8
     rng = np.random.default_rng(6)
     q, do = (rng.standard_normal((b, s, h, d)).astype(np.float32) for _ in range(2))
@@ -238,12 +240,11 @@ def test_bfloat16_output_dtype_and_accuracy():
     assert_matches([g.astype(np.float32) for g in got], want, tol=5e-2)
 
 
-@pytest.mark.parametrize("one_pass", [True, False])
-def test_skips_empty_tiles(one_pass, monkeypatch):
+@pytest.mark.parametrize("whole", [True, False])
+def test_skips_empty_tiles(whole, monkeypatch):
     """The kernels compute exactly the tiles `empty_tiles` does not mark empty, summed over the ring's
-    hops and heads (forward and backward, in one pass or two, count the same), and skip the rest."""
-    from ringattn_fast.kernels import fused_ring_bwd
-    monkeypatch.setattr(fused_ring_bwd, "ONE_PASS", one_pass)
+    hops and heads (forward and backward, whole-shard or streaming forms, count the same), and skip the rest."""
+    whole_shard_forms(monkeypatch, whole)
     n, b, s, h, d, bq, bk = 4, 1, 64, 2, 8, 4, 8
     rng = np.random.default_rng(2)
     q, k, v, do = (rng.standard_normal((b, s, h, d)).astype(np.float32) for _ in range(4))

@@ -3,11 +3,12 @@
 dQ stays home and accumulates in HBM over the ring steps; dK/dV travel with K/V (``dkv``, float32) and make
 one extra hop after the last step to arrive home (Ring Attention, Sec. 3). Two forms of one ring step:
 
-- **one pass** (`_one_pass_kernel`, where it fits): the held shard's dK and dV of one (batch row, kv head)
-  sit whole in VMEM ([sk, d] float32 each) while that head group's Q tiles run through the shard's K/V
-  tiles, dQ of the Q tile in VMEM: S and dP once a tile, 5 matmuls (S, dP, dV, dK, dQ), as the per-hop
-  kernel's fused backward (``pallas_tpu._bwd_fused_kernel``). Each finished (batch row, kv head) of dK/dV
-  is sent on at once, so its transfer overlaps the next one's compute.
+- **one pass** (`_one_pass_kernel`, where it fits): the held shard's K, V and dK, dV of one (batch row, kv
+  head) sit whole in VMEM ([sk, d] each; dK, dV float32) while that head group's Q tiles run through the
+  shard's K/V tiles, read in place; Q tiles are double-buffered (the next one's q, dO, statistics copied in
+  under this one's compute, its dQ written back asynchronously). S and dP once a tile, 5 matmuls (S, dP,
+  dV, dK, dQ), as the per-hop kernel's fused backward (``pallas_tpu._bwd_fused_kernel``). Each finished
+  (batch row, kv head) of dK/dV is sent on at once, so its transfer overlaps the next one's compute.
 - **two passes** (`_two_pass_kernel`, the fallback: VMEM independent of the shard length): pass B (K/V
   tiles outer, the GQA group's Q tiles streamed) accumulates dK/dV a tile at a time, its send then
   overlaps pass A (Q tiles outer, K/V tiles streamed), which adds dQ. 7 matmuls a tile: S and dP twice.
@@ -16,9 +17,9 @@ Both add unscaled dS K and dS^T Q (the caller multiplies by the scale once, at t
 is as accurate as dQ), skip empty tiles and compute the built-in mask only on partial ones
 (`fused_ring.by_kind`); the one-pass kernel runs a partial tile as 2 x 2 sub-tiles (`fused_tiles.sub_split`).
 
-On a ring of one v5e chip (1024 x 1024 tiles, 8 heads, bf16) the one-pass backward took 18.7 ms at 16K tokens
-non-causal and 11.6 causal, the two-pass one 25.9 and 16.5, the per-hop kernel's fused backward 17.5 and 10.4
-(before sub-tiles; docs/benchmarks.md, fifth chip session).
+On a ring of one v5e chip (1024 x 1024 tiles, 8 heads, bf16) the one-pass backward took 17.8 ms at 16K tokens
+non-causal and 10.5 causal, the per-hop kernel's fused backward 17.7 and 10.8, the two-pass one 25.9 and 16.5
+(docs/benchmarks.md, sixth chip session).
 """
 import functools
 
@@ -146,7 +147,8 @@ def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
         member, i = unflatten(t, (group, nq))
         hi = kv_head * I32(group) + member
         pairs = [(q_hbm.at[bi, hi, rows(i), :], q_v), (do_hbm.at[bi, hi, rows(i), :], do_v),
-                 (stat_hbm.at[bi, hi, :, rows(i)], st_v)] + ([(qrow_hbm.at[bi, :, rows(i)], qm_v)] if cfg.masked else [])
+                 (stat_hbm.at[bi, hi, :, rows(i)], st_v)]
+        pairs += [(qrow_hbm.at[bi, :, rows(i)], qm_v)] if cfg.masked else []
         for a, (src, dst) in enumerate(pairs):
             action(pltpu.make_async_copy(src, dst.at[buf], q_sems.at[I32(a), buf]))
         if n > 1:  # dQ so far: none at step 0
@@ -238,8 +240,8 @@ def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
                 c.wait()
             pl.when(live(bi, I32(0)))(lambda: q_loads(bi, kv_head, I32(0), I32(0), lambda c: c.start()))
             lax.fori_loop(I32(0), I32(count), functools.partial(q_tile, bi, kv_head), I32(0))
-            for last in range(max(count - 2, 0), count):  # the write-backs no later tile waited on
-                pl.when(writes(bi, I32(last)))(lambda last=last: write_back(bi, kv_head, I32(last), I32(last % 2)).wait())
+            for tail in range(max(count - 2, 0), count):  # the write-backs no later tile waited on
+                pl.when(writes(bi, I32(tail)))(lambda t=tail: write_back(bi, kv_head, I32(t), I32(t % 2)).wait())
             fr.copy(dk_v, dkv_ring.at[slot, I32(0), bi, kv_head], sem)
             fr.copy(dv_v, dkv_ring.at[slot, I32(1), bi, kv_head], sem)
         if n > 1:
@@ -404,9 +406,10 @@ def footprints(cfg, q_shape, k_shape, dtype, smem):
 def backward_call(cfg, sched, q_t, qmeta, kv, kmeta, *, do_t, lse, delta):
     """q_t, do_t [b, h, sq, d], qmeta [b, 2, sq] (query positions, segment ids), kv [2, b, hk, sk, d], kmeta [b, 2, sk],
     lse, delta [b, h, sq] float32 -> dq [b, h, sq, d] float32, dkv ring [2, 2, b, hk, sk, d] float32 (home: slot
-    N % 2; one slot on a ring of one), both unscaled (times the softmax scale: the caller), computed-tile count or None. One pass where
-    ``cfg.one_pass``: lse and delta as rows [b, h, 2, sq]; else [lse | delta] lane-replicated [b, h, sq, 256]
-    and query positions lane-replicated [b, 2, sq, 128] (the two-pass kernel's query-major columns)."""
+    N % 2; one slot on a ring of one), both unscaled (times the softmax scale: the caller), computed-tile
+    count or None. One pass where ``cfg.one_pass``: lse and delta as rows [b, h, 2, sq], key positions as
+    tiles [b, nk, 2, bk]; else [lse | delta] lane-replicated [b, h, sq, 256] and query positions
+    lane-replicated [b, 2, sq, 128] (the two-pass kernel's query-major columns)."""
     f32 = jnp.float32
     prog, values, const_specs = consts(cfg)
     if cfg.one_pass:

@@ -12,13 +12,17 @@ float16, bfloat16 or float32 (one dtype), computed in float32; o and the gradien
 input dtype.
 
 Memory: everything that grows with the shard stays in HBM (``memory_space=pl.ANY``): q, o, the
-travelling K/V (and, backward, dK/dV) double buffers, the running statistics. A kernel copies one
-Q tile and a stream of double-buffered K/V tiles into VMEM (`fused_ring.stream_tiles`: tile j + 1's DMA
-overlaps tile j's compute), so its VMEM is a few tiles, whatever ``s_local``; the remote DMA of the
-whole next shard runs, HBM to HBM, underneath (`budgets`: 0.63 MiB forward, 1.51 MiB two-pass backward
-at 128 x 128 tiles, 12 and 23 MiB at the default 1024 x 1024, d = 128, bf16). The one exception is the
-one-pass backward (`fused_ring_bwd`), which holds one kv head's dK and dV of the shard in VMEM ([sk, d]
-float32 each: 16 MiB at 16K tokens per device, d = 128) and runs only where that fits the chip.
+travelling K/V (and, backward, dK/dV) double buffers, the running statistics (a ring of one has no
+travelling buffers and no state between steps: it reads its K/V in place). Where it fits the chip, a
+kernel holds one kv head's K/V of the shard whole in VMEM (the forward, :data:`WHOLE_KV`; the one-pass
+backward, with that head's dK/dV: `fused_ring_bwd`) and reads each K/V tile in place, once per head
+group; 21 MiB forward and 39 MiB backward at 16K tokens per device, d = 128, bf16, 1024 x 1024 tiles.
+Elsewhere it copies one Q tile and a stream of double-buffered K/V tiles into VMEM
+(`fused_ring.stream_tiles`: tile j + 1's DMA overlaps tile j's compute), so its VMEM is a few tiles,
+whatever ``s_local`` (`budgets`: 0.63 MiB forward, 1.51 MiB two-pass backward at 128 x 128 tiles, 12 and
+23 MiB at 1024 x 1024). Q tiles are double-buffered in both whole-shard forms: the next tile's inputs
+are copied in, and the last one's outputs written back, under the current tile's compute. The remote
+DMA of the whole next shard runs, HBM to HBM, underneath.
 
 Notation (FlashAttention-2, Dao 2023, Algorithms 1 and 2):
 
