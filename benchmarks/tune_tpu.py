@@ -11,8 +11,9 @@ kernels of ``kernels/pallas_tpu.py`` apart: the forward (``hop_fwd``), the fused
 with ``FUSED_BWD``), and the two-kernel backward's dQ kernel and dK/dV kernel (``hop_bwd`` with only
 dq, or only dk and dv, kept: XLA drops the other ``pallas_call``), the dK/dV kernel in both
 orientations (``KEY_MAJOR_DKV``); and, with ``--kernels fused_fwd,fused_bwd``, the fused ring's two
-kernels (``kernels/pallas_tpu_fused.py``) on a ring of one chip (``fused_bwd_two_pass``: its backward in
-two passes, ``kernels/fused_ring_bwd.py``'s ``ONE_PASS`` off). Programs are compiled ahead of time in parallel
+kernels (``kernels/pallas_tpu_fused.py``) on a ring of one chip (``fused_fwd_streaming``: its forward
+streaming K/V tiles, ``WHOLE_KV`` off; ``fused_bwd_two_pass``: its backward in two passes,
+``kernels/fused_ring_bwd.py``'s ``ONE_PASS`` off: the forms for shards too long for VMEM). Programs are compiled ahead of time in parallel
 threads (the host has many cores; compiling dominates a sweep), then timed one after another (median
 of ``--repeats`` after a warm-up). One JSON object per measurement and one summary per configuration
 go to stdout (best tiles per kernel, the best single pair for all three, and what
@@ -33,11 +34,12 @@ from .bench_gpu import _ints, _one_line
 from .flags import dtype_list_flag
 from .timing import time_interleaved
 
-KERNELS = ("fwd", "bwd_fused", "dq", "dkv", "dkv_qmajor", "fused_fwd", "fused_bwd", "fused_bwd_two_pass")
+KERNELS = ("fwd", "bwd_fused", "dq", "dkv", "dkv_qmajor", "fused_fwd", "fused_fwd_streaming", "fused_bwd",
+           "fused_bwd_two_pass")
 # what each measured kernel sets in kernels/pallas_tpu.py while it is traced: (FUSED_BWD, KEY_MAJOR_DKV)
 FLAGS = {"fwd": (True, True), "bwd_fused": (True, True), "dq": (False, True), "dkv": (False, True),
          "dkv_qmajor": (False, False), "fused_fwd": (True, True), "fused_bwd": (True, True),
-         "fused_bwd_two_pass": (True, True)}
+         "fused_fwd_streaming": (True, True), "fused_bwd_two_pass": (True, True)}
 
 
 def parse_args(argv=None):
@@ -121,16 +123,18 @@ def lower_one(name, cfg, data):
     """(lowered, None) or (None, error line), in the calling thread: the backward's form (``FLAGS``) is
     read when the kernel is traced."""
     import jax
-    from ringattn_fast.kernels import fused_ring_bwd, pallas_tpu
+    from ringattn_fast.kernels import fused_ring_bwd, pallas_tpu, pallas_tpu_fused
+    alias = {"dkv_qmajor": "dkv", "fused_fwd_streaming": "fused_fwd", "fused_bwd_two_pass": "fused_bwd"}
     try:
         pallas_tpu.FUSED_BWD, pallas_tpu.KEY_MAJOR_DKV = FLAGS[name]
         fused_ring_bwd.ONE_PASS = name != "fused_bwd_two_pass"
-        return jax.jit(kernel_fn({"dkv_qmajor": "dkv", "fused_bwd_two_pass": "fused_bwd"}.get(name, name),
-                                 cfg)).lower(*data), None
+        pallas_tpu_fused.WHOLE_KV = name != "fused_fwd_streaming"
+        return jax.jit(kernel_fn(alias.get(name, name), cfg)).lower(*data), None
     except Exception as e:  # over the VMEM budget, a tile rule: recorded, skipped
         return None, _one_line(e)
     finally:
         pallas_tpu.FUSED_BWD, pallas_tpu.KEY_MAJOR_DKV, fused_ring_bwd.ONE_PASS = True, True, True
+        pallas_tpu_fused.WHOLE_KV = True
 
 
 def compile_one(lowered):
@@ -148,7 +152,7 @@ def flops(name, s, h, d, causal):
     backward 5 (S, dP, dV, dK, dQ), the fused ring's one-pass backward 5 too, its two-pass backward 7 (S and
     dP in each pass; before 2026-12-06's one-pass kernel, ``fused_bwd`` was the two-pass one, counted 7)."""
     per_matmul = 2 * s * s * h * d // (2 if causal else 1)
-    return per_matmul * {"fwd": 2, "fused_fwd": 2, "dq": 3, "bwd_fused": 5, "fused_bwd": 5,
+    return per_matmul * {"fwd": 2, "fused_fwd": 2, "fused_fwd_streaming": 2, "dq": 3, "bwd_fused": 5, "fused_bwd": 5,
                          "fused_bwd_two_pass": 7}.get(name, 4)
 
 
