@@ -147,9 +147,10 @@ def test_eight_devices_everything_at_once():
 
 
 def whole_shard_forms(monkeypatch, on):
-    """The fused ring's kernels that hold a kv head's shard in VMEM (the forward's K/V, `WHOLE_KV`; the one-pass
-    backward's K/V and dK/dV, `fused_ring_bwd.ONE_PASS`) on, or off: the forward streams K/V tiles and the
-    backward runs in two passes, the forms for shards too long for VMEM (and, backward, for programs)."""
+    """The fused ring's kernels that hold a kv head's shard in VMEM (the forward's K/V, `WHOLE_KV`, with GQA;
+    the one-pass backward's K/V and dK/dV, `fused_ring_bwd.ONE_PASS`) on, or off: the forward streams K/V
+    tiles and the backward runs in two passes, the forms for shards too long for VMEM (and, forward, without
+    GQA; backward, for programs)."""
     from ringattn_fast.kernels import fused_ring_bwd
     monkeypatch.setattr(fused_ring_bwd, "ONE_PASS", on)
     monkeypatch.setattr(fused, "WHOLE_KV", on)
@@ -247,7 +248,7 @@ def test_skips_empty_tiles(whole, monkeypatch):
     whole_shard_forms(monkeypatch, whole)
     n, b, s, h, d, bq, bk = 4, 1, 64, 2, 8, 4, 8
     rng = np.random.default_rng(2)
-    q, k, v, do = (rng.standard_normal((b, s, h, d)).astype(np.float32) for _ in range(4))
+    q, k, v, do = (rng.standard_normal((b, s, heads, d)).astype(np.float32) for heads in (h, 1, 1, h))  # GQA
     pos = layout_permutation("zigzag", s, n).astype(np.int32)[None]
     seg = (pos >= 40).astype(np.int32)
     hop = HopConfig(scale=0.25, causal=True, window=(12, -1), block_q=bq, block_kv=bk)

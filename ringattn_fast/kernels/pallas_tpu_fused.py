@@ -14,15 +14,15 @@ input dtype.
 Memory: everything that grows with the shard stays in HBM (``memory_space=pl.ANY``): q, o, the
 travelling K/V (and, backward, dK/dV) double buffers, the running statistics (a ring of one has no
 travelling buffers and no state between steps: it reads its K/V in place). Where it fits the chip, a
-kernel holds one kv head's K/V of the shard whole in VMEM (the forward, :data:`WHOLE_KV`; the one-pass
-backward, with that head's dK/dV: `fused_ring_bwd`) and reads each K/V tile in place, once per head
-group; 21 MiB forward and 39 MiB backward at 16K tokens per device, d = 128, bf16, 1024 x 1024 tiles.
+kernel holds one kv head's K/V of the shard whole in VMEM (the forward with GQA, :data:`WHOLE_KV`; the
+one-pass backward, with that head's dK/dV: `fused_ring_bwd`) and reads each K/V tile in place, once per
+head group; 21 MiB forward and 39 MiB backward at 16K tokens per device, d = 128, bf16, 1024 x 1024 tiles.
 Elsewhere it copies one Q tile and a stream of double-buffered K/V tiles into VMEM
 (`fused_ring.stream_tiles`: tile j + 1's DMA overlaps tile j's compute), so its VMEM is a few tiles,
 whatever ``s_local`` (`budgets`: 0.63 MiB forward, 1.51 MiB two-pass backward at 128 x 128 tiles, 12 and
-23 MiB at 1024 x 1024). Q tiles are double-buffered in both whole-shard forms: the next tile's inputs
-are copied in, and the last one's outputs written back, under the current tile's compute. The remote
-DMA of the whole next shard runs, HBM to HBM, underneath.
+23 MiB at 1024 x 1024). Q tiles are double-buffered in the forward and the one-pass backward: the next
+tile's inputs are copied in, and the last one's outputs written back, under the current tile's compute.
+The remote DMA of the whole next shard runs, HBM to HBM, underneath.
 
 Notation (FlashAttention-2, Dao 2023, Algorithms 1 and 2):
 
@@ -115,7 +115,7 @@ from ringattn_fast.kernels.tiles import NEG_INF, check_budget, check_kernel_call
 from ringattn_fast.schedule import HopConfig, KVShard, QShard
 
 IMPL = "pallas_tpu_fused"
-WHOLE_KV = True  # the forward holds a kv head's K/V whole in VMEM where it fits (`_whole_kv`); else streams tiles
+WHOLE_KV = True  # the forward holds a GQA kv head's K/V whole in VMEM where it fits (`_whole_kv`); else streams
 
 
 # ---------------------------------------------------------------- forward kernel
@@ -453,8 +453,12 @@ def _one_pass(hop, q_shape, k_shape, dtype, *, n, has_seg, chip):
 
 def _whole_kv(hop, q_shape, k_shape, dtype, *, n, has_seg, chip):
     """``(whole_kv, vmem_limit)`` of the forward: a kv head's K/V of the shard whole in VMEM (:data:`WHOLE_KV`)
-    where that fits ``chip`` (always when interpreted: ``chip`` None), with the ``vmem_limit_bytes`` it needs."""
-    if not WHOLE_KV:
+    where it serves more than one query head (GQA) and fits ``chip`` (always when interpreted: ``chip`` None),
+    with the ``vmem_limit_bytes`` it needs. Measured on a v5e (1024 x 1024 tiles, 8K and 16K tokens): at
+    32 / 8 heads whole K/V was 1-7 % faster than streaming (a K/V tile read once per head group, not once
+    per query head); at 8 / 8 heads, where nothing is shared, 0-5 % slower (the head's K/V copy in is
+    not overlapped), so there the forward streams (tune_forms, tune_forms_gqa in benchmarks/results)."""
+    if not WHOLE_KV or q_shape[2] == k_shape[2]:
         return False, None
     if chip is None:
         return True, None
