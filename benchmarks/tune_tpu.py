@@ -13,8 +13,9 @@ dq, or only dk and dv, kept: XLA drops the other ``pallas_call``), the dK/dV ker
 orientations (``KEY_MAJOR_DKV``); and, with ``--kernels fused_fwd,fused_bwd``, the fused ring's two
 kernels (``kernels/pallas_tpu_fused.py``) on a ring of one chip (``fused_fwd_streaming``: its forward
 streaming K/V tiles, ``WHOLE_KV`` off; ``fused_bwd_two_pass``: its backward in two passes,
-``kernels/fused_ring_bwd.py``'s ``ONE_PASS`` off: the forms for shards too long for VMEM). Programs are compiled ahead of time in parallel
-threads (the host has many cores; compiling dominates a sweep), then timed one after another (median
+``kernels/fused_ring_bwd.py``'s ``ONE_PASS`` off: the forms for shards too long for VMEM). Programs are
+compiled ahead of time in parallel threads (the host has many cores; compiling dominates a sweep), then
+timed one after another (median
 of ``--repeats`` after a warm-up). One JSON object per measurement and one summary per configuration
 go to stdout (best tiles per kernel, the best single pair for all three, and what
 ``pallas_tpu.default_blocks`` picks with its time over the best); a table to stderr. The measured
