@@ -12,7 +12,7 @@ with ``FUSED_BWD``), and the two-kernel backward's dQ kernel and dK/dV kernel (`
 dq, or only dk and dv, kept: XLA drops the other ``pallas_call``), the dK/dV kernel in both
 orientations (``KEY_MAJOR_DKV``); and, with ``--kernels fused_fwd,fused_bwd``, the fused ring's two
 kernels (``kernels/pallas_tpu_fused.py``) on a ring of one chip (``fused_fwd_streaming``: its forward
-streaming K/V tiles, ``WHOLE_KV`` off; ``fused_bwd_two_pass``: its backward in two passes,
+streaming K/V tiles, ``kernels/fused_ring_fwd.py``'s ``WHOLE_KV`` off; ``fused_bwd_two_pass``: its backward in two passes,
 ``kernels/fused_ring_bwd.py``'s ``ONE_PASS`` off: the forms for shards too long for VMEM). Programs are
 compiled ahead of time in parallel threads (the host has many cores; compiling dominates a sweep), then
 timed one after another (median
@@ -124,18 +124,18 @@ def lower_one(name, cfg, data):
     """(lowered, None) or (None, error line), in the calling thread: the backward's form (``FLAGS``) is
     read when the kernel is traced."""
     import jax
-    from ringattn_fast.kernels import fused_ring_bwd, pallas_tpu, pallas_tpu_fused
+    from ringattn_fast.kernels import fused_ring_bwd, fused_ring_fwd, pallas_tpu
     alias = {"dkv_qmajor": "dkv", "fused_fwd_streaming": "fused_fwd", "fused_bwd_two_pass": "fused_bwd"}
     try:
         pallas_tpu.FUSED_BWD, pallas_tpu.KEY_MAJOR_DKV = FLAGS[name]
         fused_ring_bwd.ONE_PASS = name != "fused_bwd_two_pass"
-        pallas_tpu_fused.WHOLE_KV = name != "fused_fwd_streaming"
+        fused_ring_fwd.WHOLE_KV = name != "fused_fwd_streaming"
         return jax.jit(kernel_fn(alias.get(name, name), cfg)).lower(*data), None
     except Exception as e:  # over the VMEM budget, a tile rule: recorded, skipped
         return None, _one_line(e)
     finally:
         pallas_tpu.FUSED_BWD, pallas_tpu.KEY_MAJOR_DKV, fused_ring_bwd.ONE_PASS = True, True, True
-        pallas_tpu_fused.WHOLE_KV = True
+        fused_ring_fwd.WHOLE_KV = True
 
 
 def compile_one(lowered):

@@ -147,13 +147,13 @@ def test_eight_devices_everything_at_once():
 
 
 def whole_shard_forms(monkeypatch, on):
-    """The fused ring's kernels that hold a kv head's shard in VMEM (the forward's K/V, `WHOLE_KV`, with GQA;
+    """The fused ring's kernels that hold a kv head's shard in VMEM (the forward's K/V, `fused_ring_fwd.WHOLE_KV`, with GQA;
     the one-pass backward's K/V and dK/dV, `fused_ring_bwd.ONE_PASS`) on, or off: the forward streams K/V
     tiles and the backward runs in two passes, the forms for shards too long for VMEM (and, forward, without
     GQA; backward, for programs)."""
-    from ringattn_fast.kernels import fused_ring_bwd
+    from ringattn_fast.kernels import fused_ring_bwd, fused_ring_fwd
     monkeypatch.setattr(fused_ring_bwd, "ONE_PASS", on)
-    monkeypatch.setattr(fused, "WHOLE_KV", on)
+    monkeypatch.setattr(fused_ring_fwd, "WHOLE_KV", on)
 
 
 def test_streaming_forms_match_oracle(monkeypatch):

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
-from ringattn_fast.kernels import fused_ring_bwd, pallas_gpu, pallas_tpu, pallas_tpu_fused, tiles, xla
+from ringattn_fast.kernels import fused_ring_bwd, fused_ring_fwd, pallas_gpu, pallas_tpu, tiles, xla
 from ringattn_fast.kernels.tiles import empty_tiles
 from ringattn_fast.masks import mark_bad_keys
 from ringattn_fast.schedule import HopConfig, KVShard, QShard
@@ -309,7 +309,7 @@ def test_forward_counts_tiles_only_when_asked(name):
 
 def test_kernels_take_named_refs():
     """Every kernel names its refs (no ``*refs`` unpacked by position): absent inputs are None refs."""
-    kernels = [f for mod in (pallas_gpu, pallas_tpu, pallas_tpu_fused, fused_ring_bwd) for n, f in vars(mod).items()
+    kernels = [f for mod in (pallas_gpu, pallas_tpu, fused_ring_fwd, fused_ring_bwd) for n, f in vars(mod).items()
                if n.endswith("_kernel") and callable(f)]
     assert len(kernels) == 11  # fwd, dq, dkv (x2); the TPU key-major dK/dV and fused backward; the fused ring's
     # fwd and its backward's one pass and two passes

@@ -1,4 +1,4 @@
-"""The fused TPU ring's tile math and ``pallas_call`` glue, shared by its forward (``pallas_tpu_fused``) and its
+"""The fused TPU ring's tile math and ``pallas_call`` glue, shared by its forward (``fused_ring_fwd``) and its
 backward kernels (``fused_ring_bwd``): the logits of one tile, flat loop counters, the kernel's view of the
 shapes, and the one ``pallas_call`` form both directions use (grid = the ring's steps, everything that grows
 with the shard in HBM). The ring's plumbing (tables, semaphores, tile streams) is ``fused_ring``.
