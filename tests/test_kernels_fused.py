@@ -147,10 +147,10 @@ def test_eight_devices_everything_at_once():
 
 
 def whole_shard_forms(monkeypatch, on):
-    """The fused ring's kernels that hold a kv head's shard in VMEM (the forward's K/V, `fused_ring_fwd.WHOLE_KV`, with GQA;
+    """The fused ring's kernels that hold a kv head's shard in VMEM (the forward's K/V, `fused_ring_fwd.WHOLE_KV`;
     the one-pass backward's K/V and dK/dV, `fused_ring_bwd.ONE_PASS`) on, or off: the forward streams K/V
-    tiles and the backward runs in two passes, the forms for shards too long for VMEM (and, forward, without
-    GQA; backward, for programs)."""
+    tiles and the backward runs in two passes, the forms for shards too long for VMEM (and, backward, for
+    programs)."""
     from ringattn_fast.kernels import fused_ring_bwd, fused_ring_fwd
     monkeypatch.setattr(fused_ring_bwd, "ONE_PASS", on)
     monkeypatch.setattr(fused_ring_fwd, "WHOLE_KV", on)

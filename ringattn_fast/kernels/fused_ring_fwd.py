@@ -6,7 +6,7 @@ tiles; its m, l and unnormalised O sit in VMEM meanwhile (``stat_v`` = [m | l] a
 last step o and lse = m + log l leave (lse as lane-dense rows where block_q allows, `lse_rows`). Two ways to
 hold K/V, one kernel:
 
-- **whole** (``cfg.whole_kv``, :data:`WHOLE_KV`; with GQA, where it fits): the kv head's K, V and key
+- **whole** (``cfg.whole_kv``, :data:`WHOLE_KV`; where it fits): the kv head's K, V and key
   positions of the shard copied into VMEM once and read in place by every query head of the group;
 - **streamed** (the fallback: VMEM independent of the shard length): K/V tiles copied into double buffers
   a tile ahead (`fused_ring.stream_tiles`), once per query head and Q tile.
@@ -32,7 +32,7 @@ from ringattn_fast.kernels.fused_tiles import (ANY, LANES, consts, dot, fused_ca
                                                sub_split, unflatten, vmem)
 from ringattn_fast.kernels.tiles import NEG_INF, same_vma
 
-WHOLE_KV = True  # a GQA kv head's K/V whole in VMEM where it fits (``pallas_tpu_fused._whole_kv`` decides)
+WHOLE_KV = True  # a kv head's K/V whole in VMEM where it fits (``pallas_tpu_fused._whole_kv`` decides)
 
 
 def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref, qsb_ref, ksb_ref,  # SMEM tables

@@ -14,7 +14,7 @@ input dtype.
 Memory: everything that grows with the shard stays in HBM (``memory_space=pl.ANY``): q, o, the
 travelling K/V (and, backward, dK/dV) double buffers, the running statistics (a ring of one has no
 travelling buffers and no state between steps: it reads its K/V in place). Where it fits the chip, a
-kernel holds one kv head's K/V of the shard whole in VMEM (the forward with GQA, `fused_ring_fwd`; the
+kernel holds one kv head's K/V of the shard whole in VMEM (the forward, `fused_ring_fwd`; the
 one-pass backward, with that head's dK/dV: `fused_ring_bwd`) and reads each K/V tile in place, once per
 head group; 21 MiB forward and 39 MiB backward at 16K tokens per device, d = 128, bf16, 1024 x 1024 tiles.
 Elsewhere it copies one Q tile and a stream of double-buffered K/V tiles into VMEM
@@ -235,12 +235,12 @@ def _one_pass(hop, q_shape, k_shape, dtype, *, n, has_seg, chip):
 
 def _whole_kv(hop, q_shape, k_shape, dtype, *, n, has_seg, chip):
     """``(whole_kv, vmem_limit)`` of the forward: a kv head's K/V of the shard whole in VMEM
-    (``fused_ring_fwd.WHOLE_KV``) where it serves more than one query head (GQA) and fits ``chip`` (always when interpreted: ``chip`` None),
-    with the ``vmem_limit_bytes`` it needs. Measured on a v5e (1024 x 1024 tiles, 8K and 16K tokens): at
-    32 / 8 heads whole K/V was 1-7 % faster than streaming (a K/V tile read once per head group, not once
-    per query head); at 8 / 8 heads, where nothing is shared, 0-5 % slower (the head's K/V copy in is
-    not overlapped), so there the forward streams (tune_forms, tune_forms_gqa in benchmarks/results)."""
-    if not fwd.WHOLE_KV or q_shape[2] == k_shape[2]:
+    (``fused_ring_fwd.WHOLE_KV``) where that fits ``chip`` (always when interpreted: ``chip`` None), with
+    the ``vmem_limit_bytes`` it needs. Measured on a v5e (1024 x 1024 tiles, 8K and 16K tokens, bf16): at
+    32 / 8 heads the forward alone was 1-7 % faster whole than streamed (a K/V tile read once per head
+    group, not once per query head); at 8 / 8 heads the forward alone was 0-5 % slower whole, but the
+    forward+backward bench 0-7 % faster (the sixth chip session; a wash within the runs' spread)."""
+    if not fwd.WHOLE_KV:
         return False, None
     if chip is None:
         return True, None
