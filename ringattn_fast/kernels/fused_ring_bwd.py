@@ -112,7 +112,7 @@ def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
                      q_hbm, do_hbm, stat_hbm, qrow_hbm, kv_hbm, kmeta_hbm, const_refs,   # inputs (HBM)
                      dq_hbm, kv_ring, kmeta_ring, dkv_ring, cnt_ref,                     # outputs (HBM; cnt SMEM)
                      dk_v, dv_v, k_v, v_v, km_v, q_v, do_v, st_v, qm_v, dq_in, dq_v, qs_v,  # VMEM
-                     sem, q_sems, wb_sems, send_sem, recv_sem, cap_sem):
+                     sem, q_sems, wb_sems, kv_sems, send_sem, recv_sem, cap_sem):
     """Grid = ring steps. Per step, per (batch row bi, kv head): the held shard's K, V (and key positions)
     of that head and its dK, dV (zeros at step 0) into VMEM, then each live Q tile of the head group runs
     through the shard's K/V tiles, read in place; then dK, dV back to the ``dkv`` slot and sent to the
@@ -224,9 +224,12 @@ def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
         seen = lax.fori_loop(I32(0), I32(nk), lambda j, acc: acc | fr.live(k_live_ref, ring.kv_idx, bi, j, b, nk),
                              jnp.bool_(False))
         touched = first | seen  # else dK, dV pass through as received
-        kv_loads = [pltpu.make_async_copy(held[0].at[I32(a), bi, kv_head], dst, sem)
+        # each on its own semaphore: a DMA semaphore counts bytes, so a wait for dK on one that K's copy
+        # also signals could return before dK has landed
+        kv_loads = [pltpu.make_async_copy(held[0].at[I32(a), bi, kv_head], dst, kv_sems.at[I32(a)])
                     for a, dst in ((0, k_v), (1, v_v))]
-        kv_loads += [pltpu.make_async_copy(held[1].at[bi], km_v, sem)] if cfg.masked else []
+        kv_loads += [pltpu.make_async_copy(held[1].at[bi], km_v, kv_sems.at[I32(2)])] if cfg.masked else []
+
         @pl.when(touched)
         def _():  # under the dK, dV copies in
             for c in kv_loads:
@@ -427,7 +430,8 @@ def backward_call(cfg, sched, q_t, qmeta, kv, kmeta, *, do_t, lse, delta):
     d, dma = q_t.shape[-1], pltpu.SemaphoreType.DMA
     if cfg.one_pass:
         kernel, name, limit = _one_pass_kernel, "ring_fused_bwd_one_pass_tpu", cfg.one_pass_limit
-        scratch = vmem(one_pass_scratch(cfg, d, q_t.dtype, kv.shape[3])) + [dma(()), dma((5, 2)), dma((2,))]
+        scratch = vmem(one_pass_scratch(cfg, d, q_t.dtype, kv.shape[3])) + [dma(()), dma((5, 2)), dma((2,)),
+                                                                             dma((3,))]
     else:
         kernel, name, limit = _two_pass_kernel, "ring_fused_bwd_tpu", None
         scratch = vmem(two_pass_scratch(cfg, d, q_t.dtype)) + [dma(()), dma((4, 2)), dma((3, 2))]
