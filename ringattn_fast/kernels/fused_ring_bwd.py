@@ -121,7 +121,7 @@ def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
     Q tiles are double-buffered: tile t + 1's q, dO, [lse; delta] and positions (and its dQ so far, after
     step 0) are copied in while tile t computes, and tile t's dQ goes back to HBM while t + 1 computes
     (waited on two tiles later, when its buffer comes round again). On a v5e these copies, waited on
-    in place, cost 5-9 % of the backward (docs/benchmarks.md, sixth chip session).
+    in place, cost 2-9 % of the backward (docs/benchmarks.md, sixth chip session).
 
     The tile is key-major, as the per-hop fused backward's (``pallas_tpu.key_major_grads``): S^T = K
     (scale Q)^T is (bk, bq), lse and delta are the (1, bq) rows of ``stat`` [b, h, 2, sq], query positions
