@@ -95,6 +95,12 @@ def live(table_ref, kv_idx, bi, i, b, n_tiles):
     return table_ref[(kv_idx * I32(b) + bi) * I32(n_tiles) + i] == 1
 
 
+def any_live(table_ref, kv_idx, bi, b, n_tiles):
+    """bool scalar: some tile of batch row ``bi`` is live against shard ``kv_idx`` (`live` over all ``n_tiles``)."""
+    return lax.fori_loop(I32(0), I32(n_tiles), lambda j, acc: acc | live(table_ref, kv_idx, bi, j, b, n_tiles),
+                         jnp.bool_(False))
+
+
 def _bounds(cfg, tables, shape, kv_idx, bi, i, j):
     """The SMEM bounds (`schedule`) of my Q tile i and of K/V tile j of shard ``kv_idx``, batch row ``bi``."""
     qb_ref, kb_ref = tables

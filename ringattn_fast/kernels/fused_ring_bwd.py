@@ -31,8 +31,9 @@ from jax.experimental.pallas import tpu as pltpu
 from ringattn_fast.kernels import budgets
 from ringattn_fast.kernels import fused_ring as fr
 from ringattn_fast.kernels.fused_ring import I32
-from ringattn_fast.kernels.fused_tiles import (ANY, LANES, SUBLANES, consts, dot, fused_call, kernel_shape, lanes, logits,
-                                               outputs, sub_split, unflatten, vmem)
+from ringattn_fast.kernels.fused_tiles import (ANY, LANES, SUBLANES, consts, dot, fused_call, kernel_shape, key_tiles,
+                                               lanes, logits, outputs, query_head, ring_buffers, sub_split, unflatten,
+                                               vmem)
 from ringattn_fast.kernels.pallas_tpu import key_major_grads
 from ringattn_fast.kernels.tiles import finite_keys, same_vma
 from ringattn_fast.masks import masked_grad
@@ -144,8 +145,7 @@ def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
                 for a in (0, 1)]
 
     def q_loads(bi, kv_head, t, buf, action):  # Q tile t's inputs -> buffer buf: start or wait them (`action`)
-        member, i = unflatten(t, (group, nq))
-        hi = kv_head * I32(group) + member
+        hi, i = query_head(kv_head, t, group, nq)
         pairs = [(q_hbm.at[bi, hi, rows(i), :], q_v), (do_hbm.at[bi, hi, rows(i), :], do_v),
                  (stat_hbm.at[bi, hi, :, rows(i)], st_v)]
         pairs += [(qrow_hbm.at[bi, :, rows(i)], qm_v)] if cfg.masked else []
@@ -156,9 +156,8 @@ def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
                 dq_hbm.at[bi, hi, rows(i), :], dq_in.at[buf], q_sems.at[I32(4), buf])))
 
     def write_back(bi, kv_head, t, buf):  # Q tile t's dQ: VMEM buffer buf -> HBM
-        member, i = unflatten(t, (group, nq))
-        return pltpu.make_async_copy(dq_v.at[buf], dq_hbm.at[bi, kv_head * I32(group) + member, rows(i), :],
-                                     wb_sems.at[buf])
+        hi, i = query_head(kv_head, t, group, nq)
+        return pltpu.make_async_copy(dq_v.at[buf], dq_hbm.at[bi, hi, rows(i), :], wb_sems.at[buf])
 
     live = lambda bi, t: fr.live(q_live_ref, ring.kv_idx, bi, lax.rem(t, I32(nq)), b, nq)  # noqa: E731
     writes = lambda bi, t: first | live(bi, t)  # noqa: E731  Q tiles whose dQ goes to HBM (all of them at step 0)
@@ -221,9 +220,7 @@ def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
 
     def head(t, carry):  # one (batch row, kv head): its K, V, dK, dV resident while the group's Q tiles run
         bi, kv_head = unflatten(t, (b, hk))
-        seen = lax.fori_loop(I32(0), I32(nk), lambda j, acc: acc | fr.live(k_live_ref, ring.kv_idx, bi, j, b, nk),
-                             jnp.bool_(False))
-        touched = first | seen  # else dK, dV pass through as received
+        touched = first | fr.any_live(k_live_ref, ring.kv_idx, bi, b, nk)  # else dK, dV pass through as received
         # each on its own semaphore: a DMA semaphore counts bytes, so a wait for dK on one that K's copy
         # also signals could return before dK has landed
         kv_loads = [pltpu.make_async_copy(held[0].at[I32(a), bi, kv_head], dst, kv_sems.at[I32(a)])
@@ -297,7 +294,7 @@ def _two_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
 
         _acc_in(first, live, lambda a: dkv_ring.at[slot, I32(a), bi, kv_head, cols(j), :], (dk_v, dv_v), sem)
 
-        head = lambda u: kv_head * I32(group) + u // I32(nq)  # noqa: E731  query head of stream tile u
+        head = lambda u: query_head(kv_head, u, group, nq)[0]  # noqa: E731  query head of stream tile u
         pairs = [(lambda u: q_hbm.at[bi, head(u), rows(lax.rem(u, I32(nq))), :], q_s),
                  (lambda u: do_hbm.at[bi, head(u), rows(lax.rem(u, I32(nq))), :], do_s),
                  (lambda u: stat_hbm.at[bi, head(u), rows(lax.rem(u, I32(nq))), :], st_s)]
@@ -417,15 +414,12 @@ def backward_call(cfg, sched, q_t, qmeta, kv, kmeta, *, do_t, lse, delta):
     prog, values, const_specs = consts(cfg)
     if cfg.one_pass:
         stat = jnp.stack([lse, delta], axis=2)                                                    # (b, h, 2, sq)
-        b, _, sk = kmeta.shape
-        kmeta = kmeta.reshape(b, 2, sk // cfg.hop.block_kv, cfg.hop.block_kv).swapaxes(1, 2)    # (b, nk, 2, bk)
+        kmeta = key_tiles(kmeta, cfg.hop.block_kv)                                               # (b, nk, 2, bk)
     else:
         stat = jnp.concatenate([lanes(lse), lanes(delta)], axis=-1)                             # (b, h, sq, 256)
         qmeta = lanes(qmeta)                                                                     # (b, 2, sq, 128)
     q_t, do_t, stat, qmeta, kv, kmeta, *values = same_vma(q_t, do_t, stat, qmeta, kv, kmeta, *values)
-    ring = cfg.axis_size > 1  # the travelling K/V exist only then (`fused_ring.held`)
-    out_shape, out_specs = outputs(cfg, q_t, (q_t.shape, f32), ((2,) + kv.shape, kv.dtype) if ring else None,
-                                   ((2,) + kmeta.shape, jnp.int32) if ring else None,
+    out_shape, out_specs = outputs(cfg, q_t, (q_t.shape, f32), *ring_buffers(cfg, kv, kmeta),
                                    ((fr.ring_slots(cfg.axis_size),) + kv.shape, f32))
     d, dma = q_t.shape[-1], pltpu.SemaphoreType.DMA
     if cfg.one_pass:

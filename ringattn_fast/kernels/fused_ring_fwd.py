@@ -29,7 +29,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ringattn_fast.kernels import fused_ring as fr
 from ringattn_fast.kernels.fused_ring import I32
 from ringattn_fast.kernels.fused_tiles import (ANY, LANES, consts, dot, fused_call, kernel_shape, logits, outputs,
-                                               sub_split, unflatten, vmem)
+                                               query_head, ring_buffers, sub_split, unflatten, vmem)
 from ringattn_fast.kernels.tiles import NEG_INF, same_vma
 
 WHOLE_KV = True  # a kv head's K/V whole in VMEM where it fits (``pallas_tpu_fused._whole_kv`` decides)
@@ -76,9 +76,7 @@ def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref, qsb
     rows, cols = (lambda i: pl.ds(i * I32(bq), bq)), (lambda j: pl.ds(j * I32(bk), bk))
     live = lambda bi, t: fr.live(q_live_ref, ring.kv_idx, bi, lax.rem(t, I32(nq)), b, nq)  # noqa: E731
 
-    def head_of(kv_head, t):
-        member, i = unflatten(t, (group, nq))
-        return kv_head * I32(group) + member, i
+    head_of = lambda kv_head, t: query_head(kv_head, t, group, nq)  # noqa: E731
 
     def q_loads(bi, kv_head, t, buf, action):  # Q tile t's q (and positions) -> buffer buf: start or wait them
         hi, i = head_of(kv_head, t)
@@ -179,10 +177,7 @@ def _fwd_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref, qsb
     def head(t, carry):  # one (batch row, kv head): the group's Q tiles, its K/V whole in VMEM (``whole_kv``)
         bi, kv_head = unflatten(t, (b, hk))
         if cfg.whole_kv:
-            seen = lax.fori_loop(I32(0), I32(nk),
-                                 lambda j, acc: acc | fr.live(k_live_ref, ring.kv_idx, bi, j, b, nk), jnp.bool_(False))
-
-            @pl.when(seen)
+            @pl.when(fr.any_live(k_live_ref, ring.kv_idx, bi, b, nk))
             def _():
                 fr.copy(kv_src.at[I32(0), bi, kv_head], k_t, sem)
                 fr.copy(kv_src.at[I32(1), bi, kv_head], v_t, sem)
@@ -236,8 +231,7 @@ def forward_call(cfg, sched, q_t, qmeta, kv, kmeta):
     out_shape, out_specs = outputs(cfg, q_t, (q_t.shape, q_t.dtype),
                                    ((b, h, 1, sq) if lse_rows(cfg) else (b, h, sq, LANES), f32),
                                    ((b, h, sq, 2 * LANES), f32) if ring else None, (q_t.shape, f32) if ring else None,
-                                   ((2,) + kv.shape, kv.dtype) if ring else None,
-                                   ((2,) + kmeta.shape, jnp.int32) if ring else None)
+                                   *ring_buffers(cfg, kv, kmeta))
     dma = pltpu.SemaphoreType.DMA
     sems = [dma(()), dma((3, 2)), dma((2, 2)), dma((2, 2)), dma((2,)), dma((2, 2)), pltpu.SemaphoreType.REGULAR]
     call = fused_call(_fwd_kernel, "ring_fused_fwd_tpu", cfg, prog, out_shape=out_shape,

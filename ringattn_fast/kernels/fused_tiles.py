@@ -67,6 +67,20 @@ def logits(cfg, fn, q, k, qm, km, *, grad=False, masked=True, part=(slice(None),
     return (s, pull) if grad else s
 
 
+def query_head(kv_head, t, group, nq):
+    """(query head, Q tile index) of tile ``t`` of a kv head's group (``group`` query heads of ``nq`` Q tiles
+    each, member-major), int32."""
+    member, i = unflatten(t, (group, nq))
+    return kv_head * I32(group) + member, i
+
+
+def key_tiles(kmeta, block_kv):
+    """Key (positions, segment ids) [b, 2, sk] -> [b, nk, 2, block_kv]: one (2, block_kv) tile per K/V tile, so
+    a kernel holding a kv head's shard in VMEM indexes a tile's rows on the leading axis."""
+    b, _, sk = kmeta.shape
+    return kmeta.reshape(b, 2, sk // block_kv, block_kv).swapaxes(1, 2)
+
+
 def lanes(x):
     """[..., s] -> [..., s, 128]: one value per row, replicated over the lanes (a (rows, 128) column tile)."""
     return jnp.broadcast_to(x[..., None], x.shape + (LANES,))
@@ -77,6 +91,14 @@ def kernel_shape(cfg, q_shape, k_shape):
     b, h, sq, _ = q_shape
     hk, sk = k_shape[2], k_shape[3]
     return b, h, hk, sq // cfg.hop.block_q, sk // cfg.hop.block_kv
+
+
+def ring_buffers(cfg, kv, kmeta):
+    """``(shape, dtype)`` of the travelling K/V and key-metadata HBM buffers (two slots each, outputs of the
+    kernel), or None for each on a ring of one, where nothing travels (`fused_ring.held`)."""
+    if cfg.axis_size == 1:
+        return None, None
+    return ((2,) + kv.shape, kv.dtype), ((2,) + kmeta.shape, jnp.int32)
 
 
 def fused_call(kernel, name, cfg, prog, *, out_shape, in_specs, out_specs, scratch, vmem_limit=None):

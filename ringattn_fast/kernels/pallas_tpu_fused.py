@@ -107,7 +107,7 @@ from ringattn_fast.kernels import budgets
 from ringattn_fast.kernels import fused_ring as fr
 from ringattn_fast.kernels import fused_ring_bwd as bwd
 from ringattn_fast.kernels import fused_ring_fwd as fwd
-from ringattn_fast.kernels.fused_tiles import LANES, SUBLANES, consts, lanes, sub_split
+from ringattn_fast.kernels.fused_tiles import LANES, SUBLANES, consts, key_tiles, lanes, sub_split
 from ringattn_fast.kernels.tiles import check_budget, check_kernel_call, interpret_mode, target_chip
 from ringattn_fast.schedule import HopConfig, KVShard, QShard
 
@@ -143,8 +143,7 @@ def _forward(cfg, qs, kv):
     with ``cfg.count``, else None)."""
     q_t, qmeta, kv_t, kmeta = _pack(qs, kv)
     if cfg.whole_kv:  # key positions as (2, bk) tiles, indexed by tile in VMEM
-        b, _, sk = kmeta.shape
-        kmeta = kmeta.reshape(b, 2, sk // cfg.hop.block_kv, cfg.hop.block_kv).swapaxes(1, 2)  # (b, nk, 2, bk)
+        kmeta = key_tiles(kmeta, cfg.hop.block_kv)  # (b, nk, 2, bk)
     o, lse, cnt = fwd.forward_call(cfg, _schedule(cfg, qs, kv), q_t, lanes(qmeta), kv_t, kmeta)
     return o[..., :kv.v.shape[-1]].transpose(0, 2, 1, 3), lse, cnt
 
