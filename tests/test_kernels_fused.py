@@ -156,6 +156,20 @@ def whole_shard_forms(monkeypatch, on):
     monkeypatch.setattr(fused_ring_fwd, "WHOLE_KV", on)
 
 
+@settings(max_examples=examples(3))
+@given(data=st.data())
+def test_streaming_forms_match_oracle_on_drawn_problems(data):
+    """The streaming forward and the two-pass backward (both whole-shard forms off) on drawn problems on 2
+    devices, as `test_matches_oracle` (a hypothesis test cannot take pytest's function-scoped monkeypatch)."""
+    from ringattn_fast.kernels import fused_ring_bwd, fused_ring_fwd
+    saved = fused_ring_bwd.ONE_PASS, fused_ring_fwd.WHOLE_KV
+    fused_ring_bwd.ONE_PASS = fused_ring_fwd.WHOLE_KV = False
+    try:
+        check_drawn_problem(2, data)
+    finally:
+        fused_ring_bwd.ONE_PASS, fused_ring_fwd.WHOLE_KV = saved
+
+
 def test_streaming_forms_match_oracle(monkeypatch):
     """The streaming forward and the two-pass backward on 4 devices: causal + window + segment ids + GQA on a
     random permutation, a NaN key, against the oracle (every other test here runs the whole-shard forms)."""
