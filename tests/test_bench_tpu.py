@@ -66,10 +66,10 @@ def test_tune_and_checks_dry_runs(capsys):
 
 def test_fused_backward_variants_dry_run(capsys):
     """``tpu_checks --checks variants`` on CPU: every dS K form of the fused backward (``pallas_tpu.DQ_FORM``)
-    gives the shipped outputs, partial tiles whole or split 4 x 4 nearly so, and the module's settings are
-    restored after the check."""
+    gives the shipped outputs, partial tiles whole or split 4 x 4 nearly so, base-2 logits (``EXP2``) too,
+    and the module's settings are restored after the check."""
     from ringattn_fast.kernels import pallas_tpu
-    before = pallas_tpu.DQ_FORM, pallas_tpu.finite_keys, pallas_tpu.SPLIT
+    before = pallas_tpu.DQ_FORM, pallas_tpu.finite_keys, pallas_tpu.SPLIT, pallas_tpu.EXP2, pallas_tpu.FULL_TILE_WHERE
     assert tpu_checks.main(["--dry-run", "--checks", "variants", "--variant-causal", "true"]) == 0  # sub-tiles need a mask
     rows = _json_lines(capsys.readouterr().out)
     assert [r["causal"] for r in rows] == [True]
@@ -79,4 +79,7 @@ def test_fused_backward_variants_dry_run(capsys):
         assert r["max_diff"]["dq_cast"] == 0 and r["max_diff"]["dq_tn"] < 1e-6, r
         # sub-tiles change the order of the online softmax: bfloat16 outputs within an ulp or so
         assert r["max_diff"]["whole_tiles"] <= 1.6e-2 and r["max_diff"]["split4"] <= 1.6e-2, r
-    assert (pallas_tpu.DQ_FORM, pallas_tpu.finite_keys, pallas_tpu.SPLIT) == before
+        # base-2 logits round differently (bf16 outputs within an ulp); the full tiles' where changes no value here
+        assert max(r["max_diff"][n] for n in ("exp2", "both")) <= 1.6e-2 and r["max_diff"]["no_full_tile_where"] == 0, r
+    assert (pallas_tpu.DQ_FORM, pallas_tpu.finite_keys, pallas_tpu.SPLIT, pallas_tpu.EXP2,
+            pallas_tpu.FULL_TILE_WHERE) == before

@@ -563,6 +563,30 @@ def test_tpu_lane_dense_tiles_take_sub_tiles_and_unmarked_keys(pb):
     assert_matches_oracle(run_hop(pallas_tpu, pb, marked=False), run_oracle(pb), TOL)
 
 
+@pytest.mark.parametrize("block, backward", [(128, "fused"), (128, "key_major"), (128, "query_major"),
+                                            (16, "query_major")])
+def test_tpu_base2_logits_and_unmasked_full_tile_grads(backward, block, monkeypatch):
+    """The two opt-in forms the chip has not timed yet (``pallas_tpu.EXP2``: logits in base 2, P = exp2;
+    ``FULL_TILE_WHERE`` off: dS not zeroed where P is 0 on full tiles) equal the float64 oracle, forward and
+    gradients, on every backward, lane-dense tiles (key-major forms, 2 x 2 sub-tiles) and small ones (query-major,
+    lse columns), causal and windowed, GQA, with a NaN and an inf key the ring hands over unmarked."""
+    monkeypatch.setattr(pallas_tpu, "EXP2", True)
+    monkeypatch.setattr(pallas_tpu, "FULL_TILE_WHERE", False)
+    monkeypatch.setattr(pallas_tpu, "FUSED_BWD", backward == "fused")
+    monkeypatch.setattr(pallas_tpu, "KEY_MAJOR_DKV", backward == "key_major")
+    rng = np.random.default_rng(17)
+    b, s, hk, group, d = 1, 2 * block, 1, 2, 128
+    pos = np.arange(s)[None]
+    k, v = rng.standard_normal((b, s, hk, d)), rng.standard_normal((b, s, hk, d))
+    k[0, s // 2 + 3, 0, 5], v[0, s // 4, 0, 7] = np.inf, np.nan
+    normal = lambda *shape: rng.standard_normal(shape)  # noqa: E731
+    for mask in (dict(causal=True), dict(window=(block + 8, 0))):
+        pb = hop_problem(normal(b, s, hk * group, d), k, v, normal(b, s, hk * group, d), pos, pos, scale=d ** -0.5,
+                         block_q=block, block_kv=block, **mask)
+        assert pallas_tpu._stat_rows(pb["cfg"]) == (block == 128)
+        assert_matches_oracle(run_hop(pallas_tpu, pb, marked=False), run_oracle(pb), TOL)
+
+
 def test_tpu_fused_backward_dk_is_as_accurate_as_dq():
     """bfloat16, the fused backward: dK = scale * dS^T Q takes Q as given. From the pre-scaled Q (rounded to
     bfloat16 after the multiply, as the logits use it) dK's error against the float64 oracle was 2.5x dQ's

@@ -98,6 +98,24 @@ def _dot(a, b, dims):
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
+LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
+# Two forms that take VPU work out of every logit, off until a chip has timed them (benchmarks/tpu_checks.py
+# --checks variants --variants exp2,no_full_tile_where,both). In the deviceless compile for a v5e (8K tokens,
+# 8 heads, d = 128, bf16, non-causal; `benchmarks/schedule_tpu.py`) the fused backward's 1024 x 1024 tile
+# drops from 10517 to 9644 bundles (splash attention's: 9132): a TPU's exp is exp2 of a product
+# (vexp2 after a vmul), so base-2 logits save one multiply a logit, and the where costs a compare and a
+# select. The forward's 2048 x 2048 tile loses its 4096 multiplies but gains 217 bundles of loads.
+EXP2 = False  # logits in base 2 where no program applies (`_base2`)
+FULL_TILE_WHERE = True  # dS zeroed where P is 0 on full tiles too, not only on masked ones (`key_major_grads`)
+
+
+def _base2(prog):
+    """Whether a kernel's logits are in base 2: the pre-scaled operand carries log2(e) too, so P = exp2(S' - L')
+    with no multiply per logit (a TPU's exp is exp2 of a product). Not under a program: its score_fn, soft-cap
+    and pullbacks see the logits in natural units. The statistics leave the kernels in natural units."""
+    return EXP2 and prog is None
+
+
 def _tile_rule(cfg, sq, sk, interpret):
     """Mosaic's tile rule (interpreted: block_kv a multiple of 8 is enough, see above)."""
     lane = SUBLANES if interpret else LANES
@@ -306,6 +324,8 @@ def _fwd_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,         # SM
     tile by its ``split`` x ``split`` sub-tiles (`_sub_tiles`)."""
     bi, hi, i, j = (pl.program_id(a) for a in range(4))
     counter = (bi * pl.num_programs(1) + hi) * n_q + i
+    base2 = _base2(prog)  # s, m in base 2: exp2 below, lse back in natural units at the end
+    exp = jnp.exp2 if base2 else jnp.exp
     _mark_tile(bad_ref[bi * n_kv + _resident(res_ref, bi, i, j, n_q, n_kv)], k_ref, v_ref)  # the K/V tile loaded
 
     @pl.when(j == 0)
@@ -313,7 +333,7 @@ def _fwd_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,         # SM
         m_sc[...] = jnp.full(m_sc.shape, NEG_INF, jnp.float32)
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-        q_sc[...] = _scaled(q_ref[...], cfg.scale)  # once per Q tile
+        q_sc[...] = _scaled(q_ref[...], cfg.scale * (LOG2E if base2 else 1.0))  # once per Q tile
         if count_ref is not None:
             count_ref[counter] = 0
 
@@ -325,8 +345,8 @@ def _fwd_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,         # SM
         m_prev = m_sc[qp, :]  # (block_q, 128), lane-replicated
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # a row with nothing seen yet: exp(-inf) = 0
-        p = jnp.exp(s - m_safe[:, :1])  # masked: exp(-inf) = 0 (a column: 3-5 % faster than jnp.tile on a v5e)
-        alpha = jnp.exp(m_prev - m_safe)  # rescales the old l and acc to the new max
+        p = exp(s - m_safe[:, :1])  # masked: exp(-inf) = 0 (a column: 3-5 % faster than jnp.tile on a v5e)
+        alpha = exp(m_prev - m_safe)  # rescales the old l and acc to the new max
         l_sc[qp, :] = alpha * l_sc[qp, :] + jnp.sum(p, axis=1, keepdims=True)
         m_sc[qp, :] = m_new
         acc_sc[qp, :] = alpha[:, :1] * acc_sc[qp, :] + _dot(p.astype(v.dtype), v, _NN)
@@ -348,7 +368,7 @@ def _fwd_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,         # SM
         empty = l == 0.0  # saw nothing (a NaN l stays NaN)
         l_safe = jnp.where(empty, 1.0, l)
         o_ref[...] = jnp.where(empty[:, :1], 0.0, acc_sc[...] / l_safe[:, :1]).astype(o_ref.dtype)
-        lse = jnp.where(empty, NEG_INF, m + jnp.log(l_safe))  # (block_q, 128), lane-replicated
+        lse = jnp.where(empty, NEG_INF, (LN2 * m if base2 else m) + jnp.log(l_safe))  # (block_q, 128), lane-replicated
         lse_ref[...] = jnp.transpose(lse)[:1, :] if rows else lse  # a lane-dense (1, block_q) row
 
 
@@ -515,19 +535,25 @@ def _dkv_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
 
 
 def key_major_grads(k, q, v, do, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref, k_seg_ref, cfg, masked,
-                    part=(slice(None), slice(None))):
+                    part=(slice(None), slice(None)), base2=False):
     """FA-2 Alg. 2 for one key-major tile, shared by `_dkv_key_major_kernel` and `_bwd_fused_kernel`:
     ``(P^T, dS^T)`` float32 (block_kv, block_q) from S^T = K Q^T (q or k pre-scaled), the built-in mask
     from (1, block_q) query rows and key columns read from (1, block_kv) rows (`_column`) when ``masked``, lse
-    and delta the (1, block_q) rows they are stored as. ``part``: (query, key) slices of a sub-tile."""
+    and delta the (1, block_q) rows they are stored as. ``part``: (query, key) slices of a sub-tile. ``base2``
+    (`_base2`): the pre-scaled operand also carries log2(e), lse (natural units) is brought to base 2 per
+    row and P^T = exp2(S^T - lse). dS^T is zeroed where P^T is 0 (`masks.masked_grad`) on masked tiles only:
+    a full tile's P^T is 0 only by underflow (``FULL_TILE_WHERE`` restores it there)."""
     qp, kp = part
     st = _dot(k, q, _NT)  # (block_kv, block_q), scaled
     if masked:
         seg = (None, None) if q_seg_ref is None else (q_seg_ref[:, qp], _column(k_seg_ref, True, kp))
         st = jnp.where(allowed(q_pos_ref[:, qp], _column(k_pos_ref, True, kp), *seg, causal=cfg.causal,
                                window=cfg.window), st, NEG_INF)
-    pt = jnp.exp(st - lse_ref[:, qp])  # P^T
-    return pt, masked_grad(pt, _dot(v, do, _NT), delta_ref[:, qp])  # dS^T = P^T (dP^T - D), dP^T = V dO^T
+    pt = jnp.exp2(st - LOG2E * lse_ref[:, qp]) if base2 else jnp.exp(st - lse_ref[:, qp])  # P^T
+    dpt = _dot(v, do, _NT)  # dP^T = V dO^T
+    if masked or FULL_TILE_WHERE:
+        return pt, masked_grad(pt, dpt, delta_ref[:, qp])  # dS^T = P^T (dP^T - D)
+    return pt, pt * (dpt - delta_ref[:, qp])
 
 
 def _dkv_key_major_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
@@ -545,12 +571,12 @@ def _dkv_key_major_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
     def _init():
         dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
         dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
-        k_sc[...] = _scaled(k_ref[...], cfg.scale)  # once per K/V tile
+        k_sc[...] = _scaled(k_ref[...], cfg.scale * (LOG2E if _base2(None) else 1.0))  # once per K/V tile
 
     def _compute(masked):
         q, do = q_ref[...], do_ref[...]
         pt, dst = key_major_grads(k_sc[...], q, v_ref[...], do, lse_ref, delta_ref, q_pos_ref, k_pos_ref,
-                                  q_seg_ref, k_seg_ref, cfg, masked)
+                                  q_seg_ref, k_seg_ref, cfg, masked, base2=_base2(None))
         dv_sc[...] += _dot(pt.astype(do.dtype), do, _NN)  # dV_j += P^T dO_i
         dk_sc[...] += _dot(dst.astype(q.dtype), q, _NN)  # dK_j += dS^T Q_i (times the scale at the end)
 
@@ -585,12 +611,12 @@ def _bwd_fused_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
     @pl.when(j == 0)
     def _init_q():
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
-        q_sc[...] = _scaled(q_ref[...], cfg.scale)
+        q_sc[...] = _scaled(q_ref[...], cfg.scale * (LOG2E if _base2(None) else 1.0))
 
     def _fold(masked, qp=slice(None), kp=slice(None)):  # the tile, or its sub-tile (query rows qp, key rows kp)
         q, do, k = q_sc[qp, :], do_ref[qp, :], k_ref[kp, :]
         pt, dst = key_major_grads(k, q, v_ref[kp, :], do, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref,
-                                  k_seg_ref, cfg, masked, part=(qp, kp))
+                                  k_seg_ref, cfg, masked, part=(qp, kp), base2=_base2(None))
         first, size = (0, bk) if kp.start is None else (kp.start, kp.stop - kp.start)
         rows = pl.ds(pl.multiple_of(j * bk + first, size), size)  # these keys' rows of the shard's dK, dV
         dv_sc[rows, :] += _dot(pt.astype(do.dtype), do, _NN)  # dV_j += P^T dO_i
