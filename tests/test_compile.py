@@ -7,7 +7,8 @@ v5e, v6e (``chip_config_name="default"``), v4 and v5p (``"megacore"``) slices, a
 v5e chip, which is how a real v5e first showed a bug no lowering could (the fused ring's collective id
 without a barrier at N = 1). Lowering (tests/test_lowering.py) stops at Mosaic's verifier; compiling also
 allocates VMEM, and a control kernel that cannot fit it must be rejected. The same compile reads the
-forward+backward's temp memory on one v5e chip, held here at most 1.5x splash attention's (issue 30).
+forward+backward's temp memory on one v5e chip, held here at most 1.5x splash attention's (issue 30), and
+(``benchmarks/schedule_tpu.py``) the kernels' static VLIW schedules.
 Without libtpu the test skips, unless ``RINGATTN_REQUIRE_LIBTPU=1`` (CI) makes that a failure.
 """
 import json
@@ -22,20 +23,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEMORY_RATIO = 1.5  # issue 30: forward+backward temp bytes <= 1.5x splash attention's at 16K and 32K
 
 
-@pytest.fixture(scope="module")
-def compiled():
+def with_libtpu(*argv):
+    """The JSON rows ``python *argv`` prints, run from the repository root with libtpu on its PYTHONPATH; skips
+    (fails under ``RINGATTN_REQUIRE_LIBTPU=1``) where libtpu is not installed beside the venv."""
     target = os.path.join(os.path.dirname(os.path.dirname(sys.executable)), "libtpu")
     if not os.path.isdir(os.path.join(target, "libtpu")):
         if os.environ.get("RINGATTN_REQUIRE_LIBTPU") == "1":
             pytest.fail(f"libtpu is not installed in {target} (scripts/setup-libtpu)")
         pytest.skip(f"libtpu is not installed in {target}: run scripts/setup-libtpu {sys.executable}")
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "LIBTPU_INIT_ARGS")}
     env["PYTHONPATH"] = os.pathsep.join([target, ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_tpu_compile.py")], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    proc = subprocess.run([sys.executable, *argv], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return rows
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return with_libtpu(os.path.join(ROOT, "tests", "_tpu_compile.py"))
 
 
 def test_the_ring_compiles_for_four_chip_slices(compiled):
@@ -68,3 +73,25 @@ def test_memory_within_splash_attentions(compiled):
 def test_a_kernel_that_overflows_vmem_is_rejected(compiled):
     (row,) = [r for r in compiled if r["case"] == "control"]
     assert row["rejected"] and "vmem" in row["error"].lower(), row
+
+
+def test_static_schedules_of_the_kernels():
+    """``benchmarks/schedule_tpu.py`` reads each kernel's VLIW bundles from a compile for a v5e with no chip:
+    the backward's tile stretch holds the 5 matmuls of a 1024 x 1024 tile (2560 pushes of 16 x 128 x 128,
+    as splash attention's dK/dV tile), the forward's the 2 of its 2048 x 2048 tile; and the two opt-in forms
+    do what `pallas_tpu` says they do: base-2 logits (``EXP2``) take a multiply a logit out of the backward's
+    tile, and no dS where on full tiles (``FULL_TILE_WHERE`` off) its compares and selects."""
+    common = ["-m", "benchmarks.schedule_tpu", "--seq", "2048", "--heads", "2"]
+    shipped = {r["kernel"]: r for r in with_libtpu(*common)}
+    forms = {r["kernel"]: r for r in with_libtpu(*common, "--kinds", "ours", "--set", "EXP2=True",
+                                                "--set", "FULL_TILE_WHERE=False")}
+    assert {"ring_hop_fwd_tpu", "ring_hop_bwd_fused_tpu", "splash_mha_fwd_residuals",
+            "splash_mha_dkv_no_residuals"} <= set(shipped), sorted(shipped)
+    tile = lambda rows, kernel: rows[kernel]["tiles"][0]  # noqa: E731  (the largest: non-causal has one path)
+    assert tile(shipped, "ring_hop_bwd_fused_tpu")["vmatmul"] == tile(shipped, "splash_mha_dkv_no_residuals")["vmatmul"] \
+        == 5 * 1024 * 1024 * 128 // (16 * 128 * 128)
+    assert tile(shipped, "ring_hop_fwd_tpu")["vmatmul"] == 2 * 2048 * 2048 * 128 // (16 * 128 * 128)
+    old, new = tile(shipped, "ring_hop_bwd_fused_tpu")["ops"], tile(forms, "ring_hop_bwd_fused_tpu")["ops"]
+    assert old["vmul"] - new["vmul"] >= 1000 and old["vexp2"] == new["vexp2"] == 1024, (old, new)
+    assert old["vcmp"] - new.get("vcmp", 0) >= 1000 and old["vsel"] - new["vsel"] >= 1000, (old, new)
+    assert tile(forms, "ring_hop_bwd_fused_tpu")["bundles"] < tile(shipped, "ring_hop_bwd_fused_tpu")["bundles"]

@@ -102,9 +102,10 @@ LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 # Two forms that take VPU work out of every logit, off until a chip has timed them (benchmarks/tpu_checks.py
 # --checks variants --variants exp2,no_full_tile_where,both). In the deviceless compile for a v5e (8K tokens,
 # 8 heads, d = 128, bf16, non-causal; `benchmarks/schedule_tpu.py`) the fused backward's 1024 x 1024 tile
-# drops from 10517 to 9644 bundles (splash attention's: 9132): a TPU's exp is exp2 of a product
-# (vexp2 after a vmul), so base-2 logits save one multiply a logit, and the where costs a compare and a
-# select. The forward's 2048 x 2048 tile loses its 4096 multiplies but gains 217 bundles of loads.
+# drops from 10517 to 9644 bundles (splash attention's: 9133): a TPU's exp is exp2 of a product
+# (vexp2 after a vmul), so base-2 logits save a multiply a logit (278 bundles), and the where a compare,
+# mask ops, a select and a reload of P (512). The forward's 2048 x 2048 tile loses its 4352 multiplies
+# but the compiler loads 1154 more times: 208 bundles longer. Bundles are not cycles (docs/benchmarks.md).
 EXP2 = False  # logits in base 2 where no program applies (`_base2`)
 FULL_TILE_WHERE = True  # dS zeroed where P is 0 on full tiles too, not only on masked ones (`key_major_grads`)
 
