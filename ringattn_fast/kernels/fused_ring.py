@@ -18,8 +18,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ringattn_fast.kernels.tiles import tile_bounds
-from ringattn_fast.masks import bounds_empty, bounds_full
+from ringattn_fast.kernels.tiles import by_kind as tile_by_kind
+from ringattn_fast.kernels.tiles import sub_tiles, tile_bounds
+from ringattn_fast.masks import bounds_empty
 
 I32 = jnp.int32  # every index constant: with jax_enable_x64 a Python int would become int64
 
@@ -119,33 +120,26 @@ def tile_empty(cfg, tables, shape, *, kv_idx, bi, i, j):
 
 
 def by_kind(cfg, tables, shape, body, *, kv_idx, bi, i, j, split=1, sub_tables=None):
-    """``body(masked)`` for a tile that is not empty: ``body(False)`` (no built-in mask computed) where
-    `masks.bounds_full` proves every pair visible, ``body(True)`` on a partial tile; without a built-in
-    mask, ``body(False)``. As the per-hop kernels' ``_by_kind``: on a causal hop of 1024-wide tiles the
-    mask's iota compares and selects were computed on every tile, not only the diagonal. With ``split`` >
-    1 a partial tile runs as ``split`` x ``split`` sub-tiles, each by its own kind from ``sub_tables``
-    (`schedule`'s ``q_sub``, ``k_sub``): ``body(masked, query rows, key rows)`` with static slices, an
-    empty sub-tile skipped (on a causal diagonal, a quarter of the tile at ``split`` = 2)."""
-    full = bounds_full(*_bounds(cfg, tables, shape, kv_idx, bi, i, j), causal=cfg.hop.causal, window=cfg.hop.window)
-    if full is None:
-        body(False)
-        return
-    pl.when(full)(lambda: body(False))
-    if split == 1:
-        pl.when(jnp.logical_not(full))(lambda: body(True))
-        return
+    """`tiles.by_kind` for a tile the caller has proved not empty (`tile_empty`): ``body(False)`` (no built-in
+    mask computed) where `masks.bounds_full` proves every pair visible, ``body(True)`` on a partial tile;
+    without a built-in mask, ``body(False)``. With ``split`` > 1 a partial tile runs as ``split`` x ``split``
+    sub-tiles (`tiles.sub_tiles`), each by its own kind from ``sub_tables`` (`schedule`'s ``q_sub``,
+    ``k_sub``): ``body(masked, query rows, key rows)`` with static slices, an empty sub-tile skipped (on a
+    causal diagonal, a quarter of the tile at ``split`` = 2)."""
+    hop = cfg.hop
 
-    @pl.when(jnp.logical_not(full))
-    def _():
+    def compute(masked):
+        if not masked or split == 1:
+            body(masked)
+            return
         b, nq, nk = shape
-        sub_q, sub_k, sub_shape = cfg.hop.block_q // split, cfg.hop.block_kv // split, (b, nq * split, nk * split)
-        for r in range(split):
-            for c in range(split):
-                qp, kp = slice(r * sub_q, (r + 1) * sub_q), slice(c * sub_k, (c + 1) * sub_k)
-                at = dict(kv_idx=kv_idx, bi=bi, i=i * I32(split) + I32(r), j=j * I32(split) + I32(c))
-                empty = tile_empty(cfg, sub_tables, sub_shape, **at)
-                pl.when(jnp.logical_not(empty))(lambda qp=qp, kp=kp, at=at: by_kind(
-                    cfg, sub_tables, sub_shape, lambda masked: body(masked, qp, kp), **at))
+        sub_shape = (b, nq * split, nk * split)
+        at = lambda r, c: dict(kv_idx=kv_idx, bi=bi, i=i * I32(split) + I32(r), j=j * I32(split) + I32(c))  # noqa: E731
+        sub_tiles(body, lambda r, c: _bounds(cfg, sub_tables, sub_shape, **at(r, c)), (hop.block_q, hop.block_kv),
+                  split, causal=hop.causal, window=hop.window)
+
+    tile_by_kind(compute, *_bounds(cfg, tables, shape, kv_idx=kv_idx, bi=bi, i=i, j=j), causal=hop.causal,
+                 window=hop.window, skip_empty=False)
 
 
 # ---------------------------------------------------------------- the ring

@@ -78,10 +78,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ringattn_fast.kernels import budgets
-from ringattn_fast.kernels.tiles import (NEG_INF, Budget, const_specs, empty_tiles, finite_keys, hop_kernels,
-                                         out_struct, program, programmed, resident_blocks, same_vma, target_chip,
-                                         tile_bounds)
-from ringattn_fast.masks import allowed, bad_key_sums, bounds_empty, bounds_full, masked_grad
+from ringattn_fast.kernels.tiles import (NEG_INF, Budget, by_kind, const_specs, empty_tiles, finite_keys, hop_kernels,
+                                         out_struct, program, programmed, resident_blocks, same_vma, sub_tiles,
+                                         target_chip, tile_bounds)
+from ringattn_fast.masks import allowed, bad_key_sums, masked_grad
 from ringattn_fast.schedule import HopConfig
 
 __all__ = ["hop_fwd", "hop_bwd", "fwd_tile_counts", "default_blocks", "footprints"]
@@ -257,38 +257,28 @@ def _pos_block(rows, size, at):
     return pl.BlockSpec((None, size, LANES), lambda *a: (lambda bi, t: (bi, t, 0))(*at(*a)))
 
 
-def _by_kind(body, qb_ref, kb_ref, tile, cfg, segments):
-    """Run ``body(masked)`` in the kernel for tile ``(bi, i, j)``, from the scalar-prefetched bounds of Q
-    tile i and K/V tile j (``(lo, hi, seg_lo, seg_hi)`` each): not at all where `bounds_empty` proves it
-    empty, ``body(False)`` (no built-in mask computed) where `bounds_full` proves every pair visible,
-    ``body(True)`` on a partial tile. Without a built-in mask: ``body(False)`` always."""
+def _bounds(qb_ref, kb_ref, tile, segments):
+    """The scalar-prefetched bounds (``(lo, hi[, seg_lo, seg_hi])``) of Q tile i and K/V tile j of batch row bi;
+    ``tile``: (bi, i, j, n_q, n_kv)."""
     bi, i, j, n_q, n_kv = tile
     nb = 4 if segments else 2
-    qb = tuple(qb_ref[(bi * n_q + i) * 4 + c] for c in range(nb))
-    kb = tuple(kb_ref[(bi * n_kv + j) * 4 + c] for c in range(nb))
-    empty = bounds_empty(qb, kb, causal=cfg.causal, window=cfg.window)
-    if empty is None:
-        body(False)
-        return
-    full = bounds_full(qb, kb, causal=cfg.causal, window=cfg.window)
-    pl.when(jnp.logical_not(empty) & full)(lambda: body(False))
-    pl.when(jnp.logical_not(empty | full))(lambda: body(True))
+    return (tuple(qb_ref[(bi * n_q + i) * 4 + c] for c in range(nb)),
+            tuple(kb_ref[(bi * n_kv + j) * 4 + c] for c in range(nb)))
+
+
+def _by_kind(body, qb_ref, kb_ref, tile, cfg, segments):
+    """`tiles.by_kind` for tile ``(bi, i, j)`` of the grid: skipped where empty, ``body(False)`` where full,
+    ``body(True)`` on a partial tile, from the bounds tables ``qb``, ``kb`` (`_prefetch`)."""
+    by_kind(body, *_bounds(qb_ref, kb_ref, tile, segments), causal=cfg.causal, window=cfg.window)
 
 
 def _sub_tiles(fold, qsb_ref, ksb_ref, tile, sizes, split, cfg, segments):
-    """A partial tile as ``split`` x ``split`` sub-tiles, each by kind (`_by_kind` on the sub-tile bounds
-    tables ``qsb``, ``ksb``: `tiles.tile_bounds` at the sub-tile sides): an empty one skipped, a full one
-    unmasked, only a partial one masked; ``fold(masked, query rows, key rows)`` computes one. On the
-    diagonal of a causal hop this skips a quarter of the tile at ``split`` = 2 (splash attention's compute
-    sub-blocks do this along the keys). ``tile``: (batch, Q tile, K/V tile, n_q, n_kv); ``sizes``: (block_q,
-    block_kv); ``fold`` gets static slices of the tile's queries and keys, whichever way round the tile is."""
+    """`tiles.sub_tiles` for a partial tile ``(bi, i, j, n_q, n_kv)`` from the sub-tile bounds tables ``qsb``,
+    ``ksb`` (`tiles.tile_bounds` at the sub-tile sides); ``sizes``: (block_q, block_kv)."""
     bi, i, j, n_q, n_kv = tile
-    sub_q, sub_kv = sizes[0] // split, sizes[1] // split
-    for r in range(split):
-        for c in range(split):
-            qp, kp = slice(r * sub_q, (r + 1) * sub_q), slice(c * sub_kv, (c + 1) * sub_kv)
-            _by_kind(lambda masked, qp=qp, kp=kp: fold(masked, qp, kp), qsb_ref, ksb_ref,
-                     (bi, i * split + r, j * split + c, n_q * split, n_kv * split), cfg, segments)
+    sub_tile = lambda r, c: (bi, i * split + r, j * split + c, n_q * split, n_kv * split)  # noqa: E731
+    sub_tiles(fold, lambda r, c: _bounds(qsb_ref, ksb_ref, sub_tile(r, c), segments), sizes, split,
+              causal=cfg.causal, window=cfg.window)
 
 
 def _scaled(x, scale):

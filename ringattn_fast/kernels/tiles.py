@@ -25,12 +25,13 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ringattn_fast._compat import check_fused_interpreter
 from ringattn_fast.dispatch import check_kernel_dtypes
 from ringattn_fast.kernels import IMPLS, budgets
-from ringattn_fast.masks import bounds_empty
+from ringattn_fast.masks import bounds_empty, bounds_full
 from ringattn_fast.mesh import current_device, vary_like, varying_axes
 from ringattn_fast.schedule import HopGrads
 
@@ -49,6 +50,40 @@ def tile_bounds(pos, seg, block):
     pos_t = pos.astype(jnp.int32).reshape(b, n, block)  # (b, n, block)
     seg_t = jnp.zeros_like(pos_t) if seg is None else seg.astype(jnp.int32).reshape(b, n, block)
     return jnp.stack([pos_t.min(-1), pos_t.max(-1), seg_t.min(-1), seg_t.max(-1)], axis=-1)
+
+
+def by_kind(body, q_bounds, k_bounds, *, causal, window, skip_empty=True):
+    """Run ``body(masked)`` in a TPU kernel for one tile, by its kind, from the tile's scalar bounds (SMEM
+    reads, `masks.bounds_empty`'s ``(lo, hi[, seg_lo, seg_hi])``): not at all where `bounds_empty` proves it
+    empty (``skip_empty``; off for a caller that tested it already), ``body(False)`` (no built-in mask
+    computed) where `masks.bounds_full` proves every pair visible, ``body(True)`` on a partial tile. Without
+    a built-in mask: ``body(False)``. Shared by the per-hop kernels (``pallas_tpu``) and the fused ring's
+    (``fused_ring``), as splash attention's mask info does it: on a causal hop only the diagonal is masked."""
+    full = bounds_full(q_bounds, k_bounds, causal=causal, window=window)
+    if full is None:
+        body(False)
+        return
+    partial = jnp.logical_not(full)
+    if skip_empty:
+        live = jnp.logical_not(bounds_empty(q_bounds, k_bounds, causal=causal, window=window))
+        full, partial = live & full, live & partial
+    pl.when(full)(lambda: body(False))
+    pl.when(partial)(lambda: body(True))
+
+
+def sub_tiles(fold, sub_bounds, sizes, split, *, causal, window):
+    """A partial tile as ``split`` x ``split`` sub-tiles, each by its own kind (`by_kind` on ``sub_bounds(r,
+    c)``, the (q, k) bounds of sub-tile row r, column c): an empty one skipped, a full one unmasked, only a
+    partial one masked. ``fold(masked, query rows, key rows)`` computes one, with static slices of the
+    tile's ``sizes`` = (block_q, block_kv), whichever way round the kernel's tile is. On the diagonal of a
+    causal hop this skips a quarter of the tile at ``split`` = 2 (splash attention's compute sub-blocks do
+    this along the keys)."""
+    sub_q, sub_kv = sizes[0] // split, sizes[1] // split
+    for r in range(split):
+        for c in range(split):
+            qp, kp = slice(r * sub_q, (r + 1) * sub_q), slice(c * sub_kv, (c + 1) * sub_kv)
+            by_kind(lambda masked, qp=qp, kp=kp: fold(masked, qp, kp), *sub_bounds(r, c), causal=causal,
+                    window=window)
 
 
 def empty_tiles(q_pos, k_pos, q_seg=None, k_seg=None, *, causal, window, block_q, block_kv):
