@@ -160,7 +160,10 @@ def main(argv=None):
     saved = []
     for module, name, value in args.patches:
         mod = importlib.import_module(module)
-        saved.append((mod, name, getattr(mod, name)))  # an unknown name fails here, before any compile
+        if not hasattr(mod, name):
+            print(f"schedule_tpu: --set: {module} has no {name}", file=sys.stderr)
+            return 2
+        saved.append((mod, name, getattr(mod, name)))
         setattr(mod, name, value)
     seen = set()
     for kind, attn in functions(args, mesh).items():
