@@ -141,7 +141,8 @@ def compile_vjp(attn, mesh, args):
 
 
 def main(argv=None):
-    """One compile per kind, each with its own dump folder; 2 where libtpu is not importable."""
+    """One compile per kind into one dump folder; 2 where libtpu is not importable, 3 where it writes no
+    kernel's bundles."""
     args = parse_args(argv)
     root = tempfile.mkdtemp(prefix="schedule_tpu_")
     flags = f"--xla_jf_dump_to={root}/dump --xla_jf_dump_llo_text=true --xla_jf_dump_llo_pass_label_regex=final_bundles"
@@ -168,6 +169,10 @@ def main(argv=None):
     seen = set()
     for kind, attn in functions(args, mesh).items():
         compile_vjp(attn, mesh, args)
+        if not set(read_dump(f"{root}/dump")) - seen:
+            print("schedule_tpu: libtpu wrote no kernel bundles (its dump flags are undocumented: this libtpu may "
+                  "not take them)", file=sys.stderr)
+            return 3
         for kernel, row in read_dump(f"{root}/dump").items():
             if kernel in seen:
                 continue
