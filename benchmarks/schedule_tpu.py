@@ -33,6 +33,7 @@ import importlib
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 
@@ -141,8 +142,8 @@ def compile_vjp(attn, mesh, args):
 
 
 def main(argv=None):
-    """One compile per kind into one dump folder; 2 where libtpu is not importable, 3 where it writes no
-    kernel's bundles."""
+    """One compile per kind into one dump folder (removed at the end); 2 where libtpu is not importable or
+    ``--set`` names nothing, 3 where libtpu writes no kernel's bundles."""
     args = parse_args(argv)
     root = tempfile.mkdtemp(prefix="schedule_tpu_")
     flags = f"--xla_jf_dump_to={root}/dump --xla_jf_dump_llo_text=true --xla_jf_dump_llo_pass_label_regex=final_bundles"
@@ -159,23 +160,33 @@ def main(argv=None):
                                            num_slices=1, chip_config_name="default").devices
     mesh = jax.sharding.Mesh(np.array(devices[:1]), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
     saved = []
-    for module, name, value in args.patches:
-        mod = importlib.import_module(module)
-        if not hasattr(mod, name):
-            print(f"schedule_tpu: --set: {module} has no {name}", file=sys.stderr)
-            return 2
-        saved.append((mod, name, getattr(mod, name)))
-        setattr(mod, name, value)
+    try:
+        for module, name, value in args.patches:
+            mod = importlib.import_module(module)
+            if not hasattr(mod, name):
+                print(f"schedule_tpu: --set: {module} has no {name}", file=sys.stderr)
+                return 2
+            saved.append((mod, name, getattr(mod, name)))
+            setattr(mod, name, value)
+        return report(args, mesh, f"{root}/dump")
+    finally:
+        for mod, name, value in saved:
+            setattr(mod, name, value)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def report(args, mesh, dump):
+    """Compile each kind and print its kernels' rows (the dump folder gathers them all: each kind's are the
+    new ones); 3 where a compile left no kernel's bundles."""
     seen = set()
     for kind, attn in functions(args, mesh).items():
         compile_vjp(attn, mesh, args)
-        if not set(read_dump(f"{root}/dump")) - seen:
+        new = {k: row for k, row in read_dump(dump).items() if k not in seen}
+        if not new:
             print("schedule_tpu: libtpu wrote no kernel bundles (its dump flags are undocumented: this libtpu may "
                   "not take them)", file=sys.stderr)
             return 3
-        for kernel, row in read_dump(f"{root}/dump").items():
-            if kernel in seen:
-                continue
+        for kernel, row in new.items():
             seen.add(kernel)
             row = dict(kind=kind, kernel=kernel, chip=args.chip, seq=args.seq, heads=f"{args.heads}/{args.kv_heads}",
                        dim=args.dim, causal=args.causal, set=args.set if kind == "ours" else [], **row)
@@ -183,8 +194,6 @@ def main(argv=None):
             tile = row["tiles"][0] if row["tiles"] else {}
             print(f"{kind:7s} {kernel:32s} bundles {row['bundles']:6d}  largest tile {tile.get('bundles', 0):6d} bundles "
                   f"{tile.get('vmatmul', 0):5d} vmatmul {tile.get('per_vmatmul', 0):6.3f} a vmatmul", file=sys.stderr)
-    for mod, name, value in saved:
-        setattr(mod, name, value)
     return 0
 
 
