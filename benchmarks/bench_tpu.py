@@ -100,12 +100,25 @@ def _fwd_bwd(attn):
     return jax.jit(lambda q, k, v, do: attn(q, k, v)), jax.jit(both)
 
 
+def splash_kernel(seq, heads, *, causal, block=1024, fused_bwd=True, interpret=False):
+    """Splash attention as the TPU scripts run it: ``make_splash_mha_single_device`` vmapped over the batch,
+    on its own ``[b, h, s, d]`` layout (q pre-scaled), a causal or full mask on every head, every block
+    ``min(block, seq)``, with its fused backward or with dQ blocks of that side."""
+    import jax
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    b = min(block, seq)
+    sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                          block_kv_dkv_compute=b, block_q_dq=None if fused_bwd else b,
+                          block_kv_dq=None if fused_bwd else b, use_fused_bwd_kernel=fused_bwd)
+    mask = sm.MultiHeadMask([(sm.CausalMask if causal else sm.FullMask)((seq, seq))] * heads)
+    return jax.vmap(sk.make_splash_mha_single_device(mask=mask, block_sizes=sizes, interpret=interpret))
+
+
 def functions(args, seq, h, hk, causal):
     """{kind: (fwd, fwd_bwd, temp_of)} of one row; every function takes (q, k, v, do) in [b, s, h, d]."""
     import jax
     import jax.numpy as jnp
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     import ringattn_fast as rf
     from ringattn_fast.kernels import pallas_tpu_fused
@@ -134,16 +147,12 @@ def functions(args, seq, h, hk, causal):
                 axis_name="sp")
         spec = jax.P(None, "sp")
         out["fused"] = _fwd_bwd(jax.shard_map(fused, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
-    mask = sm.MultiHeadMask([(sm.CausalMask if causal else sm.FullMask)((seq, seq))] * h)
     scale = args.dim ** -0.5
     for blk in args.splash_blocks:
         for fused_bwd in (False, True) if blk == max(args.splash_blocks) and not args.dry_run else (False,):
             b = min(blk, seq)
-            sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
-                                  block_kv_dkv_compute=b, block_q_dq=None if fused_bwd else b,
-                                  block_kv_dq=None if fused_bwd else b, use_fused_bwd_kernel=fused_bwd)
-            kernel = jax.vmap(sk.make_splash_mha_single_device(mask=mask, block_sizes=sizes,
-                                                               interpret=args.dry_run))  # [b, h, s, d]
+            kernel = splash_kernel(seq, h, causal=causal, block=blk, fused_bwd=fused_bwd,
+                                   interpret=args.dry_run)  # [b, h, s, d]
             t = lambda x: x.swapaxes(1, 2)  # noqa: E731
             native = _fwd_bwd(kernel)
             bshd = _fwd_bwd(lambda q, k, v, kernel=kernel: t(kernel(t(q * scale), t(k), t(v))))

@@ -63,13 +63,8 @@ def functions(args):
     if "xla" in kinds:
         out["xla"] = (jitted(partial(rf.ring_attention, mesh=mesh, causal=args.causal, impl="xla")), (q, k, v, do))
     if {"splash", "splash_bshd"} & set(kinds):
-        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-        b = min(1024, s)
-        sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
-                              block_kv_dkv_compute=b, use_fused_bwd_kernel=not args.dry_run)
-        mask = sm.MultiHeadMask([(sm.CausalMask if args.causal else sm.FullMask)((s, s))] * h)
-        kernel = jax.vmap(sk.make_splash_mha_single_device(mask=mask, block_sizes=sizes, interpret=args.dry_run))
+        from .bench_tpu import splash_kernel
+        kernel = splash_kernel(s, h, causal=args.causal, fused_bwd=not args.dry_run, interpret=args.dry_run)
         t = lambda x: x.swapaxes(1, 2)  # noqa: E731
         if "splash" in kinds:
             out["splash"] = (jitted(kernel), tuple(t(x) for x in (q * d ** -0.5, k, v, do)))

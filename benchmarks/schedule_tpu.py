@@ -110,19 +110,13 @@ def read_dump(folder):
 
 def functions(args, mesh):
     """{kind: attention(q, k, v)} on [1, s, h, d] arrays, for the mesh of one compile-only chip."""
-    import jax
     import ringattn_fast as rf
     out = {}
     if "ours" in args.kinds:
         out["ours"] = lambda q, k, v: rf.ring_attention(q, k, v, mesh=mesh, causal=args.causal)
     if "splash" in args.kinds:
-        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-        b = min(1024, args.seq)
-        sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
-                              block_kv_dkv_compute=b, use_fused_bwd_kernel=True)
-        mask = sm.MultiHeadMask([(sm.CausalMask if args.causal else sm.FullMask)((args.seq, args.seq))] * args.heads)
-        kernel = jax.vmap(sk.make_splash_mha_single_device(mask=mask, block_sizes=sizes))
+        from .bench_tpu import splash_kernel
+        kernel = splash_kernel(args.seq, args.heads, causal=args.causal)
         t = lambda x: x.swapaxes(1, 2)  # noqa: E731  (splash's [h, s, d] per batch row; prepared outside a timed call)
         out["splash"] = lambda q, k, v: t(kernel(t(q * args.dim ** -0.5), t(k), t(v)))
     return out

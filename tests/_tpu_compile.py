@@ -75,12 +75,8 @@ def one_chip():
 
 
 def splash_temp(mesh, seq, heads, dim, block=1024):
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-    sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                          block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    kernel = jax.vmap(sk.make_splash_mha_single_device(mask=sm.MultiHeadMask([sm.CausalMask((seq, seq))] * heads),
-                                                       block_sizes=sizes))
+    from benchmarks.bench_tpu import splash_kernel
+    kernel = splash_kernel(seq, heads, causal=True, block=block, fused_bwd=False)
     t = lambda x: x.swapaxes(1, 2)  # noqa: E731
     attn = lambda q, k, v: t(kernel(t(q * dim ** -0.5), t(k), t(v)))  # noqa: E731
     x = jax.ShapeDtypeStruct((1, seq, heads, dim), jnp.bfloat16, sharding=jax.sharding.NamedSharding(mesh, jax.P()))

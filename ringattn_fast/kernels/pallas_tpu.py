@@ -117,6 +117,11 @@ def _base2(prog):
     return EXP2 and prog is None
 
 
+def _logit_scale(cfg, base2):
+    """What the pre-scaled operand (`_scaled`) is multiplied by: the softmax scale, times log2(e) in base 2."""
+    return cfg.scale * LOG2E if base2 else cfg.scale
+
+
 def _tile_rule(cfg, sq, sk, interpret):
     """Mosaic's tile rule (interpreted: block_kv a multiple of 8 is enough, see above)."""
     lane = SUBLANES if interpret else LANES
@@ -324,7 +329,7 @@ def _fwd_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,         # SM
         m_sc[...] = jnp.full(m_sc.shape, NEG_INF, jnp.float32)
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-        q_sc[...] = _scaled(q_ref[...], cfg.scale * (LOG2E if base2 else 1.0))  # once per Q tile
+        q_sc[...] = _scaled(q_ref[...], _logit_scale(cfg, base2))  # once per Q tile
         if count_ref is not None:
             count_ref[counter] = 0
 
@@ -562,7 +567,7 @@ def _dkv_key_major_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
     def _init():
         dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
         dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
-        k_sc[...] = _scaled(k_ref[...], cfg.scale * (LOG2E if _base2(None) else 1.0))  # once per K/V tile
+        k_sc[...] = _scaled(k_ref[...], _logit_scale(cfg, _base2(None)))  # once per K/V tile
 
     def _compute(masked):
         q, do = q_ref[...], do_ref[...]
@@ -602,7 +607,7 @@ def _bwd_fused_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
     @pl.when(j == 0)
     def _init_q():
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
-        q_sc[...] = _scaled(q_ref[...], cfg.scale * (LOG2E if _base2(None) else 1.0))
+        q_sc[...] = _scaled(q_ref[...], _logit_scale(cfg, _base2(None)))
 
     def _fold(masked, qp=slice(None), kp=slice(None)):  # the tile, or its sub-tile (query rows qp, key rows kp)
         q, do, k = q_sc[qp, :], do_ref[qp, :], k_ref[kp, :]
