@@ -139,22 +139,22 @@ def main(argv=None):
     """One compile per kind into one dump folder (removed at the end); 2 where libtpu is not importable or
     ``--set`` names nothing, 3 where libtpu writes no kernel's bundles."""
     args = parse_args(argv)
-    root = tempfile.mkdtemp(prefix="schedule_tpu_")
-    flags = f"--xla_jf_dump_to={root}/dump --xla_jf_dump_llo_text=true --xla_jf_dump_llo_pass_label_regex=final_bundles"
-    os.environ["LIBTPU_INIT_ARGS"] = " ".join(x for x in (os.environ.get("LIBTPU_INIT_ARGS"), flags) if x)
     try:
         importlib.import_module("libtpu")
     except ImportError:
         print("schedule_tpu: libtpu is not importable: put it on PYTHONPATH (scripts/setup-libtpu)", file=sys.stderr)
         return 2
-    import jax
-    import numpy as np
-    from jax.experimental import topologies
-    devices = topologies.get_topology_desc(TOPOLOGIES[args.chip], "tpu", chips_per_host_bounds=(1, 1, 1),
-                                           num_slices=1, chip_config_name="default").devices
-    mesh = jax.sharding.Mesh(np.array(devices[:1]), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+    root = tempfile.mkdtemp(prefix="schedule_tpu_")  # libtpu reads its flags when JAX first starts the TPU client
+    flags = f"--xla_jf_dump_to={root}/dump --xla_jf_dump_llo_text=true --xla_jf_dump_llo_pass_label_regex=final_bundles"
+    os.environ["LIBTPU_INIT_ARGS"] = " ".join(x for x in (os.environ.get("LIBTPU_INIT_ARGS"), flags) if x)
     saved = []
     try:
+        import jax
+        import numpy as np
+        from jax.experimental import topologies
+        devices = topologies.get_topology_desc(TOPOLOGIES[args.chip], "tpu", chips_per_host_bounds=(1, 1, 1),
+                                               num_slices=1, chip_config_name="default").devices
+        mesh = jax.sharding.Mesh(np.array(devices[:1]), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
         for module, name, value in args.patches:
             mod = importlib.import_module(module)
             if not hasattr(mod, name):

@@ -5,6 +5,7 @@ splash attention, the per-kernel tile sweep, the numerics checks) with every Pal
 they check the scripts' output contract (JSON lines on stdout, a table on stderr), not speed.
 """
 import json
+import sys
 
 import pytest
 
@@ -83,3 +84,19 @@ def test_fused_backward_variants_dry_run(capsys):
         assert max(r["max_diff"][n] for n in ("exp2", "both")) <= 1.6e-2 and r["max_diff"]["no_full_tile_where"] == 0, r
     assert (pallas_tpu.DQ_FORM, pallas_tpu.finite_keys, pallas_tpu.SPLIT, pallas_tpu.EXP2,
             pallas_tpu.FULL_TILE_WHERE) == before
+
+
+def test_schedule_tool_rejects_bad_arguments_and_a_missing_libtpu(monkeypatch, capsys):
+    """``benchmarks/schedule_tpu.py`` (its compiles are in tests/test_compile.py, libtpu needed): bad ``--heads``,
+    ``--kinds`` and ``--set`` are argparse errors naming the flag; without libtpu importable it returns 2 and
+    says what to install."""
+    from benchmarks import schedule_tpu
+    for argv, flag in ((["--heads", "3/2"], "--heads"), (["--kinds", "ours,nope"], "--kinds"),
+                       (["--set", "EXP2=lambda"], "--set"), (["--seq", "0"], "--seq")):
+        with pytest.raises(SystemExit):
+            schedule_tpu.parse_args(argv)
+        assert flag in capsys.readouterr().err, argv
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)  # main sets it; monkeypatch restores it
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # import libtpu fails
+    assert schedule_tpu.main(["--seq", "256"]) == 2
+    assert "libtpu" in capsys.readouterr().err

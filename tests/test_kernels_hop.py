@@ -587,6 +587,24 @@ def test_tpu_base2_logits_and_unmasked_full_tile_grads(backward, block, monkeypa
         assert_matches_oracle(run_hop(pallas_tpu, pb, marked=False), run_oracle(pb), TOL)
 
 
+@pytest.mark.slow
+@settings(max_examples=examples(3))
+@given(problems(batches=(1,), blocks=(128, 256), max_tiles=2, dims=(128,)), st.sampled_from(["fused", "key_major"]))
+def test_tpu_base2_and_unmasked_full_tile_forms_on_drawn_problems(pb, backward):
+    """Property: with both opt-in forms on (``EXP2``, ``FULL_TILE_WHERE`` off), drawn lane-dense hops (any
+    layout, causal, window and segment mix, GQA; K/V unmarked) equal the float64 oracle, forward and
+    gradients, on the fused and the key-major backward."""
+    flags = dict(EXP2=True, FULL_TILE_WHERE=False, FUSED_BWD=backward == "fused", KEY_MAJOR_DKV=True)
+    saved = {name: getattr(pallas_tpu, name) for name in flags}
+    try:
+        for name, value in flags.items():
+            setattr(pallas_tpu, name, value)
+        assert_matches_oracle(run_hop(pallas_tpu, pb, marked=False), run_oracle(pb), TOL)
+    finally:
+        for name, value in saved.items():
+            setattr(pallas_tpu, name, value)
+
+
 def test_tpu_fused_backward_dk_is_as_accurate_as_dq():
     """bfloat16, the fused backward: dK = scale * dS^T Q takes Q as given. From the pre-scaled Q (rounded to
     bfloat16 after the multiply, as the logits use it) dK's error against the float64 oracle was 2.5x dQ's
