@@ -240,6 +240,31 @@ def test_a_ring_of_one_chip_lowers(impl, dtype):
         assert_real_kernels(lower_fused_alone(mesh, q, k, v), impl)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("fused_bwd", [True, False])
+def test_the_opt_in_forms_lower_on_one_chip(fused_bwd, dtype, monkeypatch):
+    """``pallas_tpu.EXP2`` (base-2 logits: ``exp2`` in Mosaic) and ``FULL_TILE_WHERE`` off, both forms the chip
+    has not timed, lower for a ring of one v5e in every dtype, forward and either backward (fused; key-major
+    dK/dV beside dQ)."""
+    from ringattn_fast.kernels import pallas_tpu
+    for name, value in dict(EXP2=True, FULL_TILE_WHERE=False, FUSED_BWD=fused_bwd, KEY_MAJOR_DKV=True).items():
+        monkeypatch.setattr(pallas_tpu, name, value)
+    mesh = abstract_mesh(TPU["v5e"], 1)
+    q, k, v = structs(mesh, 1, 4096, 8, 2, 128, jnp.dtype(dtype), False)
+
+    def loss(q, k, v):
+        return ring_attention(q, k, v, mesh=mesh, causal=True, impl="pallas_tpu").astype(jnp.float32).sum()
+
+    jax.clear_caches()  # the module flags are read while tracing: no trace of another setting may be reused
+    try:
+        with use_abstract_mesh(mesh):
+            text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower().as_text()
+    finally:
+        jax.clear_caches()
+    assert_real_kernels(text, "pallas_tpu")
+    assert ("ring_hop_bwd_fused_tpu" in text) == fused_bwd
+
+
 def lower_fused_alone(mesh, q, k, v):
     """``fused_ring_attention_shard`` itself (no front door) in a shard_map over ``mesh``, fwd+bwd, lowered."""
     def per_host(q, k, v):
