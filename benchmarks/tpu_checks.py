@@ -188,8 +188,8 @@ def mark_bad_variants(seq, heads, dim, repeats):
 
 VARIANTS = {"shipped": {}, "dq_cast": dict(DQ_FORM="cast"), "dq_tn": dict(DQ_FORM="tn"),
             "no_finite_keys": dict(finite_keys=lambda k: k), "whole_tiles": dict(SPLIT=1), "split4": dict(SPLIT=4),
-            "exp2": dict(EXP2=True), "no_full_tile_where": dict(FULL_TILE_WHERE=False),
-            "both": dict(EXP2=True, FULL_TILE_WHERE=False)}
+            "exp2": dict(EXP2=True), "exp2_bwd": dict(EXP2="backward"), "no_full_tile_where": dict(FULL_TILE_WHERE=False),
+            "both": dict(EXP2=True, FULL_TILE_WHERE=False), "both_bwd": dict(EXP2="backward", FULL_TILE_WHERE=False)}
 
 
 def variants(seq, heads, dim, causal, repeats, dry_run=False, names=None):

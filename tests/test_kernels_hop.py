@@ -563,14 +563,16 @@ def test_tpu_lane_dense_tiles_take_sub_tiles_and_unmarked_keys(pb):
     assert_matches_oracle(run_hop(pallas_tpu, pb, marked=False), run_oracle(pb), TOL)
 
 
-@pytest.mark.parametrize("block, backward", [(128, "fused"), (128, "key_major"), (128, "query_major"),
-                                            (16, "query_major")])
-def test_tpu_base2_logits_and_unmasked_full_tile_grads(backward, block, monkeypatch):
+@pytest.mark.parametrize("block, backward, exp2", [(128, "fused", True), (128, "key_major", True),
+                                                  (128, "query_major", True), (16, "query_major", True),
+                                                  (128, "fused", "backward")])
+def test_tpu_base2_logits_and_unmasked_full_tile_grads(backward, block, exp2, monkeypatch):
     """The two opt-in forms the chip has not timed yet (``pallas_tpu.EXP2``: logits in base 2, P = exp2;
     ``FULL_TILE_WHERE`` off: dS not zeroed where P is 0 on full tiles) equal the float64 oracle, forward and
     gradients, on every backward, lane-dense tiles (key-major forms, 2 x 2 sub-tiles) and small ones (query-major,
-    lse columns), causal and windowed, GQA, with a NaN and an inf key the ring hands over unmarked."""
-    monkeypatch.setattr(pallas_tpu, "EXP2", True)
+    lse columns), causal and windowed, GQA, with a NaN and an inf key the ring hands over unmarked; base 2 in the
+    backward only (``EXP2 = "backward"``) too."""
+    monkeypatch.setattr(pallas_tpu, "EXP2", exp2)
     monkeypatch.setattr(pallas_tpu, "FULL_TILE_WHERE", False)
     monkeypatch.setattr(pallas_tpu, "FUSED_BWD", backward == "fused")
     monkeypatch.setattr(pallas_tpu, "KEY_MAJOR_DKV", backward == "key_major")
