@@ -1,7 +1,7 @@
 """The static schedule of each TPU kernel, from a deviceless compile: no chip, libtpu installed.
 
     PYTHONPATH=.venv/libtpu:. .venv/bin/python -m benchmarks.schedule_tpu --seq 8192 [--causal] [--heads 32/8]
-    ... -m benchmarks.schedule_tpu --set EXP2=True --set FULL_TILE_WHERE=False   # a form of kernels/pallas_tpu.py
+    ... -m benchmarks.schedule_tpu --set EXP2=True --set FULL_TILE_WHERE=True   # a form of kernels/pallas_tpu.py
 
 (libtpu beside the venv: ``scripts/setup-libtpu``). It compiles the forward+backward of the default call
 (``ring_attention`` on a 1-chip mesh, bfloat16, batch 1) and of splash attention (blocks 1024, its fused

@@ -563,17 +563,17 @@ def test_tpu_lane_dense_tiles_take_sub_tiles_and_unmarked_keys(pb):
     assert_matches_oracle(run_hop(pallas_tpu, pb, marked=False), run_oracle(pb), TOL)
 
 
-@pytest.mark.parametrize("block, backward, exp2", [(128, "fused", True), (128, "key_major", True),
-                                                  (128, "query_major", True), (16, "query_major", True),
-                                                  (128, "fused", "backward")])
-def test_tpu_base2_logits_and_unmasked_full_tile_grads(backward, block, exp2, monkeypatch):
-    """The two opt-in forms the chip has not timed yet (``pallas_tpu.EXP2``: logits in base 2, P = exp2;
-    ``FULL_TILE_WHERE`` off: dS not zeroed where P is 0 on full tiles) equal the float64 oracle, forward and
-    gradients, on every backward, lane-dense tiles (key-major forms, 2 x 2 sub-tiles) and small ones (query-major,
-    lse columns), causal and windowed, GQA, with a NaN and an inf key the ring hands over unmarked; base 2 in the
-    backward only (``EXP2 = "backward"``) too."""
+@pytest.mark.parametrize("block, backward, exp2, where", [
+    (128, "fused", True, False), (128, "key_major", True, False), (128, "query_major", True, False),
+    (16, "query_major", True, False), (128, "fused", False, True)])
+def test_tpu_base2_logits_and_unmasked_full_tile_grads(backward, block, exp2, where, monkeypatch):
+    """The opt-in base-2 logits (``pallas_tpu.EXP2``: P = exp2) with dS not zeroed where P is 0 on full tiles
+    (``FULL_TILE_WHERE`` off, the default), and the opt-in where (the form shipped before the chip timed it)
+    equal the float64 oracle, forward and gradients, on every backward, lane-dense tiles (key-major forms,
+    2 x 2 sub-tiles) and small ones (query-major, lse columns), causal and windowed, GQA, with a NaN and an
+    inf key the ring hands over unmarked."""
     monkeypatch.setattr(pallas_tpu, "EXP2", exp2)
-    monkeypatch.setattr(pallas_tpu, "FULL_TILE_WHERE", False)
+    monkeypatch.setattr(pallas_tpu, "FULL_TILE_WHERE", where)
     monkeypatch.setattr(pallas_tpu, "FUSED_BWD", backward == "fused")
     monkeypatch.setattr(pallas_tpu, "KEY_MAJOR_DKV", backward == "key_major")
     rng = np.random.default_rng(17)
@@ -593,9 +593,9 @@ def test_tpu_base2_logits_and_unmasked_full_tile_grads(backward, block, exp2, mo
 @settings(max_examples=examples(3))
 @given(problems(batches=(1,), blocks=(128, 256), max_tiles=2, dims=(128,)), st.sampled_from(["fused", "key_major"]))
 def test_tpu_base2_and_unmasked_full_tile_forms_on_drawn_problems(pb, backward):
-    """Property: with both opt-in forms on (``EXP2``, ``FULL_TILE_WHERE`` off), drawn lane-dense hops (any
-    layout, causal, window and segment mix, GQA; K/V unmarked) equal the float64 oracle, forward and
-    gradients, on the fused and the key-major backward."""
+    """Property: with base-2 logits (``EXP2``, opt-in) and no dS where on full tiles (the default), drawn
+    lane-dense hops (any layout, causal, window and segment mix, GQA; K/V unmarked) equal the float64
+    oracle, forward and gradients, on the fused and the key-major backward."""
     flags = dict(EXP2=True, FULL_TILE_WHERE=False, FUSED_BWD=backward == "fused", KEY_MAJOR_DKV=True)
     saved = {name: getattr(pallas_tpu, name) for name in flags}
     try:

@@ -243,11 +243,11 @@ def test_a_ring_of_one_chip_lowers(impl, dtype):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("fused_bwd", [True, False])
 def test_the_opt_in_forms_lower_on_one_chip(fused_bwd, dtype, monkeypatch):
-    """``pallas_tpu.EXP2`` (base-2 logits: ``exp2`` in Mosaic) and ``FULL_TILE_WHERE`` off, both forms the chip
-    has not timed, lower for a ring of one v5e in every dtype, forward and either backward (fused; key-major
-    dK/dV beside dQ)."""
+    """The opt-in forms, ``pallas_tpu.EXP2`` (base-2 logits: ``exp2`` in Mosaic) and ``FULL_TILE_WHERE`` (dS
+    zeroed on full tiles too), lower for a ring of one v5e in every dtype, forward and either backward (fused;
+    key-major dK/dV beside dQ)."""
     from ringattn_fast.kernels import pallas_tpu
-    for name, value in dict(EXP2=True, FULL_TILE_WHERE=False, FUSED_BWD=fused_bwd, KEY_MAJOR_DKV=True).items():
+    for name, value in dict(EXP2=True, FULL_TILE_WHERE=True, FUSED_BWD=fused_bwd, KEY_MAJOR_DKV=True).items():
         monkeypatch.setattr(pallas_tpu, name, value)
     mesh = abstract_mesh(TPU["v5e"], 1)
     q, k, v = structs(mesh, 1, 4096, 8, 2, 128, jnp.dtype(dtype), False)

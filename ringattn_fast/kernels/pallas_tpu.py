@@ -99,22 +99,24 @@ def _dot(a, b, dims):
 
 
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
-# Two forms that take VPU work out of every logit, off until a chip has timed them (benchmarks/tpu_checks.py
-# --checks variants --variants exp2,no_full_tile_where,both). In the deviceless compile for a v5e (8K tokens,
-# 8 heads, d = 128, bf16, non-causal; `benchmarks/schedule_tpu.py`) the fused backward's 1024 x 1024 tile
-# drops from 10517 to 9644 bundles (splash attention's: 9133): a TPU's exp is exp2 of a product
-# (vexp2 after a vmul), so base-2 logits save a multiply a logit (278 bundles), and the where a compare,
-# mask ops, a select and a reload of P (512). The forward's 2048 x 2048 tile loses its 4352 multiplies
-# but the compiler loads 1154 more times: 208 bundles longer. Bundles are not cycles (docs/benchmarks.md).
-EXP2 = False  # logits in base 2 where no program applies (`_base2`); "backward": in the backward kernels only
-FULL_TILE_WHERE = True  # dS zeroed where P is 0 on full tiles too, not only on masked ones (`key_major_grads`)
+# Two forms that take VPU work out of every logit. In the deviceless compile for a v5e (8K tokens, 8 heads,
+# d = 128, bf16, non-causal; `benchmarks/schedule_tpu.py`) the fused backward's 1024 x 1024 tile drops from
+# 10517 to 9644 bundles with both (splash attention's: 9133): a TPU's exp is exp2 of a product (vexp2 after a
+# vmul), so base-2 logits save a multiply a logit (278 bundles), and no where on full tiles a compare, mask
+# ops, a select and a reload of P (512). Timed on a v5e (2026-12-07, `tpu_checks --checks variants`, 8K and
+# 16K, causal and not, fwd+bwd, interleaved): no where 0.1-0.8 % faster than with it and the same outputs
+# to the bit, so it ships; base 2 on top took -1.2 % to +0.1 %, and float32 at the TPU's default precision
+# then ran 1.4-1.8x further from the reference (plain: dq 0.0032, dk 0.0031 against 0.0022, 0.0017; jax.nn's
+# 0.0013, 0.0018), so it stays opt-in. Bundles are not cycles (docs/benchmarks.md, "Seventh chip session").
+EXP2 = False  # logits in base 2 where no program applies (`_base2`)
+FULL_TILE_WHERE = False  # dS zeroed where P is 0 on full tiles too, not only on masked ones (`key_major_grads`)
 
 
-def _base2(prog, backward=False):
+def _base2(prog):
     """Whether a kernel's logits are in base 2: the pre-scaled operand carries log2(e) too, so P = exp2(S' - L')
     with no multiply per logit (a TPU's exp is exp2 of a product). Not under a program: its score_fn, soft-cap
     and pullbacks see the logits in natural units. The statistics leave the kernels in natural units."""
-    return (EXP2 is True or (EXP2 == "backward" and backward)) and prog is None
+    return EXP2 and prog is None
 
 
 def _logit_scale(cfg, base2):
@@ -567,12 +569,12 @@ def _dkv_key_major_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
     def _init():
         dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
         dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
-        k_sc[...] = _scaled(k_ref[...], _logit_scale(cfg, _base2(None, backward=True)))  # once per K/V tile
+        k_sc[...] = _scaled(k_ref[...], _logit_scale(cfg, _base2(None)))  # once per K/V tile
 
     def _compute(masked):
         q, do = q_ref[...], do_ref[...]
         pt, dst = key_major_grads(k_sc[...], q, v_ref[...], do, lse_ref, delta_ref, q_pos_ref, k_pos_ref,
-                                  q_seg_ref, k_seg_ref, cfg, masked, base2=_base2(None, backward=True))
+                                  q_seg_ref, k_seg_ref, cfg, masked, base2=_base2(None))
         dv_sc[...] += _dot(pt.astype(do.dtype), do, _NN)  # dV_j += P^T dO_i
         dk_sc[...] += _dot(dst.astype(q.dtype), q, _NN)  # dK_j += dS^T Q_i (times the scale at the end)
 
@@ -607,12 +609,12 @@ def _bwd_fused_kernel(qb_ref, kb_ref, res_ref, bad_ref, qsb_ref, ksb_ref,
     @pl.when(j == 0)
     def _init_q():
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
-        q_sc[...] = _scaled(q_ref[...], _logit_scale(cfg, _base2(None, backward=True)))
+        q_sc[...] = _scaled(q_ref[...], _logit_scale(cfg, _base2(None)))
 
     def _fold(masked, qp=slice(None), kp=slice(None)):  # the tile, or its sub-tile (query rows qp, key rows kp)
         q, do, k = q_sc[qp, :], do_ref[qp, :], k_ref[kp, :]
         pt, dst = key_major_grads(k, q, v_ref[kp, :], do, lse_ref, delta_ref, q_pos_ref, k_pos_ref, q_seg_ref,
-                                  k_seg_ref, cfg, masked, part=(qp, kp), base2=_base2(None, backward=True))
+                                  k_seg_ref, cfg, masked, part=(qp, kp), base2=_base2(None))
         first, size = (0, bk) if kp.start is None else (kp.start, kp.stop - kp.start)
         rows = pl.ds(pl.multiple_of(j * bk + first, size), size)  # these keys' rows of the shard's dK, dV
         dv_sc[rows, :] += _dot(pt.astype(do.dtype), do, _NN)  # dV_j += P^T dO_i
