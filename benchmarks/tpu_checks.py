@@ -235,6 +235,9 @@ def main(argv=None):
     p.add_argument("--variant-causal", default="both", choices=["both", "true", "false"])
     p.add_argument("--variants", default=None, help=f"comma list of {', '.join(VARIANTS)} (default all)")
     args = p.parse_args(argv)
+    unknown = sorted(set((args.variants or "").split(",")) - set(VARIANTS) - {""})
+    if unknown:  # a renamed variant would otherwise time "shipped" alone
+        p.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     checks = set(args.checks.split(","))
     import jax
     if not args.dry_run and jax.default_backend() != "tpu":

@@ -86,6 +86,16 @@ def test_fused_backward_variants_dry_run(capsys):
             pallas_tpu.FULL_TILE_WHERE) == before
 
 
+def test_checks_reject_an_unknown_variant(capsys):
+    """``tpu_checks --variants`` with a name not in :data:`tpu_checks.VARIANTS` (one renamed since a run, say)
+    is an argparse error naming the flag and the choices, not a run of the shipped form alone."""
+    with pytest.raises(SystemExit) as exc:
+        tpu_checks.main(["--dry-run", "--checks", "variants", "--variants", "exp2,no_full_tile_where"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--variants: unknown no_full_tile_where" in err and "full_tile_where" in err.split("choose from")[1]
+
+
 def test_schedule_tool_rejects_bad_arguments_and_a_missing_libtpu(monkeypatch, capsys):
     """``benchmarks/schedule_tpu.py`` (its compiles are in tests/test_compile.py, libtpu needed): bad ``--heads``,
     ``--kinds`` and ``--set`` are argparse errors naming the flag; without libtpu importable it returns 2 and
