@@ -547,6 +547,50 @@ def test_tpu_kernels_mark_bad_keys_themselves(backward, monkeypatch):
     assert np.isnan(np.asarray(marked[0])[0, 200:]).all() and np.isfinite(np.asarray(marked[0])[0, :60]).all()
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_tpu_bad_tile_flags_are_set_where_a_tile_holds_a_nan_or_inf(dtype):
+    """`pallas_tpu._bad_tiles` (sums over runs of keys first, `_tile_zero_sums`): a tile is flagged iff it
+    holds a nan/inf in K or V (any head, any batch row), at either kernel's tile side, and where a finite
+    sum overflows (harmless: the next test); tiles of 128 keys, and a tile side that is not a multiple of 128."""
+    rng = np.random.default_rng(3)
+    b, s, hk, d = 2, 512, 2, 128
+    k, v = rng.standard_normal((b, s, hk, d)), rng.standard_normal((b, s, hk, d))
+    k[0, 130, 1, 5], v[1, 511, 0, 0], k[1, 0, 0, 127] = np.nan, -np.inf, np.inf
+    kv = KVShard(jnp.asarray(k, dtype), jnp.asarray(v, dtype), None, None)
+    assert pallas_tpu._bad_tiles(kv, 128).tolist() == [0, 1, 0, 0, 1, 0, 0, 1]
+    assert pallas_tpu._bad_tiles(kv, 256).tolist() == [1, 0, 1, 1]
+    assert pallas_tpu._bad_tiles(kv, 512).tolist() == [1, 1]
+    odd = KVShard(kv.k[:, :96], kv.v[:, :96], None, None)  # one tile of 96 keys (block_kv == sk), runs of 32
+    assert pallas_tpu._bad_tiles(odd, 96).tolist() == [0, 1]
+    big = np.asarray(jnp.finfo(dtype).max, np.float64)
+    huge = KVShard(jnp.full((1, 256, 1, d), big, dtype), jnp.zeros((1, 256, 1, d), dtype), None, None)
+    assert pallas_tpu._bad_tiles(huge, 128).tolist() == [1, 1]  # an overflowed sum: flagged, never missed
+
+
+def test_tpu_a_flagged_tile_without_a_bad_key_is_left_as_it_is(monkeypatch):
+    """A tile flagged with no nan/inf in it (a finite sum that overflowed) is marked in VMEM for nothing:
+    `_mark_tile` tests each key, so with every tile flagged every output equals the unflagged run's, bit for
+    bit (fused backward)."""
+    rng = np.random.default_rng(8)
+    b, s, hk, group, d = 1, 256, 1, 2, 128
+    pos = np.arange(s)[None]
+    normal = lambda *shape: rng.standard_normal(shape)  # noqa: E731
+    pb = hop_problem(normal(b, s, hk * group, d), normal(b, s, hk, d), normal(b, s, hk, d),
+                     normal(b, s, hk * group, d), pos, pos, scale=d ** -0.5, causal=True, block_q=128, block_kv=128)
+    plain = run_hop(pallas_tpu, pb, marked=False)
+    calls = []
+
+    def every_tile(kv, block_kv):
+        calls.append(block_kv)
+        return jnp.ones(kv.k.shape[0] * (kv.k.shape[1] // block_kv), jnp.int32)
+    monkeypatch.setattr(pallas_tpu, "_bad_tiles", every_tile)
+    jax.clear_caches()  # the kernels' jitted wrappers traced `_bad_tiles` as it was
+    flagged = run_hop(pallas_tpu, pb, marked=False)
+    assert calls, "the flags were not traced again"
+    for name, x, y in zip(("o", "lse", "dq", "dk", "dv"), flagged, plain):
+        np.testing.assert_array_equal(x, y, err_msg=name)
+
+
 @pytest.mark.slow
 @settings(max_examples=examples(3))
 @given(problems(batches=(1,), blocks=(128, 256), max_tiles=2, dims=(128,)))
