@@ -549,7 +549,7 @@ def test_tpu_kernels_mark_bad_keys_themselves(backward, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_tpu_bad_tile_flags_are_set_where_a_tile_holds_a_nan_or_inf(dtype):
-    """`pallas_tpu._bad_tiles` (sums over runs of keys first, `_tile_zero_sums`): a tile is flagged iff it
+    """`pallas_tpu._bad_tiles` (sums over runs of keys first): a tile is flagged iff it
     holds a nan/inf in K or V (any head, any batch row), at either kernel's tile side, and where a finite
     sum overflows (harmless: the next test); tiles of 128 keys, and a tile side that is not a multiple of 128."""
     rng = np.random.default_rng(3)

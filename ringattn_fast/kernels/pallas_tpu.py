@@ -221,32 +221,27 @@ def _split(cfg, prog, interpret):
 
 
 def _bad_tiles(kv, block_kv):
-    """int32 ``[b * n_kv]``: 1 where K/V tile j of batch row b holds a key with a nan/inf in its K or V (any
-    head; `_tile_zero_sums`), else 0. Such a tile is marked in VMEM by the kernel that loads it
-    (`_mark_tile`), so the ring hands these kernels K/V as given (``Impl.marks_keys``): marked in HBM
-    (``masks.mark_bad_keys``), K and V were copied once more, and the copies lived from the forward to
-    the backward (32 of the 105 MiB of temp of a 16K-token causal forward+backward on a v5e, 64 of 320 at
-    32K; JAX 0.10.2, 8 heads, d = 128, bf16; `tests/_tpu_compile.py memory`)."""
-    b, sk = kv.k.shape[:2]
-    sums = _tile_zero_sums(kv, block_kv)  # (b, n_kv, 1): 0, or NaN where the tile holds a bad key
-    return jnp.isnan(sums).astype(jnp.int32).reshape(-1)
+    """int32 ``[b * n_kv]``: 1 where K/V tile j of batch row b holds a nan/inf in its K or V (any head), else
+    0; 1 also where the tile's finite sum overflows (such a tile is marked for nothing: `_mark_tile` tests
+    each key exactly). Such a tile is marked in VMEM by the kernel that loads it (`_mark_tile`), so the ring
+    hands these kernels K/V as given (``Impl.marks_keys``): marked in HBM (``masks.mark_bad_keys``), K and V
+    were copied once more, and the copies lived from the forward to the backward (32 of the 105 MiB of temp
+    of a 16K-token causal forward+backward on a v5e, 64 of 320 at 32K; JAX 0.10.2, 8 heads, d = 128, bf16;
+    `tests/_tpu_compile.py memory`).
 
-
-def _tile_zero_sums(kv, block_kv):
-    """A float32 [b, sk // block_kv, 1]: ``sum(x) * 0`` over each K/V tile (K and V, every head), NaN where the
-    tile holds a nan/inf, and possibly where a finite sum overflows (such a tile is marked in VMEM for
-    nothing: `_mark_tile` tests each key exactly). Summed over keys first, in runs of :data:`LANES` (or
-    fewer) keys: adds of whole vectors, one pass over K and V, the same runs whatever the tile (the forward's
-    and the backward's tiles differ; XLA computes them once). Summed over d first (one value a key,
-    ``masks.bad_key_sums``), the cross-lane sums took 56 us for each of K and V on a v5e (8K tokens, 8
-    heads, d = 128, JAX 0.10.2), these runs 11 us; the default call's forward+backward, timed interleaved
-    against that form: 0.2-1.7 % faster at 8K and 16K tokens, the same outputs to the bit."""
+    K and V are summed over keys first, in runs of :data:`LANES` (or fewer) keys: adds of whole vectors, one
+    pass over each, the same runs whatever the tile (the forward's and the backward's tiles differ; XLA
+    computes them once). Summed over d first (``masks.bad_key_sums``, one value a key), the cross-lane sums
+    took 56 us for each of K and V on a v5e (8K tokens, 8 heads, d = 128, JAX 0.10.2), these runs 11 us; the
+    default call's forward+backward, timed interleaved against that form: 0.2-1.7 % faster at 8K and 16K
+    tokens, the same outputs to the bit."""
     b, sk = kv.k.shape[:2]
     run = math.gcd(block_kv, LANES)
     runs = lambda x: jnp.sum(x.reshape(b, sk // run, run, *x.shape[2:]), axis=2, dtype=jnp.float32)  # noqa: E731
     k_runs, v_runs = lax.optimization_barrier((runs(kv.k), runs(kv.v)))  # else XLA sums over d first again
     per_run = k_runs.reshape(b, sk // run, -1).sum(-1) + v_runs.reshape(b, sk // run, -1).sum(-1)
-    return jnp.sum(per_run.reshape(b, sk // block_kv, -1), axis=-1, keepdims=True) * 0.0
+    per_tile = per_run.reshape(b, sk // block_kv, -1).sum(-1)  # (b, n_kv): inf or NaN where flagged
+    return (~jnp.isfinite(per_tile)).astype(jnp.int32).reshape(-1)
 
 
 def _mark_tile(flag, k_ref, v_ref):
