@@ -21,7 +21,7 @@ causal skipping.
    identity (a diagnostic, wrong for a bad key: what that test costs), and with partial tiles whole or
    split 4 x 4 instead of 2 x 2 (``pallas_tpu.SPLIT``), with base-2 logits (``pallas_tpu.EXP2``), and with
    dS zeroed where P is 0 on full tiles too (``FULL_TILE_WHERE``, the form shipped until the chip timed it),
-   each compiled ahead with its setting in place and timed interleaved; 8 heads, ``--variant-seqs``,
+   and with the tiles unchunked or in other chunks (``FWD_ROW_CHUNK``, ``BWD_KEY_CHUNK``), each compiled ahead with its setting in place and timed interleaved; 8 heads, ``--variant-seqs``,
    ``--variant-causal``, ``--variants`` (names).
 
 One JSON object per check to stdout, a line each to stderr.
@@ -189,7 +189,9 @@ def mark_bad_variants(seq, heads, dim, repeats):
 
 VARIANTS = {"shipped": {}, "dq_cast": dict(DQ_FORM="cast"), "dq_tn": dict(DQ_FORM="tn"),
             "no_finite_keys": dict(finite_keys=lambda k: k), "whole_tiles": dict(SPLIT=1), "split4": dict(SPLIT=4),
-            "exp2": dict(EXP2=True), "full_tile_where": dict(FULL_TILE_WHERE=True)}
+            "exp2": dict(EXP2=True), "full_tile_where": dict(FULL_TILE_WHERE=True),
+            "whole_tiles_unchunked": dict(FWD_ROW_CHUNK=0, BWD_KEY_CHUNK=0), "bwd_keys128": dict(BWD_KEY_CHUNK=128),
+            "fwd_rows1024": dict(FWD_ROW_CHUNK=1024)}
 
 
 def variants(seq, heads, dim, causal, repeats, dry_run=False, names=None):

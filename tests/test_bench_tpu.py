@@ -70,7 +70,8 @@ def test_fused_backward_variants_dry_run(capsys):
     gives the shipped outputs, partial tiles whole or split 4 x 4 nearly so, base-2 logits (``EXP2``) too,
     and the module's settings are restored after the check."""
     from ringattn_fast.kernels import pallas_tpu
-    before = pallas_tpu.DQ_FORM, pallas_tpu.finite_keys, pallas_tpu.SPLIT, pallas_tpu.EXP2, pallas_tpu.FULL_TILE_WHERE
+    before = (pallas_tpu.DQ_FORM, pallas_tpu.finite_keys, pallas_tpu.SPLIT, pallas_tpu.EXP2, pallas_tpu.FULL_TILE_WHERE,
+              pallas_tpu.FWD_ROW_CHUNK, pallas_tpu.BWD_KEY_CHUNK)
     assert tpu_checks.main(["--dry-run", "--checks", "variants", "--variant-causal", "true"]) == 0  # sub-tiles need a mask
     rows = _json_lines(capsys.readouterr().out)
     assert [r["causal"] for r in rows] == [True]
@@ -82,8 +83,10 @@ def test_fused_backward_variants_dry_run(capsys):
         assert r["max_diff"]["whole_tiles"] <= 1.6e-2 and r["max_diff"]["split4"] <= 1.6e-2, r
         # base-2 logits round differently (bf16 outputs within an ulp); the full tiles' where changes no value here
         assert r["max_diff"]["exp2"] <= 1.6e-2 and r["max_diff"]["full_tile_where"] == 0, r
+        # chunks add in another order (none here at the dry run's small tiles: the same outputs)
+        assert all(r["max_diff"][n] <= 1.6e-2 for n in ("whole_tiles_unchunked", "bwd_keys128", "fwd_rows1024")), r
     assert (pallas_tpu.DQ_FORM, pallas_tpu.finite_keys, pallas_tpu.SPLIT, pallas_tpu.EXP2,
-            pallas_tpu.FULL_TILE_WHERE) == before
+            pallas_tpu.FULL_TILE_WHERE, pallas_tpu.FWD_ROW_CHUNK, pallas_tpu.BWD_KEY_CHUNK) == before
 
 
 def test_checks_reject_an_unknown_variant(capsys):

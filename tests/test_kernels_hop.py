@@ -637,6 +637,48 @@ def test_tpu_base2_logits_and_unmasked_full_tile_grads(backward, block, exp2, wh
         assert_matches_oracle(run_hop(pallas_tpu, pb, marked=False), run_oracle(pb), TOL)
 
 
+def test_tpu_chunked_tiles_equal_the_oracle(monkeypatch):
+    """The forward's row chunks and the fused backward's key chunks (``pallas_tpu.FWD_ROW_CHUNK``,
+    ``BWD_KEY_CHUNK``; on a chip 512 of a 2048-query tile and 256 of a 1024-key one, here 32 of 128) equal
+    the float64 oracle, forward and gradients: full tiles chunked, partial ones by their sub-tiles (and
+    chunked where a tile is not split), causal and windowed, GQA, with a NaN and an inf key the ring hands
+    over unmarked. The chunking is traced (each kernel asks `_chunks` for more than one slice)."""
+    asked = []
+
+    def chunks(size, chunk):
+        got = real(size, chunk)
+        asked.append((size, chunk, len(got)))
+        return got
+    real = pallas_tpu._chunks
+    monkeypatch.setattr(pallas_tpu, "_chunks", chunks)
+    monkeypatch.setattr(pallas_tpu, "FWD_ROW_CHUNK", 32)
+    monkeypatch.setattr(pallas_tpu, "BWD_KEY_CHUNK", 32)
+    jax.clear_caches()  # the kernels' jitted wrappers may hold traces of the shipped chunks
+    try:
+        rng = np.random.default_rng(29)
+        b, block, hk, group, d = 1, 128, 1, 2, 128
+        s = 3 * block
+        pos = np.arange(s)[None]
+        k, v = rng.standard_normal((b, s, hk, d)), rng.standard_normal((b, s, hk, d))
+        k[0, s // 2 + 3, 0, 5], v[0, s // 4, 0, 7] = np.inf, np.nan
+        normal = lambda *shape: rng.standard_normal(shape)  # noqa: E731
+        for mask, block_kv in ((dict(causal=True), block), (dict(window=(block + 8, 0)), block), ({}, 3 * block)):
+            pb = hop_problem(normal(b, s, hk * group, d), k, v, normal(b, s, hk * group, d), pos, pos,
+                             scale=d ** -0.5, block_q=block, block_kv=block_kv, **mask)
+            assert_matches_oracle(run_hop(pallas_tpu, pb, marked=False), run_oracle(pb), TOL)
+    finally:  # no later test may meet a trace of these chunks
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert (block, 32, 4) in asked and (3 * block, 32, 12) in asked, asked
+
+
+def test_chunks_are_whole_where_they_do_not_divide_the_tile():
+    """`pallas_tpu._chunks`: runs of ``chunk`` rows where it divides the tile and is smaller, else the tile whole."""
+    assert pallas_tpu._chunks(2048, 512) == [slice(0, 512), slice(512, 1024), slice(1024, 1536), slice(1536, 2048)]
+    for size, chunk in ((256, 0), (256, 256), (256, 512), (384, 256)):
+        assert pallas_tpu._chunks(size, chunk) == [slice(None)], (size, chunk)
+
+
 @pytest.mark.slow
 @settings(max_examples=examples(3))
 @given(problems(batches=(1,), blocks=(128, 256), max_tiles=2, dims=(128,)), st.sampled_from(["fused", "key_major"]))
