@@ -21,8 +21,9 @@ causal skipping.
    identity (a diagnostic, wrong for a bad key: what that test costs), and with partial tiles whole or
    split 4 x 4 instead of 2 x 2 (``pallas_tpu.SPLIT``), with base-2 logits (``pallas_tpu.EXP2``), and with
    dS zeroed where P is 0 on full tiles too (``FULL_TILE_WHERE``, the form shipped until the chip timed it),
-   and with the tiles unchunked or in other chunks (``FWD_ROW_CHUNK``, ``BWD_KEY_CHUNK``), each compiled ahead with its setting in place and timed interleaved; 8 heads, ``--variant-seqs``,
-   ``--variant-causal``, ``--variants`` (names).
+   and with the tiles unchunked or in other chunks (``FWD_ROW_CHUNK``, ``BWD_KEY_CHUNK``), each compiled
+   ahead with its setting in place and timed interleaved; 8 heads, ``--variant-seqs``, ``--variant-causal``,
+   ``--variants`` (names).
 
 One JSON object per check to stdout, a line each to stderr.
 """

@@ -70,8 +70,8 @@ def test_fused_backward_variants_dry_run(capsys):
     gives the shipped outputs, partial tiles whole or split 4 x 4 nearly so, base-2 logits (``EXP2``) too,
     and the module's settings are restored after the check."""
     from ringattn_fast.kernels import pallas_tpu
-    before = (pallas_tpu.DQ_FORM, pallas_tpu.finite_keys, pallas_tpu.SPLIT, pallas_tpu.EXP2, pallas_tpu.FULL_TILE_WHERE,
-              pallas_tpu.FWD_ROW_CHUNK, pallas_tpu.BWD_KEY_CHUNK)
+    before = (pallas_tpu.DQ_FORM, pallas_tpu.finite_keys, pallas_tpu.SPLIT, pallas_tpu.EXP2,
+              pallas_tpu.FULL_TILE_WHERE, pallas_tpu.FWD_ROW_CHUNK, pallas_tpu.BWD_KEY_CHUNK)
     assert tpu_checks.main(["--dry-run", "--checks", "variants", "--variant-causal", "true"]) == 0  # sub-tiles need a mask
     rows = _json_lines(capsys.readouterr().out)
     assert [r["causal"] for r in rows] == [True]

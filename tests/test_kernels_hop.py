@@ -640,9 +640,10 @@ def test_tpu_base2_logits_and_unmasked_full_tile_grads(backward, block, exp2, wh
 def test_tpu_chunked_tiles_equal_the_oracle(monkeypatch):
     """The forward's row chunks and the fused backward's key chunks (``pallas_tpu.FWD_ROW_CHUNK``,
     ``BWD_KEY_CHUNK``; on a chip 512 of a 2048-query tile and 256 of a 1024-key one, here 32 of 128) equal
-    the float64 oracle, forward and gradients: full tiles chunked, partial ones by their sub-tiles (and
-    chunked where a tile is not split), causal and windowed, GQA, with a NaN and an inf key the ring hands
-    over unmarked. The chunking is traced (each kernel asks `_chunks` for more than one slice)."""
+    the float64 oracle, forward and gradients: full tiles chunked, partial ones by their sub-tiles, or
+    chunked and masked where tiles are not split (``SPLIT = 1``), causal and windowed, GQA, with a NaN and an
+    inf key the ring hands over unmarked. The chunking is traced (each kernel asks `_chunks` for more than
+    one slice)."""
     asked = []
 
     def chunks(size, chunk):
@@ -662,7 +663,10 @@ def test_tpu_chunked_tiles_equal_the_oracle(monkeypatch):
         k, v = rng.standard_normal((b, s, hk, d)), rng.standard_normal((b, s, hk, d))
         k[0, s // 2 + 3, 0, 5], v[0, s // 4, 0, 7] = np.inf, np.nan
         normal = lambda *shape: rng.standard_normal(shape)  # noqa: E731
-        for mask, block_kv in ((dict(causal=True), block), (dict(window=(block + 8, 0)), block), ({}, 3 * block)):
+        for mask, block_kv, split in ((dict(causal=True), block, 2), (dict(window=(block + 8, 0)), block, 2),
+                                      ({}, 3 * block, 2), (dict(causal=True), block, 1)):
+            monkeypatch.setattr(pallas_tpu, "SPLIT", split)
+            jax.clear_caches()  # a trace at the other SPLIT would be reused: the call's key does not hold it
             pb = hop_problem(normal(b, s, hk * group, d), k, v, normal(b, s, hk * group, d), pos, pos,
                              scale=d ** -0.5, block_q=block, block_kv=block_kv, **mask)
             assert_matches_oracle(run_hop(pallas_tpu, pb, marked=False), run_oracle(pb), TOL)
