@@ -676,6 +676,29 @@ def test_tpu_chunked_tiles_equal_the_oracle(monkeypatch):
     assert (block, 32, 4) in asked and (3 * block, 32, 12) in asked, asked
 
 
+@pytest.mark.slow
+@settings(max_examples=examples(3))
+@given(problems(batches=(1, 2), blocks=(128, 256), max_tiles=2, dims=(128,)), st.sampled_from([1, 2]))
+def test_tpu_chunked_tiles_on_drawn_problems(pb, split):
+    """Property: with the tiles in chunks of 32 rows / keys (``FWD_ROW_CHUNK``, ``BWD_KEY_CHUNK``) and partial
+    tiles sub-tiled or not (``SPLIT``), drawn lane-dense hops (any layout, causal, window and segment mix,
+    GQA, batch 2; K/V unmarked, with a NaN V and an inf K) equal the float64 oracle, forward and gradients."""
+    k, v = np.array(pb["k"]), np.array(pb["v"])
+    k[0, k.shape[1] // 2, 0, 5], v[0, k.shape[1] // 4, 0, 7] = np.inf, np.nan
+    pb = dict(pb, k=jnp.asarray(k), v=jnp.asarray(v))
+    flags = dict(FWD_ROW_CHUNK=32, BWD_KEY_CHUNK=32, SPLIT=split)
+    saved = {name: getattr(pallas_tpu, name) for name in flags}
+    try:
+        for name, value in flags.items():
+            setattr(pallas_tpu, name, value)
+        jax.clear_caches()  # the kernels' traces are keyed on the call, not on these settings
+        assert_matches_oracle(run_hop(pallas_tpu, pb, marked=False), run_oracle(pb), TOL)
+    finally:
+        for name, value in saved.items():
+            setattr(pallas_tpu, name, value)
+        jax.clear_caches()
+
+
 def test_chunks_are_whole_where_they_do_not_divide_the_tile():
     """`pallas_tpu._chunks`: runs of ``chunk`` rows where it divides the tile and is smaller, else the tile whole."""
     assert pallas_tpu._chunks(2048, 512) == [slice(0, 512), slice(512, 1024), slice(1024, 1536), slice(1536, 2048)]
