@@ -62,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--no-fused", action="store_true", help="skip the fused kernel column")
     p.add_argument("--no-xla", action="store_true", help="skip the jax.nn column")
     p.add_argument("--repeats", type=int, help="timed calls, median kept (default 5; dry run 1)")
+    p.add_argument("--interleave", action="store_true",
+                   help="also time every kind's fwd+bwd interleaved with the others' (ratios free of drift between kinds)")
     p.add_argument("--budget-s", type=float, default=480.0, help="skip the rows left after this many seconds")
     args = p.parse_args(argv)
     dry = args.dry_run
@@ -182,7 +184,7 @@ def run_row(args, seq, h, hk, causal):
     fns = functions(args, seq, h, hk, causal)
     native = lambda x: x.swapaxes(1, 2)  # noqa: E731
     flat = lambda x: x.reshape(x.shape[:2] + (-1,))  # noqa: E731
-    inputs = {}
+    inputs, calls = {}, {}
     for kind, (fwd, fb, *bshd) in fns.items():
         data = ((native(q * d ** -0.5), native(k), native(v), native(do)) if kind.startswith("splash") else
                 tuple(flat(x) for x in (q, k, v, do)) if kind == "native" else (q, k, v, do))
@@ -196,7 +198,7 @@ def run_row(args, seq, h, hk, causal):
             outs = (native(outs[0]), native(outs[1]) * d ** -0.5) + tuple(native(x) for x in outs[2:])
         if kind == "native":
             outs = tuple(x.reshape(x.shape[:2] + (-1, d)) for x in outs)
-        inputs[kind] = outs
+        inputs[kind], calls[kind] = outs, partial(fb, *data)
         row["ms"][kind] = (1e3 * t_fwd, 1e3 * t_fb)
         row["tflops"][kind] = (flops_fwd / t_fwd / 1e12, flops_fb / t_fb / 1e12)
         row["temp_mib"][kind] = temp_mib(fb, data)
@@ -205,6 +207,7 @@ def run_row(args, seq, h, hk, causal):
             jax.block_until_ready(b_fb(q, k, v, do))
             t_bfwd, t_bfb = time_interleaved([partial(b_fwd, q, k, v, do), partial(b_fb, q, k, v, do)], args.repeats, 1)
             row["ms"][kind + "_bshd"] = (1e3 * t_bfwd, 1e3 * t_bfb)
+            calls[kind + "_bshd"] = partial(b_fb, q, k, v, do)
             row["tflops"][kind + "_bshd"] = (flops_fwd / t_bfwd / 1e12, flops_fb / t_bfb / 1e12)
             row["temp_mib"][kind + "_bshd"] = temp_mib(b_fb, (q, k, v, do))
     splash = [kind for kind in row["tflops"] if kind.startswith("splash") and not kind.endswith("_bshd")]
@@ -223,7 +226,25 @@ def run_row(args, seq, h, hk, causal):
             row["splash_best_bshd"] = best_bshd
             row["ratio_ours_bshd"] = row["tflops"]["ours"][1] / row["tflops"][best_bshd][1]
         row["mem_ratio"] = row["temp_mib"].get("ours", 0) / max(row["temp_mib"].get(best + "_bshd", 0), 1e-9)
+    if args.interleave and calls:
+        interleaved(row, calls, args.repeats)
     return row
+
+
+def interleaved(row, calls, repeats):
+    """``--interleave``: every kind's fwd+bwd timed in one interleaved loop (``benchmarks.timing``), so a drift
+    of the chip between kinds cannot move their ratios: ``ms_interleaved`` and, against the fastest splash of
+    that loop, ``ratio_interleaved`` (ours, native, fused; ``ours_bshd``: ours over splash from [b, s, h, d])."""
+    names = list(calls)
+    times = dict(zip(names, (1e3 * t for t in time_interleaved([calls[n] for n in names], repeats, 1))))
+    row["ms_interleaved"] = times
+    fastest = lambda kinds: min(kinds, key=times.get) if kinds else None  # noqa: E731
+    own = fastest([n for n in names if n.startswith("splash") and not n.endswith("_bshd")])
+    bshd = fastest([n for n in names if n.startswith("splash") and n.endswith("_bshd")])
+    ratios = {kind: times[own] / times[kind] for kind in ("ours", "native", "tiles", "fused") if own and kind in times}
+    if bshd and "ours" in times:
+        ratios["ours_bshd"] = times[bshd] / times["ours"]
+    row["ratio_interleaved"] = ratios
 
 
 HEADER = (f"{'seq':>6} {'heads':>5} {'causal':>6} | {'ours':>6} {'native':>6} {'tiles':>6} {'fused':>6} {'splash':>6} "
@@ -285,6 +306,10 @@ def main(argv=None):
     print(f"# {len(done)}/{len(rows)} rows; min ours/splash fwd+bwd = {summary['min_ratio_ours']} (own layouts: "
           f"{summary['min_ratio_native']}); max temp "
           f"ratio = {summary['max_mem_ratio']}; {summary['seconds']:.0f} s", file=err)
+    for r in rows:
+        if "ratio_interleaved" in r:
+            print(f"# interleaved {r['seq']} {r['heads']}/{r['kv_heads']} causal={r['causal']}: "
+                  + " ".join(f"{k}={v:.3f}" for k, v in r["ratio_interleaved"].items()), file=err)
     return 0
 
 

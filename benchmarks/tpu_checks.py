@@ -23,7 +23,9 @@ causal skipping.
    dS zeroed where P is 0 on full tiles too (``FULL_TILE_WHERE``, the form shipped until the chip timed it),
    and with the tiles unchunked or in other chunks (``FWD_ROW_CHUNK``, ``BWD_KEY_CHUNK``), each compiled
    ahead with its setting in place and timed interleaved; 8 heads, ``--variant-seqs``, ``--variant-causal``,
-   ``--variants`` (names).
+   ``--variants`` (names). ``--variant-path fused`` times the fused ring's kernels instead (on a ring of one,
+   at the tiles ``ring_attention`` gives them on a larger ring, as ``bench_tpu``'s "fused" column), which
+   read the same settings.
 
 One JSON object per check to stdout, a line each to stderr.
 """
@@ -192,13 +194,33 @@ VARIANTS = {"shipped": {}, "dq_cast": dict(DQ_FORM="cast"), "dq_tn": dict(DQ_FOR
             "no_finite_keys": dict(finite_keys=lambda k: k), "whole_tiles": dict(SPLIT=1), "split4": dict(SPLIT=4),
             "exp2": dict(EXP2=True), "full_tile_where": dict(FULL_TILE_WHERE=True),
             "whole_tiles_unchunked": dict(FWD_ROW_CHUNK=0, BWD_KEY_CHUNK=0), "bwd_keys128": dict(BWD_KEY_CHUNK=128),
-            "fwd_rows1024": dict(FWD_ROW_CHUNK=1024)}
+            "fwd_rows1024": dict(FWD_ROW_CHUNK=1024), "fwd_unchunked": dict(FWD_ROW_CHUNK=0),
+            "bwd_unchunked": dict(BWD_KEY_CHUNK=0)}
 
 
-def variants(seq, heads, dim, causal, repeats, dry_run=False, names=None):
-    """ms of the default forward+backward under each of :data:`VARIANTS` (``names`` of them, "shipped" always;
-    ``pallas_tpu`` attributes set while the program is traced and compiled), and each one's max |difference|
-    from the shipped outputs."""
+def fused_on_one_chip(mesh, causal, shape, dtype, interpret=None):
+    """The fused ring's forward (differentiable) on a ring of one: ``fused_ring_attention_shard`` in a
+    ``shard_map`` over ``mesh``, at the tiles ``ring_attention`` would give it on a larger ring
+    (``pallas_tpu_fused.default_blocks``; None when interpreted)."""
+    import jax
+    import jax.numpy as jnp
+    from ringattn_fast.kernels import pallas_tpu_fused
+    from ringattn_fast.schedule import HopConfig, KVShard, QShard
+    tiles = pallas_tpu_fused.default_blocks(shape, shape, dtype, mesh.devices.flat[0], n=1) or (None, None)
+
+    def fused(q, k, v):
+        pos = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32)[None], q.shape[:2])
+        return pallas_tpu_fused.fused_ring_attention_shard(
+            QShard(q, pos), KVShard(k, v, pos), HopConfig(causal=causal, block_q=tiles[0], block_kv=tiles[1]),
+            axis_name="sp", interpret=interpret)
+    spec = jax.P(None, "sp")
+    return jax.shard_map(fused, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+
+
+def variants(seq, heads, dim, causal, repeats, dry_run=False, names=None, path="default"):
+    """ms of the default forward+backward (``path="fused"``: the fused ring's, `fused_on_one_chip`) under each
+    of :data:`VARIANTS` (``names`` of them, "shipped" always; ``pallas_tpu`` attributes set while the program
+    is traced and compiled), and each one's max |difference| from the shipped outputs."""
     import jax
     import jax.numpy as jnp
     import ringattn_fast as rf
@@ -206,6 +228,8 @@ def variants(seq, heads, dim, causal, repeats, dry_run=False, names=None):
     mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
     x = jax.random.normal(jax.random.key(seq), (1, seq, heads, dim), jnp.bfloat16)
     attn = partial(rf.ring_attention, mesh=mesh, causal=causal, **(dict(impl="pallas_tpu") if dry_run else {}))
+    if path == "fused":
+        attn = fused_on_one_chip(mesh, causal, x.shape, x.dtype, interpret=True if dry_run else None)
     compiled, outs = {}, {}
     for name, patch in VARIANTS.items():
         if names is not None and name != "shipped" and name not in names:
@@ -224,7 +248,7 @@ def variants(seq, heads, dim, causal, repeats, dry_run=False, names=None):
     times = time_interleaved([partial(compiled[n], x) for n in compiled], repeats, 1)
     diff = {n: max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
                    for a, b in zip(outs[n], outs["shipped"])) for n in outs}
-    return dict(check="variants", seq=seq, heads=heads, dim=dim, causal=causal,
+    return dict(check="variants", path=path, seq=seq, heads=heads, dim=dim, causal=causal,
                 ms={n: 1e3 * t for n, t in zip(compiled, times)}, max_diff=diff)
 
 
@@ -236,6 +260,8 @@ def main(argv=None):
     p.add_argument("--overhead-seqs", default=None, help="comma list (default 8192,16384)")
     p.add_argument("--variant-seqs", default=None, help="comma list (default 8192,16384)")
     p.add_argument("--variant-causal", default="both", choices=["both", "true", "false"])
+    p.add_argument("--variant-path", default="default", choices=["default", "fused"],
+                   help="time the default call (the per-hop kernel on one chip) or the fused ring's kernels")
     p.add_argument("--variants", default=None, help=f"comma list of {', '.join(VARIANTS)} (default all)")
     args = p.parse_args(argv)
     unknown = sorted(set((args.variants or "").split(",")) - set(VARIANTS) - {""})
@@ -262,7 +288,7 @@ def main(argv=None):
         causals = {"both": (False, True), "true": (True,), "false": (False,)}[args.variant_causal]
         names = None if args.variants is None else set(args.variants.split(","))
         jobs += [partial(variants, s, 2 if args.dry_run else 8, dim, causal, 1 if args.dry_run else 10, args.dry_run,
-                         names) for s in seqs for causal in causals]
+                         names, args.variant_path) for s in seqs for causal in causals]
     ok = True
     for job in jobs:  # printed as each finishes: a run cut short keeps what it measured
         row = job()

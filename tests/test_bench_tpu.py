@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from benchmarks import bench_tpu, tpu_checks, tune_tpu
+from helpers import needs_fused_interpreter
 
 
 def _json_lines(out):
@@ -38,7 +39,7 @@ def test_without_a_tpu_and_no_dry_run_says_so(capsys):
 def test_bench_dry_run(capsys):
     """One row: ours (the per-hop kernel, interpreted), splash (interpreted), jax.nn; TFLOP/s, temp MiB,
     errors against splash within bf16 rounding."""
-    assert bench_tpu.main(["--dry-run", "--heads", "4/2", "--causal", "true", "--no-fused"]) == 0
+    assert bench_tpu.main(["--dry-run", "--heads", "4/2", "--causal", "true", "--no-fused", "--interleave"]) == 0
     out, err = capsys.readouterr()
     rows = _json_lines(out)
     (row,), summary = rows[:-1], rows[-1]
@@ -48,6 +49,9 @@ def test_bench_dry_run(capsys):
     assert max(row["max_err"]["ours"]) < 0.05, row["max_err"]  # bf16 outputs against splash's
     assert max(row["max_err"]["native"]) < 0.05 and "ratio_native" in row, row["max_err"]  # [b, s, h * d] in and out
     assert "ours/spl" in err and "nat/spl" in err and "splash128" in err and summary["min_ratio_native"] > 0
+    # --interleave: every kind's fwd+bwd timed in one loop, ratios against the fastest splash of that loop
+    assert set(row["ms_interleaved"]) == {"ours", "native", "splash128", "splash128_bshd", "xla"}, row["ms_interleaved"]
+    assert set(row["ratio_interleaved"]) == {"ours", "native", "ours_bshd"} and "# interleaved 256 4/2" in err
 
 
 @pytest.mark.slow
@@ -72,11 +76,14 @@ def test_fused_backward_variants_dry_run(capsys):
     from ringattn_fast.kernels import pallas_tpu
     before = (pallas_tpu.DQ_FORM, pallas_tpu.finite_keys, pallas_tpu.SPLIT, pallas_tpu.EXP2,
               pallas_tpu.FULL_TILE_WHERE, pallas_tpu.FWD_ROW_CHUNK, pallas_tpu.BWD_KEY_CHUNK)
-    assert tpu_checks.main(["--dry-run", "--checks", "variants", "--variant-causal", "true"]) == 0  # sub-tiles need a mask
+    # all but the chunk forms one at a time (whole_tiles_unchunked has both; the fused ring's dry run times one)
+    names = [n for n in tpu_checks.VARIANTS if n not in ("shipped", "fwd_unchunked", "bwd_unchunked")]
+    assert tpu_checks.main(["--dry-run", "--checks", "variants", "--variant-causal", "true",  # sub-tiles need a mask
+                            "--variants", ",".join(names)]) == 0
     rows = _json_lines(capsys.readouterr().out)
     assert [r["causal"] for r in rows] == [True]
     for r in rows:
-        assert set(r["ms"]) == set(tpu_checks.VARIANTS)
+        assert set(r["ms"]) == {"shipped", *names}
         # a transpose is exact; the "tn" matmul may add in another order on CPU (5.8e-11 seen in CI)
         assert r["max_diff"]["dq_cast"] == 0 and r["max_diff"]["dq_tn"] < 1e-6, r
         # sub-tiles change the order of the online softmax: bfloat16 outputs within an ulp or so
@@ -87,6 +94,21 @@ def test_fused_backward_variants_dry_run(capsys):
         assert all(r["max_diff"][n] <= 1.6e-2 for n in ("whole_tiles_unchunked", "bwd_keys128", "fwd_rows1024")), r
     assert (pallas_tpu.DQ_FORM, pallas_tpu.finite_keys, pallas_tpu.SPLIT, pallas_tpu.EXP2,
             pallas_tpu.FULL_TILE_WHERE, pallas_tpu.FWD_ROW_CHUNK, pallas_tpu.BWD_KEY_CHUNK) == before
+
+
+@pytest.mark.slow
+@needs_fused_interpreter
+def test_variants_on_the_fused_ring_dry_run(capsys):
+    """``tpu_checks --checks variants --variant-path fused``: the fused ring's kernels on a ring of one, shipped and
+    with its backward's key chunks off (``pallas_tpu.BWD_KEY_CHUNK``, which it reads too), interpreted."""
+    from ringattn_fast.kernels import pallas_tpu
+    before = pallas_tpu.FWD_ROW_CHUNK, pallas_tpu.BWD_KEY_CHUNK
+    assert tpu_checks.main(["--dry-run", "--checks", "variants", "--variant-path", "fused", "--variant-causal", "true",
+                            "--variants", "whole_tiles_unchunked,bwd_unchunked"]) == 0
+    (row,) = _json_lines(capsys.readouterr().out)
+    assert row["path"] == "fused" and set(row["ms"]) == {"shipped", "whole_tiles_unchunked", "bwd_unchunked"}, row
+    assert max(row["max_diff"].values()) <= 1.6e-2, row
+    assert (pallas_tpu.FWD_ROW_CHUNK, pallas_tpu.BWD_KEY_CHUNK) == before
 
 
 def test_checks_reject_an_unknown_variant(capsys):

@@ -208,6 +208,39 @@ def test_partial_tiles_run_as_sub_tiles(layout):
     assert_matches(got, oracle(q, k, v, do, dlse, pos, pos, seg, seg, **kw))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "permuted"])
+def test_chunked_tiles_match_oracle(layout, monkeypatch):
+    """Full tiles of the one-pass backward in key chunks, as the per-hop kernel's (``pallas_tpu.BWD_KEY_CHUNK``;
+    here 8 of 16), partial tiles by their sub-tiles; causal + window + segment ids + GQA and a NaN and an inf
+    key on 2 devices against the oracle. The chunking is traced (`pallas_tpu._chunks` gives two slices)."""
+    from ringattn_fast.kernels import pallas_tpu
+    asked, real = [], pallas_tpu._chunks
+
+    def chunks(size, chunk):
+        got = real(size, chunk)
+        asked.append((size, chunk, len(got)))
+        return got
+    monkeypatch.setattr(pallas_tpu, "_chunks", chunks)
+    monkeypatch.setattr(pallas_tpu, "BWD_KEY_CHUNK", 8)
+    jax.clear_caches()  # traces of the shipped chunks would be reused: the call's key does not hold them
+    try:
+        n, b, s, h, hk, d = 2, 1, 64, 2, 1, 8
+        rng = np.random.default_rng(11)
+        q, do = (rng.standard_normal((b, s, h, d)).astype(np.float32) for _ in range(2))
+        k, v = (rng.standard_normal((b, s, hk, d)).astype(np.float32) for _ in range(2))
+        k[0, 40, 0, 3], v[0, 9, 0, 1] = np.inf, np.nan
+        pos = (np.arange(s) if layout == "contiguous" else rng.permutation(s)).astype(np.int32)[None]
+        seg = (pos >= 45).astype(np.int32)
+        dlse = rng.standard_normal((b, h, s)).astype(np.float32)
+        kw = dict(scale=0.4, causal=True, window=(40, -1))
+        got = run_fused(n, q, k, v, do, dlse, pos, pos, seg, seg, block_q=16, block_kv=16, **kw)
+        assert_matches(got, oracle(q, k, v, do, dlse, pos, pos, seg, seg, **kw))
+    finally:  # no later test may meet a trace of these chunks
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert (16, 8, 2) in asked, asked
+
+
 def test_check_vma_and_rows_that_see_nothing():
     """Under shard_map(check_vma=True); keys placed after some queries (causal) leave those rows
     empty: o = 0, lse = -inf, zero finite gradients."""

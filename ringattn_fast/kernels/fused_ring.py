@@ -119,16 +119,21 @@ def tile_empty(cfg, tables, shape, *, kv_idx, bi, i, j):
     return jnp.bool_(False) if empty is None else empty
 
 
-def by_kind(cfg, tables, shape, body, *, kv_idx, bi, i, j, split=1, sub_tables=None):
+def by_kind(cfg, tables, shape, body, *, kv_idx, bi, i, j, split=1, sub_tables=None, chunks=None):
     """`tiles.by_kind` for a tile the caller has proved not empty (`tile_empty`): ``body(False)`` (no built-in
     mask computed) where `masks.bounds_full` proves every pair visible, ``body(True)`` on a partial tile;
     without a built-in mask, ``body(False)``. With ``split`` > 1 a partial tile runs as ``split`` x ``split``
     sub-tiles (`tiles.sub_tiles`), each by its own kind from ``sub_tables`` (`schedule`'s ``q_sub``,
     ``k_sub``): ``body(masked, query rows, key rows)`` with static slices, an empty sub-tile skipped (on a
-    causal diagonal, a quarter of the tile at ``split`` = 2)."""
+    causal diagonal, a quarter of the tile at ``split`` = 2). ``chunks``: (query rows, key rows) static
+    slices that a tile not split runs as, ``body(masked, rows, keys)`` each (`pallas_tpu._chunks`)."""
     hop = cfg.hop
 
     def compute(masked):
+        if chunks is not None and (not masked or split == 1):
+            for rows, keys in chunks:
+                body(masked, rows, keys)
+            return
         if not masked or split == 1:
             body(masked)
             return

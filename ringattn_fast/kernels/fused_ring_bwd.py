@@ -34,6 +34,7 @@ from ringattn_fast.kernels.fused_ring import I32
 from ringattn_fast.kernels.fused_tiles import (ANY, LANES, SUBLANES, consts, dot, fused_call, kernel_shape, key_tiles,
                                                lanes, logits, outputs, query_head, ring_buffers, sub_split, unflatten,
                                                vmem)
+from ringattn_fast.kernels import pallas_tpu
 from ringattn_fast.kernels.pallas_tpu import key_major_grads
 from ringattn_fast.kernels.tiles import finite_keys, same_vma
 from ringattn_fast.masks import masked_grad
@@ -137,6 +138,12 @@ def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
     n, slot, first = ring.n, ring.slot, ring.step == 0
     tables, shape, count = (qb_ref, kb_ref), (b, nq, nk), group * nq  # count: Q tiles of one head group
     rows = lambda i: pl.ds(i * I32(bq), bq)  # noqa: E731
+    # A tile not split runs as key chunks, as the per-hop fused backward's (`pallas_tpu.BWD_KEY_CHUNK`): each adds
+    # its keys' dK/dV rows and its share of dQ_i. On a v5e (ring of one, 1024 x 1024 tiles, 8 heads, bf16;
+    # `tpu_checks --checks variants --variant-path fused`, 2026-12-07) 256-key chunks took 0.4-3.5 % off the
+    # forward+backward at 8K and 16K tokens (the forward's 1024-query tile in 512-row chunks did not help: -0.6 to
+    # +0.5 %, so `fused_ring_fwd` runs its tiles whole).
+    chunks = [(slice(None), keys) for keys in pallas_tpu._chunks(bk, pallas_tpu.BWD_KEY_CHUNK)]
 
     def dkv_sends(bi, kv_head):  # this (batch row, kv head)'s dK, dV: my slot -> the right neighbour's other slot
         return [pltpu.make_async_remote_copy(dkv_ring.at[slot, I32(a), bi, kv_head],
@@ -209,7 +216,7 @@ def _one_pass_kernel(cfg, prog, ring_ref, q_live_ref, k_live_ref, qb_ref, kb_ref
             def _():
                 _count(cnt_ref)
                 fr.by_kind(cfg, tables, shape, functools.partial(fold, j), kv_idx=ring.kv_idx, bi=bi, i=i, j=j,
-                           split=split, sub_tables=(qsb_ref, ksb_ref))
+                           split=split, sub_tables=(qsb_ref, ksb_ref), chunks=chunks)
             return c
 
         @pl.when(live(bi, t))
