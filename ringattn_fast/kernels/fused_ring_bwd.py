@@ -15,7 +15,8 @@ one extra hop after the last step to arrive home (Ring Attention, Sec. 3). Two f
 
 Both add unscaled dS K and dS^T Q (the caller multiplies by the scale once, at the end: dK from Q as given
 is as accurate as dQ), skip empty tiles and compute the built-in mask only on partial ones
-(`fused_ring.by_kind`); the one-pass kernel runs a partial tile as 2 x 2 sub-tiles (`fused_tiles.sub_split`).
+(`fused_ring.by_kind`); the one-pass kernel runs a partial tile as 2 x 2 sub-tiles (`fused_tiles.sub_split`)
+and a full one as 256-key chunks (``pallas_tpu.BWD_KEY_CHUNK``, as the per-hop kernel's backward).
 
 On a ring of one v5e chip (1024 x 1024 tiles, 8 heads, bf16) the one-pass backward took 17.8 ms at 16K tokens
 non-causal and 10.5 causal, the per-hop kernel's fused backward 17.7 and 10.8, the two-pass one 25.9 and 16.5
