@@ -117,14 +117,32 @@ def splash_kernel(seq, heads, *, causal, block=1024, fused_bwd=True, interpret=F
     return jax.vmap(sk.make_splash_mha_single_device(mask=mask, block_sizes=sizes, interpret=interpret))
 
 
+def fused_on_one_chip(mesh, causal, q_shape, k_shape, dtype, interpret=None):
+    """The fused ring's kernels on a ring of one, differentiable, ``(q, k, v) -> o``: ``fused_ring_attention_shard``
+    in a ``shard_map`` over ``mesh`` (one device), at the tiles ``ring_attention`` gives it on a larger ring
+    (``pallas_tpu_fused.default_blocks``; None when interpreted); ``ring_attention`` runs a ring of one as one
+    hop of the per-hop kernel instead. ``check_vma`` is off: interpreted, the positions made inside would fail it."""
+    import jax
+    import jax.numpy as jnp
+    from ringattn_fast.kernels import pallas_tpu_fused
+    from ringattn_fast.schedule import HopConfig, KVShard, QShard
+    tiles = pallas_tpu_fused.default_blocks(q_shape, k_shape, dtype, mesh.devices.flat[0], n=1) or (None, None)
+
+    def fused(q, k, v):
+        pos = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32)[None], q.shape[:2])
+        return pallas_tpu_fused.fused_ring_attention_shard(
+            QShard(q, pos), KVShard(k, v, pos), HopConfig(causal=causal, block_q=tiles[0], block_kv=tiles[1]),
+            axis_name="sp", interpret=interpret)
+    spec = jax.P(None, "sp")
+    return jax.shard_map(fused, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+
+
 def functions(args, seq, h, hk, causal):
     """{kind: (fwd, fwd_bwd, temp_of)} of one row; every function takes (q, k, v, do) in [b, s, h, d]."""
     import jax
     import jax.numpy as jnp
 
     import ringattn_fast as rf
-    from ringattn_fast.kernels import pallas_tpu_fused
-    from ringattn_fast.schedule import HopConfig, KVShard, QShard
 
     mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
     ours = dict(impl="pallas_tpu") if args.dry_run else {}  # on a CPU "auto" would pick the XLA hop
@@ -139,16 +157,8 @@ def functions(args, seq, h, hk, causal):
         out["tiles"] = _fwd_bwd(partial(rf.ring_attention, mesh=mesh, causal=causal, impl="pallas_tpu",
                                         block_q=args.block_q, block_kv=args.block_kv))
     if not args.no_fused:
-        shapes = ((1, seq, h, args.dim), (1, seq, hk, args.dim), jnp.dtype(args.dtype), jax.devices()[0])
-        tiles = pallas_tpu_fused.default_blocks(*shapes, n=1) or (None, None)  # as ring_attention picks them
-
-        def fused(q, k, v):
-            pos = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32)[None], q.shape[:2])
-            return pallas_tpu_fused.fused_ring_attention_shard(
-                QShard(q, pos), KVShard(k, v, pos), HopConfig(causal=causal, block_q=tiles[0], block_kv=tiles[1]),
-                axis_name="sp")
-        spec = jax.P(None, "sp")
-        out["fused"] = _fwd_bwd(jax.shard_map(fused, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+        out["fused"] = _fwd_bwd(fused_on_one_chip(mesh, causal, (1, seq, h, args.dim), (1, seq, hk, args.dim),
+                                                  jnp.dtype(args.dtype)))
     scale = args.dim ** -0.5
     for blk in args.splash_blocks:
         for fused_bwd in (False, True) if blk == max(args.splash_blocks) and not args.dry_run else (False,):

@@ -37,6 +37,7 @@ import sys
 import time
 from functools import partial
 
+from .bench_tpu import fused_on_one_chip
 from .timing import time_interleaved
 
 NAMES = ("o", "dq", "dk", "dv")
@@ -198,25 +199,6 @@ VARIANTS = {"shipped": {}, "dq_cast": dict(DQ_FORM="cast"), "dq_tn": dict(DQ_FOR
             "bwd_unchunked": dict(BWD_KEY_CHUNK=0)}
 
 
-def fused_on_one_chip(mesh, causal, shape, dtype, interpret=None):
-    """The fused ring's forward (differentiable) on a ring of one: ``fused_ring_attention_shard`` in a
-    ``shard_map`` over ``mesh``, at the tiles ``ring_attention`` would give it on a larger ring
-    (``pallas_tpu_fused.default_blocks``; None when interpreted)."""
-    import jax
-    import jax.numpy as jnp
-    from ringattn_fast.kernels import pallas_tpu_fused
-    from ringattn_fast.schedule import HopConfig, KVShard, QShard
-    tiles = pallas_tpu_fused.default_blocks(shape, shape, dtype, mesh.devices.flat[0], n=1) or (None, None)
-
-    def fused(q, k, v):
-        pos = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32)[None], q.shape[:2])
-        return pallas_tpu_fused.fused_ring_attention_shard(
-            QShard(q, pos), KVShard(k, v, pos), HopConfig(causal=causal, block_q=tiles[0], block_kv=tiles[1]),
-            axis_name="sp", interpret=interpret)
-    spec = jax.P(None, "sp")
-    return jax.shard_map(fused, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
-
-
 def variants(seq, heads, dim, causal, repeats, dry_run=False, names=None, path="default"):
     """ms of the default forward+backward (``path="fused"``: the fused ring's, `fused_on_one_chip`) under each
     of :data:`VARIANTS` (``names`` of them, "shipped" always; ``pallas_tpu`` attributes set while the program
@@ -227,9 +209,10 @@ def variants(seq, heads, dim, causal, repeats, dry_run=False, names=None, path="
     from ringattn_fast.kernels import pallas_tpu
     mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
     x = jax.random.normal(jax.random.key(seq), (1, seq, heads, dim), jnp.bfloat16)
-    attn = partial(rf.ring_attention, mesh=mesh, causal=causal, **(dict(impl="pallas_tpu") if dry_run else {}))
     if path == "fused":
-        attn = fused_on_one_chip(mesh, causal, x.shape, x.dtype, interpret=True if dry_run else None)
+        attn = fused_on_one_chip(mesh, causal, x.shape, x.shape, x.dtype, interpret=True if dry_run else None)
+    else:
+        attn = partial(rf.ring_attention, mesh=mesh, causal=causal, **(dict(impl="pallas_tpu") if dry_run else {}))
     compiled, outs = {}, {}
     for name, patch in VARIANTS.items():
         if names is not None and name != "shipped" and name not in names:

@@ -130,12 +130,11 @@ def by_kind(cfg, tables, shape, body, *, kv_idx, bi, i, j, split=1, sub_tables=N
     hop = cfg.hop
 
     def compute(masked):
-        if chunks is not None and (not masked or split == 1):
-            for rows, keys in chunks:
-                body(masked, rows, keys)
-            return
         if not masked or split == 1:
-            body(masked)
+            if chunks is None:
+                body(masked)
+            for rows, keys in chunks or ():
+                body(masked, rows, keys)
             return
         b, nq, nk = shape
         sub_shape = (b, nq * split, nk * split)
