@@ -241,6 +241,23 @@ def test_chunked_tiles_match_oracle(layout, monkeypatch):
     assert (16, 8, 2) in asked, asked
 
 
+@settings(max_examples=examples(3))
+@given(data=st.data())
+def test_chunked_tiles_on_drawn_problems(data):
+    """Property: the one-pass backward's full tiles in chunks of 2 keys (``pallas_tpu.BWD_KEY_CHUNK``, wherever 2
+    divides a drawn tile and is smaller) on drawn problems on 2 devices, as `test_matches_oracle` (a hypothesis
+    test cannot take pytest's function-scoped monkeypatch)."""
+    from ringattn_fast.kernels import pallas_tpu
+    saved = pallas_tpu.BWD_KEY_CHUNK
+    pallas_tpu.BWD_KEY_CHUNK = 2
+    jax.clear_caches()  # traces of the shipped chunks would be reused: the call's key does not hold them
+    try:
+        check_drawn_problem(2, data)
+    finally:
+        pallas_tpu.BWD_KEY_CHUNK = saved
+        jax.clear_caches()
+
+
 def test_check_vma_and_rows_that_see_nothing():
     """Under shard_map(check_vma=True); keys placed after some queries (causal) leave those rows
     empty: o = 0, lse = -inf, zero finite gradients."""
