@@ -17,7 +17,7 @@ FLOP/s and link bandwidths (:data:`TARGETS`, each with its source). Per host and
   (**scaled**). The forward's rate and the backward's (``fwd+bwd - fwd``) are kept apart.
 - **transfer** (:func:`hop_bytes`): the bytes ``ringattn_fast`` sends per step: the forward K and V in the
   input dtype, ``N - 1`` times; the backward K and V again (``N - 1`` times) and the dK/dV accumulators, in
-  ``softmax.acc_dtype`` (float32 for bf16; ``--grad-bytes 2``: ``grad_comm_dtype="bfloat16"``), ``N``
+  ``softmax.acc_dtype`` (float32 for bf16; ``--grad-dtype bfloat16``: ``grad_comm_dtype="bfloat16"``), ``N``
   times. Over the bandwidth one ring step gets (:class:`Target`): one torus link on a TPU, a GPU's whole
   NVLink share through NVSwitch; beyond the chips those links join (a TPU pod, an NVLink domain), the ring
   is as slow as its slowest hop: the data-center network or InfiniBand.

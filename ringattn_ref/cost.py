@@ -11,6 +11,11 @@ paper's "block size") is at least::
 Example: an A100 (312 TFLOP/s) over NVLink (300 GB/s) needs ``c >= 1040`` tokens; the paper then
 asks for ``s = 6c`` tokens per host (6.2K). Over InfiniBand (12.5 GB/s) it needs ~25K.
 
+The paper counts the forward. The backward ring computes 2.5x the FLOPs and sends K/V *and* their float32
+dK/dV, 3x the bytes in bf16, so it needs ``c >= 1.2 F/B`` (:func:`backward_min_block_size`);
+:func:`ring_pass_seconds` times a whole pass, hidden or exposed (``benchmarks/scaling.py`` takes both from
+one measured chip to a thousand).
+
 Units: FLOPs, bytes and seconds. Activation formulas reproduce Table 1 as printed, and the table is
 not in one unit: vanilla attention's ``2bns^2`` is bytes in bf16 (``b n s^2`` scores, 2 bytes each),
 while Ring Attention's ``6bch`` counts *elements* (six ``b x c x h`` arrays; ``12bch`` bytes in bf16).
