@@ -88,7 +88,8 @@ TARGETS = {t.name: t for t in (
            "800 GB/s bidirectional ICI a chip over 4 ports (2D torus); 4 x 200 Gbps NICs a host of 8 chips",
            "Google Cloud TPU documentation, 'TPU v6e' (system architecture table)"),
     Target("v5p", 459e12, 1200e9 / 2 / 6, 1200e9 / 2, 1200e9 / 2 / 6, 6144, 50 * GBIT, "DCN",
-           "1200 GB/s bidirectional ICI a chip over the 6 links of a 3D torus; one slice up to 6144 chips; "
+           "1200 GB/s bidirectional ICI a chip over the 6 links of a 3D torus (a port count the page does not "
+           "give); one slice up to 6144 chips; "
            "50 Gbps DCN a chip",
            "Google Cloud TPU documentation, 'TPU v5p' (system architecture table)"),
     Target("H100", 989e12, 50e9 / 2, 900e9 / 2, 900e9 / 2, 8, 400 * GBIT, "InfiniBand",
