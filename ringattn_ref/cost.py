@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .backward import grad_itemsize
+
 SEQ_PER_BLOCK = 6  # the paper's rule of thumb (Table 2): s = 6c tokens per host
 
 
@@ -173,8 +175,6 @@ def backward_step_bytes(shard, dim, *, batch=1, kv_heads=1, dtype_bytes=2, grad_
     so a step sends 3x the forward's bytes; 2 is ``ringattn_fast``'s ``grad_comm_dtype="bfloat16"``. (The
     ring's first step sends no accumulators yet and its last no K/V: :func:`ring_pass_seconds`.)
     """
-    from .backward import grad_itemsize  # backward imports the ring; the cost model stays importable alone
-
     e = positive("dtype_bytes", dtype_bytes)
     g = grad_itemsize(e) if grad_bytes is None else positive("grad_bytes", grad_bytes)
     kv = step_bytes(shard, dim, batch=batch, kv_heads=kv_heads, dtype_bytes=e)
@@ -190,8 +190,6 @@ def backward_min_block_size(flops_per_s, bandwidth_bytes_per_s, *, dtype_bytes=2
     2.5x FLOPs do not quite pay for the 3x bytes). ``F`` is the backward kernel's FLOP/s; achieved, it is
     not the forward's (on a TPU v5e the backward ran at about 1.6x the forward's rate, docs/benchmarks.md).
     """
-    from .backward import grad_itemsize
-
     e = positive("dtype_bytes", dtype_bytes)
     g = grad_itemsize(e) if grad_bytes is None else positive("grad_bytes", grad_bytes)
     forward = min_block_size(flops_per_s, bandwidth_bytes_per_s, dtype_bytes=e, heads=heads, kv_heads=kv_heads,
