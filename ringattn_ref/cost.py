@@ -11,6 +11,11 @@ paper's "block size") is at least::
 Example: an A100 (312 TFLOP/s) over NVLink (300 GB/s) needs ``c >= 1040`` tokens; the paper then
 asks for ``s = 6c`` tokens per host (6.2K). Over InfiniBand (12.5 GB/s) it needs ~25K.
 
+The paper counts the forward. The backward ring computes 2.5x the FLOPs and sends K/V *and* their float32
+dK/dV, 3x the bytes in bf16, so it needs ``c >= 1.2 F/B`` (:func:`backward_min_block_size`);
+:func:`ring_pass_seconds` times a whole pass, hidden or exposed (``benchmarks/scaling.py`` takes both from
+one measured chip to a thousand).
+
 Units: FLOPs, bytes and seconds. Activation formulas reproduce Table 1 as printed, and the table is
 not in one unit: vanilla attention's ``2bns^2`` is bytes in bf16 (``b n s^2`` scores, 2 bytes each),
 while Ring Attention's ``6bch`` counts *elements* (six ``b x c x h`` arrays; ``12bch`` bytes in bf16).
@@ -21,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from .backward import grad_itemsize
 
 SEQ_PER_BLOCK = 6  # the paper's rule of thumb (Table 2): s = 6c tokens per host
 
@@ -143,6 +150,70 @@ def hop_times(shard, hardware, *, dim=128, batch=1, heads=1, kv_heads=None, dtyp
     flops = step_flops(shard, dim, batch=batch, heads=heads)
     sent = step_bytes(shard, dim, batch=batch, kv_heads=kv_heads, dtype_bytes=dtype_bytes)
     return HopTimes(flops / hw.flops_per_s, sent / hw.bandwidth_bytes_per_s)
+
+
+# --- The backward ring (beyond the paper's section 3, which counts the forward) -----------------------------
+# FlashAttention-2's backward (arXiv:2307.08691, Algorithm 2) recomputes S = Q K^T and adds dP = dO V^T,
+# dV += P^T dO, dQ += dS K and dK += dS^T Q: five matmuls a tile to the forward's two. Each backward step
+# sends the held K/V shard on *and* the dK/dV accumulators travelling with it, float32 for bf16 inputs
+# (``backward.grad_itemsize``): 3x the forward's bytes for 2.5x its FLOPs. ``backward.backward_factors``
+# measures both ratios on the simulated ring's traces; the functions below are the same counts in closed
+# form, and ``benchmarks/scaling.py`` scales them from one measured chip to a thousand.
+BACKWARD_FLOPS_RATIO = 2.5  # five matmuls to two
+
+
+def backward_step_flops(shard, dim, *, batch=1, heads=1):
+    """FLOPs of one backward ring step on one host: ``2.5 * step_flops`` = ``10 * batch * heads * shard^2 * dim``."""
+    return BACKWARD_FLOPS_RATIO * step_flops(shard, dim, batch=batch, heads=heads)
+
+
+def backward_step_bytes(shard, dim, *, batch=1, kv_heads=1, dtype_bytes=2, grad_bytes=None):
+    """Bytes one host sends in a backward ring step: K and V as in the forward (``step_bytes``) plus their
+    dK/dV accumulators, ``2 * batch * shard * kv_heads * dim * (dtype_bytes + grad_bytes)``.
+
+    ``grad_bytes`` defaults to ``backward.grad_itemsize(dtype_bytes)``: float32 accumulators for bf16 K/V,
+    so a step sends 3x the forward's bytes; 2 is ``ringattn_fast``'s ``grad_comm_dtype="bfloat16"``. (The
+    ring's first step sends no accumulators yet and its last no K/V: :func:`ring_pass_seconds`.)
+    """
+    e = positive("dtype_bytes", dtype_bytes)
+    g = grad_itemsize(e) if grad_bytes is None else positive("grad_bytes", grad_bytes)
+    kv = step_bytes(shard, dim, batch=batch, kv_heads=kv_heads, dtype_bytes=e)
+    return kv * (e + g) / e
+
+
+def backward_min_block_size(flops_per_s, bandwidth_bytes_per_s, *, dtype_bytes=2, grad_bytes=None, heads=1,
+                            kv_heads=None, fill=1.0):
+    """The backward's minimal block size: the shortest shard whose backward hop hides its sends (K/V and dK/dV).
+
+    From ``10 h d c^2 fill / F >= 2 hk d c (e + g) / B``: ``c >= (e + g) / 5 * (hk / h) / fill * F / B``, that
+    is :func:`min_block_size` times ``(e + g) / (2.5 e)``: **1.2 F/B** in bf16 with float32 accumulators (the
+    2.5x FLOPs do not quite pay for the 3x bytes). ``F`` is the backward kernel's FLOP/s; achieved, it is
+    not the forward's (on a TPU v5e the backward ran at about 1.6x the forward's rate, docs/benchmarks.md).
+    """
+    e = positive("dtype_bytes", dtype_bytes)
+    g = grad_itemsize(e) if grad_bytes is None else positive("grad_bytes", grad_bytes)
+    forward = min_block_size(flops_per_s, bandwidth_bytes_per_s, dtype_bytes=e, heads=heads, kv_heads=kv_heads,
+                             fill=fill)
+    return forward * (e + g) / (BACKWARD_FLOPS_RATIO * e)
+
+
+def ring_pass_seconds(compute_s, kv_s, grad_s=0.0, *, hidden=True):
+    """Seconds one host spends in a ring pass: ``compute_s[step]`` the hop of each of the N steps, ``kv_s``
+    one K/V send, ``grad_s`` one send of the dK/dV accumulators (0: the forward).
+
+    The schedule of ``ring.py`` and ``backward.py``: at step ``s`` the host computes its hop while the K/V for
+    step ``s + 1`` are on the wire (steps ``0 .. N-2``: N - 1 sends) and, in the backward, the accumulators
+    finished at step ``s - 1`` (steps ``1 .. N-1``); the N-th accumulator send, home, follows the last hop.
+    ``hidden``: a step lasts as long as the longer of its compute and its sends (the paper's overlap);
+    otherwise as their sum (a transfer the compiler left exposed). Example, N = 2, forward, exposed:
+    ``compute_s[0] + kv_s + compute_s[1]``.
+    """
+    n = len(compute_s)
+    total = 0.0
+    for step in range(n):
+        sends = (kv_s if step < n - 1 else 0.0) + (grad_s if step > 0 else 0.0)
+        total += max(compute_s[step], sends) if hidden else compute_s[step] + sends
+    return total + (grad_s if n > 1 else 0.0)  # the accumulators' last move, home: nothing left to hide it
 
 
 @dataclass(frozen=True)

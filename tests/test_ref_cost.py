@@ -164,3 +164,42 @@ def test_min_block_size_gqa_and_partial_hops_cross_where_hop_times_do():
     assert np.isclose(0.5 * t.compute_s, t.transfer_s, rtol=1e-12)
     with pytest.raises(ValueError, match="fill"):
         cost.min_block_size(1.0, 1.0, fill=0.0)
+
+
+@pytest.mark.parametrize("itemsize", [2, 4, 8])
+def test_backward_step_counts_are_the_ring_traces_ratios(itemsize):
+    """The closed forms are the simulated ring's own counts (``backward_factors``: 2.5x FLOPs; 3x bytes in
+    bf16, whose dK/dV travel as float32; 2x in float32 and float64)."""
+    from ringattn_ref.backward import backward_factors
+
+    flops_x, bytes_x = backward_factors(itemsize)
+    c, d = 1024, 128
+    assert cost.backward_step_flops(c, d, heads=8) == flops_x * step_flops(c, d, heads=8)
+    assert cost.backward_step_bytes(c, d, kv_heads=2, dtype_bytes=itemsize) == bytes_x * step_bytes(
+        c, d, kv_heads=2, dtype_bytes=itemsize)
+    assert cost.backward_step_bytes(c, d, dtype_bytes=2, grad_bytes=2) == 2 * step_bytes(c, d)  # bf16 on the wire
+
+
+@pytest.mark.parametrize("name", sorted(HARDWARE))
+@pytest.mark.parametrize("heads, kv_heads, fill, grad_bytes", [(1, 1, 1.0, None), (32, 8, 0.5, None), (8, 8, 1.0, 2)])
+def test_backward_min_block_size_is_where_backward_compute_meets_its_sends(name, heads, kv_heads, fill, grad_bytes):
+    hw = HARDWARE[name]
+    c = cost.backward_min_block_size(hw.flops_per_s, hw.bandwidth_bytes_per_s, heads=heads, kv_heads=kv_heads,
+                                     fill=fill, grad_bytes=grad_bytes)
+    compute = fill * cost.backward_step_flops(c, 128, heads=heads) / hw.flops_per_s
+    sends = cost.backward_step_bytes(c, 128, kv_heads=kv_heads, grad_bytes=grad_bytes) / hw.bandwidth_bytes_per_s
+    assert compute == pytest.approx(sends, rel=1e-12)
+    if (heads, kv_heads, fill, grad_bytes) == (1, 1, 1.0, None):  # 1.2 F/B: the backward binds, not the forward
+        assert c == pytest.approx(1.2 * min_block_size(hw.flops_per_s, hw.bandwidth_bytes_per_s))
+    with pytest.raises(ValueError, match="grad_bytes"):
+        cost.backward_min_block_size(1.0, 1.0, grad_bytes=0)
+
+
+def test_ring_pass_seconds_by_hand():
+    rps = cost.ring_pass_seconds
+    assert rps([1.0], 5.0, 5.0) == rps([1.0], 5.0, 5.0, hidden=False) == 1.0  # a ring of one sends nothing
+    assert rps([1.0, 1.0], 0.5, hidden=False) == 2.5  # forward: N hops, N - 1 K/V sends
+    assert rps([1.0, 1.0], 0.5) == 2.0  # ... each under a hop
+    assert rps([1.0, 1.0, 1.0], 0.25, 0.5, hidden=False) == 3 + 2 * 0.25 + 3 * 0.5  # backward: dK/dV N times
+    assert rps([1.0, 1.0, 1.0], 2.0, 1.0) == 2.0 + 3.0 + 1.0 + 1.0  # link-bound steps, then the send home
+    assert rps([1.0, 1.0, 1.0], 0.25, 0.5) == 3.0 + 0.5  # all hidden but the last move home
