@@ -25,7 +25,7 @@ that holds a transfer, its kernels, loops, transfer starts and dones in order. `
 one case (the first of ``--targets``, ``--impls``, ``--causal``) and writes it; notebook 06 draws the saved ones:
 
     PYTHONPATH=.venv/libtpu:. .venv/bin/python -m benchmarks.overlap --targets v5e --impls pallas_tpu --causal no \\
-        --save-schedule notebooks/ringattn_course/data/schedule_v5e_after.json --label "..."
+        --save-schedule notebooks/ringattn_course/schedule_v5e_after.json --label "..."
 """
 from __future__ import annotations
 
@@ -322,32 +322,48 @@ def check(target, impl, causal, backward, *, tokens=4096, layout="contiguous", p
 
 
 def _source():
-    """``git describe --always --dirty`` of the checkout ``ringattn_fast`` is imported from (or ``"unknown"``)."""
+    """The ``ringattn_fast`` compiled: the last commit that changed its folder (``git log``), ``-dirty`` if its files
+    differ from it; ``"unknown"`` outside a git checkout."""
     import os
 
     import ringattn_fast
+    here = os.path.dirname(ringattn_fast.__file__)
     try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(ringattn_fast.__file__)).stdout.strip()
+        git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, check=True,  # noqa: E731
+                                        cwd=here).stdout.strip()
+        dirty = "-dirty" if git("status", "--porcelain", "--", ".") else ""
+        return git("log", "-1", "--format=%h", "--", ".") + dirty
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
-def save_schedule(path, target="v5e", impl="pallas_tpu", causal=False, *, tokens=4096, layout="contiguous",
-                  label=""):
-    """Compile ``ring_attention`` forward + backward for ``target`` and write its :func:`schedule` to ``path``
-    (JSON), with the case (``target``, ``impl``, ``causal``, ``tokens`` per chip, ``heads``, ``kv_heads``,
-    ``dim``, bfloat16: :func:`compiled`'s defaults), ``label``, the ``source`` (``git describe`` of the
-    ``ringattn_fast`` compiled) and the JAX version. Returns the written dict."""
+def compiled_schedule(target="v5e", impl="pallas_tpu", causal=False, *, tokens=4096, layout="contiguous", label=""):
+    """Compile ``ring_attention`` forward + backward for ``target`` and return its :func:`schedule`, with the case
+    (``target``, ``impl``, ``causal``, ``tokens`` per chip, ``heads``, ``kv_heads``, ``dim``, bfloat16:
+    :func:`compiled`'s defaults), ``label``, the ``source`` (:func:`_source`: which ``ringattn_fast`` was
+    compiled) and the JAX version."""
     import jax
     program = _program(target, impl, causal, True, tokens=tokens, layout=layout)
     case = dict(target=target, impl=impl, causal=causal, layout=layout, tokens=tokens, heads=8, kv_heads=8, dim=128,
                 dtype="bfloat16", chips=8, label=label, source=_source(), jax=jax.__version__)
-    out = case | schedule(program.as_text())
+    return case | schedule(program.as_text())
+
+
+def save_schedule(path, *args, **kwargs):
+    """Write :func:`compiled_schedule` ``(*args, **kwargs)`` to ``path`` (:func:`schedule_json`); return it."""
+    out = compiled_schedule(*args, **kwargs)
     with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
+        f.write(schedule_json(out))
     return out
+
+
+def schedule_json(sched):
+    """``sched`` (:func:`schedule`'s, with or without the case) as JSON text, one event a line (readable diffs)."""
+    one = lambda x: json.dumps(x, separators=(", ", ": "))  # noqa: E731
+    head = [f" {one(k)}: {one(v)}" for k, v in sched.items() if k != "computations"]
+    comps = [" {" + ", ".join(f"{one(k)}: {one(v)}" for k, v in c.items() if k != "events") + ', "events": [\n'
+             + ",\n".join(f"   {one(e)}" for e in c["events"]) + "]}" for c in sched["computations"]]
+    return "{\n" + ",\n".join(head + [' "computations": [\n' + ",\n".join(comps) + "]"]) + "\n}\n"
 
 
 def table(rows):
