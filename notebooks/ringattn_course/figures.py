@@ -296,7 +296,7 @@ def plot_schedule(schedules, roles=None):
             for lane, t in enumerate(sch.transfers(sched, role), start=1):
                 ax.broken_barh([(x[t.start], x[t.done + 1] - x[t.start])], (lane - 0.35, 0.7),
                                facecolors=TRANSFER_COLOR[t.hidden], alpha=0.85)
-                ax.text(x[t.start] + 0.1, lane, f"{t.event['sends']}", va="center", fontsize=6, color="black")
+                ax.text(x[t.start] + 0.1, lane, t.event["sends"], va="center", fontsize=6, clip_on=True)
             ax.set_xlim(0, x[-1])
             ax.set_ylim(lanes[role] + 0.6, -0.6)
             ax.set_yticks(range(lanes[role] + 1), ["compute"] + [f"send {k}" for k in range(1, lanes[role] + 1)],
