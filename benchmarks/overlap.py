@@ -19,12 +19,21 @@ forward), but an exposed one is certain to cost its full time.
 :func:`transfers` parses, :func:`check` compiles one case and parses it; ``main`` compiles the table
 (target x impl x forward / forward+backward) plus a CONTROL ring whose transfer a data dependency forces to
 finish before the kernel, which must come out exposed. One JSON object per row to stdout, a table to stderr.
+
+:func:`schedule` keeps what a reader of the schedule needs and nothing more (JSON, a few KiB): per computation
+that holds a transfer, its kernels, loops, transfer starts and dones in order. ``--save-schedule PATH`` compiles
+one case (the first of ``--targets``, ``--impls``, ``--causal``) and writes it; notebook 06 draws the saved ones:
+
+    PYTHONPATH=.venv/libtpu:. .venv/bin/python -m benchmarks.overlap --targets v5e --impls pallas_tpu --causal no \\
+        --save-schedule notebooks/ringattn_course/schedule_v5e_after.json --label "..."
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
+import subprocess
 import sys
 import time
 from typing import NamedTuple
@@ -34,6 +43,10 @@ TARGETS = {"v5e": ("v5e:2x4", "default", (2, 4, 1)), "v6e": ("v6e:2x4", "default
            "v5p": ("v5p:2x2x2", "megacore", (2, 2, 2))}
 COMPUTE_OPS = ("dot", "convolution")
 CALLERS = ("fusion", "call", "conditional", "while", "async-start")
+FREE = ("parameter", "get-tuple-element", "bitcast", "constant", "tuple")  # name or reshape data: no work
+ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+            "f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|branch_computations|true_computation|false_computation)="
@@ -44,6 +57,7 @@ class Instr(NamedTuple):
     name: str
     op: str
     rest: str  # operands and attributes
+    type: str = ""  # the result's type, e.g. ``(bf16[1,4096,8,128]{...}, ...)``
 
     @property
     def backward(self):
@@ -75,7 +89,7 @@ def computations(hlo):
             continue
         m = _INSTR.match(line) if cur is not None else None
         if m:
-            cur.append(Instr(m.group(1), m.group(3), m.group(4)))
+            cur.append(Instr(m.group(1), m.group(3), m.group(4), m.group(2)))
     return comps
 
 
@@ -131,6 +145,91 @@ def summary(hlo):
              for d, b in (("fwd", False), ("bwd", True))}
     return dict(transfers=len(ts), hidden=sum(t.hidden for t in ts), synchronous=sum(t.synchronous for t in ts),
                 exposed=[f"{t.comp}/{t.start}" for t in ts if not t.hidden]) | split
+
+
+def _entry(hlo):
+    m = re.search(r"^ENTRY\s+%?([\w.\-]+)", hlo, re.M)
+    return m.group(1) if m else None
+
+
+def _sent(instr):
+    """What a collective-permute(-start) sends: ``("bf16[1,4096,8,128]", bytes)`` (its operand, the first array
+    of a start's result tuple)."""
+    m = _ARRAY.search(instr.type)
+    if not m:
+        return instr.type, 0
+    dims = [int(x) for x in m.group(2).split(",") if x]
+    return f"{m.group(1)}[{m.group(2)}]", ITEMSIZE.get(m.group(1), 0) * math.prod(dims)
+
+
+def schedule(hlo):
+    """The compiled schedule of every computation of ``hlo`` that holds a transfer, small enough for JSON.
+
+    ``{"summary": summary(hlo), "computations": [{"name", "role", "events"}]}``; ``role`` is ``"forward loop
+    body"`` / ``"backward loop body"`` (the body of a ``while`` JAX traced for that pass), ``"entry"`` (the
+    program: the loops' calls and the steps peeled off them) or ``"computation"``; ``events`` in schedule
+    order, each a dict with ``kind``:
+
+    - ``"kernel"``: a Mosaic kernel (``name``: the kernel's, e.g. ``ring_hop_bwd_fused_tpu``);
+    - ``"loop"``: a ``while`` that runs compute (``name``; ``body``: its body computation; ``backward``);
+    - ``"compute"``: other compute that hides a transfer (a ``dot``, a fusion that calls a kernel; ``name``,
+      ``op``);
+    - ``"other"``: ``ops`` consecutive instructions that do work but no compute (elementwise fusions, copies,
+      the accumulators' adds; ``parameter``, ``get-tuple-element``, ``bitcast``, ``constant``, ``tuple``
+      are not counted);
+    - ``"start"``: a transfer leaves (``id``: the start's name; ``sends``: its array, e.g.
+      ``"bf16[1,4096,8,128]"``; ``bytes``; ``backward``; ``hidden``: :func:`transfers`' reading;
+      ``synchronous`` for a plain ``collective-permute``, whose ``"done"`` follows at once);
+    - ``"done"``: it has arrived (``id``: its start's name).
+    """
+    comps = computations(hlo)
+    _, runs = _computes(comps)
+    hidden = {(t.comp, t.start): t.hidden for t in transfers(hlo)}
+    bodies = {}
+    for instrs in comps.values():
+        for ins in instrs:
+            if ins.op == "while":
+                m = re.search(r"body=%?([\w.\-]+)", ins.rest)
+                if m:
+                    bodies[m.group(1)] = "backward loop body" if ins.backward else "forward loop body"
+    entry = _entry(hlo)
+    out = []
+    for comp, instrs in comps.items():
+        if not any(k for k in hidden if k[0] == comp):
+            continue
+        events, starts = [], {}
+
+        def other():
+            if events and events[-1]["kind"] == "other":
+                events[-1]["ops"] += 1
+            else:
+                events.append(dict(kind="other", ops=1))
+        for ins in instrs:
+            if ins.op in ("collective-permute", "collective-permute-start"):
+                sends, nbytes = _sent(ins)
+                events.append(dict(kind="start", id=ins.name, sends=sends, bytes=nbytes, backward=ins.backward,
+                                   hidden=hidden[(comp, ins.name)]))
+                if ins.op == "collective-permute":
+                    events[-1]["synchronous"] = True
+                    events.append(dict(kind="done", id=ins.name))
+            elif ins.op == "collective-permute-done":
+                m = re.match(r"\s*%?([\w.\-]+)", ins.rest)
+                events.append(dict(kind="done", id=m.group(1) if m else ins.name))
+            elif ins.op == "custom-call" and _is_compute(ins, runs):
+                events.append(dict(kind="kernel", name=re.sub(r"\.\d+$", "", ins.name)))
+            elif ins.op == "while" and _is_compute(ins, runs):
+                body = re.search(r"body=%?([\w.\-]+)", ins.rest)
+                events.append(dict(kind="loop", name=ins.name, body=body.group(1) if body else "",
+                                   backward=ins.backward))
+            elif _is_compute(ins, runs):
+                events.append(dict(kind="compute", name=ins.name, op=ins.op))
+            elif ins.op not in FREE:
+                other()
+        role = bodies.get(comp, "entry" if comp == entry else "computation")
+        out.append(dict(name=comp, role=role, events=events))
+    order = ("forward loop body", "backward loop body", "entry", "computation")
+    out.sort(key=lambda c: order.index(c["role"]))
+    return dict(summary=summary(hlo), computations=out)
 
 
 def read(program):
@@ -204,17 +303,67 @@ def cases(targets, impls, causal=(False, True)):
     yield targets[0], "control", False, False
 
 
-def check(target, impl, causal, backward, *, tokens=4096, layout="contiguous"):
-    """One row: compile, parse, ``ok`` (every transfer hidden; the control: some exposed)."""
+def _program(target, impl, causal, backward, *, tokens, layout):
     mesh = mesh_for(target)
     fn = control_fn(mesh) if impl == "control" else ring_fn(mesh, impl=impl, causal=causal, layout=layout)
+    return compiled(fn, mesh, tokens=tokens, backward=backward)
+
+
+def check(target, impl, causal, backward, *, tokens=4096, layout="contiguous", program=None):
+    """One row: compile (unless ``program`` is given: that case's compiled program), parse, ``ok`` (every
+    transfer hidden; the control: some exposed)."""
     t0 = time.perf_counter()
-    program = compiled(fn, mesh, tokens=tokens, backward=backward)
+    program = program or _program(target, impl, causal, backward, tokens=tokens, layout=layout)
     row = dict(target=target, impl=impl, causal=causal, direction="fwd+bwd" if backward else "fwd",
                compile_s=round(time.perf_counter() - t0, 1)) | read(program)
     all_hidden = row["transfers"] > 0 and row["hidden"] == row["transfers"]
     row["ok"] = (row["transfers"] > 0 and row["hidden"] == 0) if impl == "control" else all_hidden
     return row
+
+
+def _source():
+    """The ``ringattn_fast`` compiled: the last commit that changed its folder (``git log``), ``-dirty`` if its files
+    differ from it; ``"unknown"`` outside a git checkout."""
+    import os
+
+    import ringattn_fast
+    here = os.path.dirname(ringattn_fast.__file__)
+    try:
+        git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, check=True,  # noqa: E731
+                                        cwd=here).stdout.strip()
+        dirty = "-dirty" if git("status", "--porcelain", "--", ".") else ""
+        return git("log", "-1", "--format=%h", "--", ".") + dirty
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def compiled_schedule(target="v5e", impl="pallas_tpu", causal=False, *, tokens=4096, layout="contiguous", label=""):
+    """Compile ``ring_attention`` forward + backward for ``target`` and return its :func:`schedule`, with the case
+    (``target``, ``impl``, ``causal``, ``tokens`` per chip, ``heads``, ``kv_heads``, ``dim``, bfloat16:
+    :func:`compiled`'s defaults), ``label``, the ``source`` (:func:`_source`: which ``ringattn_fast`` was
+    compiled) and the JAX version."""
+    import jax
+    program = _program(target, impl, causal, True, tokens=tokens, layout=layout)
+    case = dict(target=target, impl=impl, causal=causal, layout=layout, tokens=tokens, heads=8, kv_heads=8, dim=128,
+                dtype="bfloat16", chips=8, label=label, source=_source(), jax=jax.__version__)
+    return case | schedule(program.as_text())
+
+
+def save_schedule(path, *args, **kwargs):
+    """Write :func:`compiled_schedule` ``(*args, **kwargs)`` to ``path`` (:func:`schedule_json`); return it."""
+    out = compiled_schedule(*args, **kwargs)
+    with open(path, "w") as f:
+        f.write(schedule_json(out))
+    return out
+
+
+def schedule_json(sched):
+    """``sched`` (:func:`schedule`'s, with or without the case) as JSON text, one event a line (readable diffs)."""
+    one = lambda x: json.dumps(x, separators=(", ", ": "))  # noqa: E731
+    head = [f" {one(k)}: {one(v)}" for k, v in sched.items() if k != "computations"]
+    comps = [" {" + ", ".join(f"{one(k)}: {one(v)}" for k, v in c.items() if k != "events") + ', "events": [\n'
+             + ",\n".join(f"   {one(e)}" for e in c["events"]) + "]}" for c in sched["computations"]]
+    return "{\n" + ",\n".join(head + [' "computations": [\n' + ",\n".join(comps) + "]"]) + "\n}\n"
 
 
 def table(rows):
@@ -235,8 +384,16 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=4096, help="tokens per chip (default 4096)")
     p.add_argument("--layout", default="contiguous")
     p.add_argument("--show-exposed", action="store_true")
+    p.add_argument("--save-schedule", metavar="PATH", help="compile the first target/impl/causal case only and write "
+                   "its schedule (JSON) to PATH")
+    p.add_argument("--label", default="", help="with --save-schedule: a label stored in the file")
     args = p.parse_args(argv)
     causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    if args.save_schedule:
+        saved = save_schedule(args.save_schedule, args.targets.split(",")[0], args.impls.split(",")[0], causal[0],
+                              tokens=args.tokens, layout=args.layout, label=args.label)
+        print(json.dumps(dict(saved["summary"], path=args.save_schedule, source=saved["source"])))
+        return 0
     rows, t0 = [], time.perf_counter()
     for target, impl, c, bwd in cases(args.targets.split(","), args.impls.split(","), causal):
         row = check(target, impl, c, bwd, tokens=args.tokens, layout=args.layout)

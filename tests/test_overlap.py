@@ -30,3 +30,17 @@ def test_the_parser_reads_hidden_exposed_and_synchronous_transfers():
     assert not ts["s1"].hidden and not ts["s1"].synchronous
     assert ts["c"].synchronous and not ts["c"].hidden
     assert overlap.summary(HLO)["hidden"] == 1
+
+
+def test_the_schedule_keeps_kernels_and_transfers_in_order():
+    """:func:`overlap.schedule`: per computation with a transfer, its events in schedule order, each transfer's
+    array, bytes and hidden flag as :func:`overlap.transfers` reads them (what notebook 06 draws)."""
+    sched = overlap.schedule(HLO)
+    (main,) = sched["computations"]
+    assert main["role"] == "entry" and sched["summary"] == overlap.summary(HLO)
+    kinds = [e["kind"] for e in main["events"]]
+    assert kinds == ["start", "compute", "done", "start", "done", "start", "done", "other"]
+    s0, s1, c = (e for e in main["events"] if e["kind"] == "start")
+    assert (s0["id"], s0["sends"], s0["bytes"], s0["hidden"]) == ("s0", "f32[8]", 32, True)
+    assert not s1["hidden"] and c["synchronous"] and not c["hidden"]
+    assert [e["id"] for e in main["events"] if e["kind"] == "done"] == ["s0", "s1", "c"]

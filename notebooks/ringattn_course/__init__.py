@@ -7,6 +7,8 @@
   them too).
 - :mod:`ringattn_course.physics` -- the cost physics of notebooks 06-13: a roofline (HBM bandwidth
   per chip of Table 2) and an alpha-beta model of messages and collectives;
+- :mod:`ringattn_course.schedules` -- the compiled schedules of a real 8-chip TPU v5e program (kernels and
+  transfers in schedule order, saved as JSON beside it; notebook 06);
 - :mod:`ringattn_course.hlo` -- reads a compiled program: which ``collective-permute``s can overlap
   the hop, and how many bytes each collective moves;
 - :mod:`ringattn_course.listing` -- ``show_source(obj, ...)``, the library's code as a highlighted

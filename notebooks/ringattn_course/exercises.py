@@ -436,6 +436,54 @@ def check_hop_intensity(hop_intensity):
     return _correct(f"h c / (h + hk); on TPU v5e c = 256 is {verdict[256]}-bound, c = 512 {verdict[512]}-bound")
 
 
+
+# A made-up schedule for check_exposed_transfers: hidden behind a kernel, behind a loop, behind other compute;
+# exposed with only other work between, with nothing between, and a synchronous (unsplit) one.
+_SCHEDULE_DRILL = [
+    dict(kind="start", id="a", sends="bf16[8]", bytes=16, backward=False, hidden=True),
+    dict(kind="start", id="b", sends="bf16[8]", bytes=16, backward=False, hidden=False),
+    dict(kind="done", id="b"),
+    dict(kind="kernel", name="hop"),
+    dict(kind="done", id="a"),
+    dict(kind="start", id="c", sends="f32[8]", bytes=32, backward=True, hidden=False),
+    dict(kind="other", ops=3),
+    dict(kind="done", id="c"),
+    dict(kind="start", id="d", sends="f32[8]", bytes=32, backward=True, hidden=True),
+    dict(kind="loop", name="while", body="body", backward=True),
+    dict(kind="start", id="e", sends="f32[8]", bytes=32, backward=True, hidden=False, synchronous=True),
+    dict(kind="done", id="e"),
+    dict(kind="done", id="d"),
+    dict(kind="start", id="f", sends="s32[8]", bytes=32, backward=True, hidden=True),
+    dict(kind="compute", name="dot", op="dot"),
+    dict(kind="done", id="f"),
+]
+
+
+def check_exposed_transfers(exposed_transfers):
+    """06, exercise 5: ``exposed_transfers(events) -> positions`` in ``events`` (one computation's schedule,
+    without the ``hidden`` flags) of the ``start`` events whose transfer no kernel, loop or other compute
+    overlaps. Checked on a made-up schedule and on every computation of the two saved v5e schedules, against
+    the flags ``benchmarks/overlap.py`` read from the compiled HLO (``ringattn_course.schedules``)."""
+    if _pending(exposed_transfers, "exposed_transfers(events)"):
+        return False
+    from ringattn_course import schedules
+
+    cases = [("a made-up schedule", _SCHEDULE_DRILL)]
+    cases += [(f"the {name} schedule's {c['role']}", c["events"]) for name in schedules.SAVED
+              for c in schedules.load(name)["computations"]]
+    for what, events in cases:
+        want = [i for i, e in enumerate(events) if e["kind"] == "start" and not e["hidden"]]
+        got = exposed_transfers(schedules.without_flags(events))
+        got = sorted(np.asarray(list(got)).tolist()) if got is not None else None
+        if got != want:
+            raise AssertionError(f"{what}: the exposed starts are at {want}, you say {got} (hint: a transfer "
+                                 f"is hidden when a kernel, loop or compute event lies between its start and the "
+                                 f"done with the same id)")
+    before = schedules.counts(schedules.load("before"))["bwd"]
+    return _correct(f"before the fix {before[0] - before[1]} of the backward's {before[0]} transfers are exposed; "
+                    f"after it none")
+
+
 # ---- 07 shard_map and ppermute ---------------------------------------------------------------------
 
 def check_reverse_ring_perm(reverse_perm):

@@ -6,6 +6,8 @@ not need it), with the non-interactive Agg backend when there is no display.
 
 - :func:`plot_roofline` -- attainable FLOP/s against arithmetic intensity, with kernels on it
   (notebook 06);
+- :func:`plot_schedule` -- a compiled program's schedule (``ringattn_course.schedules``): kernels and loops
+  in schedule order, each transfer as a span from its start to its done, hidden or exposed (notebook 06);
 - :func:`plot_memory_vs_devices` -- per-device temp bytes measured with ``memory_analysis()`` as the
   ring grows at a fixed local sequence (notebook 07);
 - :func:`plot_empty_tiles` -- which ``block_q x block_kv`` tiles each host computes at each ring
@@ -240,4 +242,75 @@ def plot_roofline(chips, points):
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
+    return fig
+
+
+# slot widths of plot_schedule's events (schedule order, not time): kernels and loops wide, the rest narrow
+EVENT_WIDTH = {"kernel": 4.0, "loop": 4.0, "compute": 2.0, "other": 0.7, "start": 0.35, "done": 0.35}
+EVENT_COLOR = {"kernel": "#2c66b0", "loop": "#8fb9e0", "compute": "#2c66b0", "other": "#c8c8c8"}
+TRANSFER_COLOR = {True: "#3a9a4a", False: "#d62728"}  # hidden, exposed
+
+
+def _short(event):
+    if event["kind"] == "kernel":
+        return event["name"].removeprefix("ring_hop_").removesuffix("_tpu").replace("_", " ") + "\nkernel"
+    if event["kind"] == "loop":
+        return ("bwd" if event["backward"] else "fwd") + "\nloop"
+    return event.get("op", "")
+
+
+def plot_schedule(schedules, roles=None):
+    """Compiled schedules side by side (notebook 06): one column per schedule, one row per computation.
+
+    schedules: ``title -> schedule`` (``ringattn_course.schedules.load`` / ``compile_current``); roles: the
+    computations to draw (``schedules.ROLES`` by default: the forward loop body, the backward loop body, the
+    entry with the peeled steps). x is the position in the schedule, not time: each event a slot
+    (:data:`EVENT_WIDTH`: kernels and loops wide, other work narrow). The bottom lane holds the compute --
+    kernels and loops in blue, other work (elementwise fusions, copies, the accumulators' adds) in grey --
+    and each transfer has a lane above it, a bar from its ``-start`` to its ``-done``: green where a
+    kernel or loop runs inside it (hidden), red where none does (exposed), labelled with the array it sends.
+    """
+    from ringattn_course import schedules as sch
+
+    if not schedules:
+        raise ValueError("schedules must name at least one schedule")
+    roles = tuple(sch.ROLES if roles is None else roles)
+    plt = pyplot()
+    from matplotlib.patches import Patch
+
+    lanes = {r: max(len(sch.transfers(s, r)) for s in schedules.values()) for r in roles}
+    fig, axes = plt.subplots(len(roles), len(schedules), squeeze=False, layout="constrained",
+                             figsize=(6.2 * len(schedules), sum(1.0 + 0.32 * lanes[r] for r in roles) + 0.9),
+                             gridspec_kw=dict(height_ratios=[1.0 + 0.32 * lanes[r] for r in roles]))
+    for col, (title, sched) in enumerate(schedules.items()):
+        for row, role in enumerate(roles):
+            ax, events = axes[row, col], sch.computation(sched, role)["events"]
+            x = np.concatenate([[0.0], np.cumsum([EVENT_WIDTH[e["kind"]] for e in events])])
+            for i, e in enumerate(events):
+                if e["kind"] in EVENT_COLOR:
+                    ax.broken_barh([(x[i], x[i + 1] - x[i])], (-0.45, 0.9), facecolors=EVENT_COLOR[e["kind"]],
+                                   edgecolors="white", linewidth=0.5)
+                    if e["kind"] in ("kernel", "loop"):
+                        ax.text((x[i] + x[i + 1]) / 2, 0, _short(e), ha="center", va="center", fontsize=6.5,
+                                color="white" if e["kind"] == "kernel" else "black")
+            for lane, t in enumerate(sch.transfers(sched, role), start=1):
+                ax.broken_barh([(x[t.start], x[t.done + 1] - x[t.start])], (lane - 0.35, 0.7),
+                               facecolors=TRANSFER_COLOR[t.hidden], alpha=0.85)
+                ax.text(x[t.start] + 0.1, lane, t.event["sends"], va="center", fontsize=6, clip_on=True)
+            ax.set_xlim(0, x[-1])
+            ax.set_ylim(lanes[role] + 0.6, -0.6)
+            ax.set_yticks(range(lanes[role] + 1), ["compute"] + [f"send {k}" for k in range(1, lanes[role] + 1)],
+                          fontsize=7)
+            ax.set_xticks([])
+            exposed = sum(not t.hidden for t in sch.transfers(sched, role))
+            ax.set_title(f"{role}: {exposed} exposed", fontsize=8, loc="left")
+            if row == 0:
+                ax.annotate(title, (0.5, 1.0), xycoords="axes fraction", xytext=(0, 14), textcoords="offset points",
+                            ha="center", fontsize=10, weight="bold")
+        axes[-1, col].set_xlabel("position in the compiled schedule (order, not time)", fontsize=8)
+    handles = [Patch(color=EVENT_COLOR["kernel"], label="kernel"), Patch(color=EVENT_COLOR["loop"], label="loop"),
+               Patch(color=EVENT_COLOR["other"], label="other work"),
+               Patch(color=TRANSFER_COLOR[True], label="transfer, hidden (a kernel runs while it flies)"),
+               Patch(color=TRANSFER_COLOR[False], label="transfer, exposed")]
+    fig.legend(handles=handles, fontsize=8, loc="outside lower center", ncol=5)
     return fig
