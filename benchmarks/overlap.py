@@ -1,7 +1,7 @@
 """Does the compiled ring hide its transfers? Read from the scheduled HLO of a compile for chips no one here has.
 
     PYTHONPATH=.venv/libtpu:. .venv/bin/python -m benchmarks.overlap [--targets v5e,v6e,v5p] [--impls pallas_tpu,xla]
-    PYTHONPATH=.venv/cudaplugin:. .venv/bin/python -m benchmarks.overlap --targets h100,a100 [--flags default,documented]
+    PYTHONPATH=.venv/cudaplugin:. .venv/bin/python -m benchmarks.overlap --targets h100,a100 [--flags documented]
 
 (libtpu beside the venv: ``scripts/setup-libtpu``; the CUDA plugin: ``scripts/setup-cuda-plugin``). Ring
 Attention's point (arXiv:2310.01889, section 3) is that each hop's K/V transfer flies while the hop computes.

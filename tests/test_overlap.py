@@ -94,8 +94,9 @@ def with_cuda_plugin(*argv):
     (compiling then crashes the process)."""
     target = os.path.join(os.path.dirname(os.path.dirname(sys.executable)), "cudaplugin")
     plugin = any(os.path.isdir(os.path.join(target, "jax_plugins", p)) for p in ("xla_cuda13", "xla_cuda12"))
-    toolkit = any(os.path.exists(os.path.join(d, "bin", "ptxas")) and os.path.isdir(os.path.join(d, "nvvm", "libdevice"))
-                  for d in ("/usr/local/cuda", os.path.join(target, "nvidia", "cu13"), os.path.join(target, "nvidia", "cu12")))
+    cuda_dirs = ("/usr/local/cuda", *(os.path.join(target, "nvidia", v) for v in ("cu13", "cu12")))
+    toolkit = any(os.path.exists(os.path.join(d, "bin", "ptxas"))
+                  and os.path.isdir(os.path.join(d, "nvvm", "libdevice")) for d in cuda_dirs)
     if not (plugin and toolkit):
         why = (f"the CUDA plugin is not installed in {target}" if not plugin else
                "no CUDA toolkit (ptxas, libdevice) in /usr/local/cuda or beside the plugin")
@@ -126,7 +127,8 @@ def test_gpu_forward_hides_its_transfers_with_the_documented_flags(gpu_rows, rec
     assert {r["flags"] for r in controls} == set(overlap.GPU_FLAGS)
     assert all(r["transfers"] > 0 and r["hidden"] == 0 for r in controls), controls
     documented = [r for r in gpu_rows if r["flags"] == "documented" and r["impl"] != "control"]
-    assert {(r["target"], r["impl"]) for r in documented} == {(t, i) for t in ("h100", "a100") for i in ("pallas_gpu", "xla")}
+    assert {(r["target"], r["impl"]) for r in documented} == {(t, i) for t in overlap.GPU_TARGETS
+                                                              for i in ("pallas_gpu", "xla")}
     for r in documented:
         sent, hidden = r["fwd"]
         assert sent >= 1 and hidden == sent, r
