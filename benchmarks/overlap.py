@@ -1,24 +1,37 @@
-"""Does the compiled ring hide its transfers? Read from the scheduled HLO of a compile for a TPU slice no one here has.
+"""Does the compiled ring hide its transfers? Read from the scheduled HLO of a compile for chips no one here has.
 
     PYTHONPATH=.venv/libtpu:. .venv/bin/python -m benchmarks.overlap [--targets v5e,v6e,v5p] [--impls pallas_tpu,xla]
+    PYTHONPATH=.venv/cudaplugin:. .venv/bin/python -m benchmarks.overlap --targets h100,a100 [--flags documented]
 
-(libtpu beside the venv: ``scripts/setup-libtpu``). Ring Attention's point (arXiv:2310.01889, section 3) is
-that each hop's K/V transfer flies while the hop computes. Whether it does is the compiler's choice: XLA
-splits a ``collective-permute`` into ``-start`` / ``-done`` and schedules work between them, or not. The
-compiled program's text (``compiled.as_text()``) lists every computation's instructions *in their schedule
-order*, so for each ``collective-permute-start`` we look at what runs before its ``-done``: a transfer is
-**hidden** when some compute is scheduled between them -- a Mosaic kernel (``custom-call`` to
-``tpu_custom_call``), a ``dot`` / ``convolution``, or a ``fusion`` / ``call`` / ``conditional`` / ``while``
-whose computations run one -- and **exposed** otherwise. A plain ``collective-permute`` (not split) is
-synchronous: exposed too.
+(libtpu beside the venv: ``scripts/setup-libtpu``; the CUDA plugin: ``scripts/setup-cuda-plugin``). Ring
+Attention's point (arXiv:2310.01889, section 3) is that each hop's K/V transfer flies while the hop computes.
+Whether it does is the compiler's choice: XLA splits a ``collective-permute`` into ``-start`` / ``-done`` and
+schedules work between them, or not. The compiled program's text (``compiled.as_text()``) lists every
+computation's instructions *in their schedule order*, so for each ``collective-permute-start`` we look at what
+runs before its ``-done``: a transfer is **hidden** when some compute is scheduled between them -- a kernel
+(``custom-call`` to Mosaic's ``tpu_custom_call``, Pallas Triton's ``__gpu$xla.gpu.triton``, cuBLAS, cuDNN), a
+``dot`` / ``convolution``, or a ``fusion`` / ``call`` / ``conditional`` / ``while`` whose computations run one
+-- and **exposed** otherwise. A plain ``collective-permute`` (not split) is synchronous: exposed too (XLA:GPU
+turns a start / done pair with nothing between into one).
+
+Targets: 8-chip TPU slices (libtpu's compile-only topologies) and 8 GPUs on one host, H100 SXM and A100 SXM
+80 GB (the CUDA plugin's compile-only ``topology="1x1x8"`` with the ``GpuTargetConfigProto`` that the plugin
+itself embeds for that GPU: :func:`gpu_target_config`; compiling also needs ptxas and libdevice, a CUDA
+toolkit or the ``nvidia-cuda-nvcc`` / ``nvidia-nvvm`` wheels that ``scripts/setup-cuda-plugin`` adds where
+there is none). Flags: GPU rows are compiled twice, with the options a user gets (``default``) and with
+:data:`GPU_FLAGS` ``"documented"``, passed to this compile only (``compile(compiler_options=...)``; the
+library sets no global flag): XLA:GPU's latency-hiding scheduler, which XLA turns on by itself for Hopper
+but not for Ampere, and three collectives in flight at once instead of one (the backward's K/V, dK and dV
+sends). TPU rows need no flag (``default`` only).
 
 This is the static schedule, not a measurement: a hidden transfer may still outlast its compute (a 4K-token
 bfloat16 K/V shard of 8 kv heads is 16 MiB at v5e's ~45 GB/s per ICI link, 0.4 ms, against a hop of ~2 ms
 forward), but an exposed one is certain to cost its full time.
 
 :func:`transfers` parses, :func:`check` compiles one case and parses it; ``main`` compiles the table
-(target x impl x forward / forward+backward) plus a CONTROL ring whose transfer a data dependency forces to
-finish before the kernel, which must come out exposed. One JSON object per row to stdout, a table to stderr.
+(target x flags x impl x causal, forward+backward) plus, on the first target of each kind, a CONTROL ring
+whose transfer a data dependency forces to finish before the kernel, which must come out exposed. One JSON
+object per row to stdout, a table to stderr.
 
 :func:`schedule` keeps what a reader of the schedule needs and nothing more (JSON, a few KiB): per computation
 that holds a transfer, its kernels, loops, transfer starts and dones in order. ``--save-schedule PATH`` compiles
@@ -30,8 +43,12 @@ one case (the first of ``--targets``, ``--impls``, ``--causal``) and writes it; 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
+import mmap
+import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -41,7 +58,21 @@ from typing import NamedTuple
 # target: (topology, chip_config_name, chips_per_host_bounds): 8 chips each
 TARGETS = {"v5e": ("v5e:2x4", "default", (2, 4, 1)), "v6e": ("v6e:2x4", "default", (2, 4, 1)),
            "v5p": ("v5p:2x2x2", "megacore", (2, 2, 2))}
+# target: the device_description_str of the GpuTargetConfigProto the CUDA plugin embeds (XLA's
+# target_config specs h100_sxm and a100_sxm_80); 8 of them on one host
+GPU_TARGETS = {"h100": "NVIDIA H100 80GB HBM3", "a100": "NVIDIA A100-SXM4-80GB"}
+GPU_TOPOLOGY = "1x1x8"  # slices x hosts x GPUs per host
+# XLA:GPU options for this compile only (``compile(compiler_options=...)``; as XLA_FLAGS:
+# --xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_experimental_parallel_collective_overlap_limit=3).
+# The scheduler is on by default for Hopper in this XLA, off for Ampere; the limit (default 1 collective in
+# flight) lets the backward's K/V, dK and dV sends all fly under one hop's kernel.
+GPU_FLAGS = {"default": {},
+             "documented": {"xla_gpu_enable_latency_hiding_scheduler": True,
+                            "xla_gpu_experimental_parallel_collective_overlap_limit": 3}}
+CUDA_PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
 COMPUTE_OPS = ("dot", "convolution")
+# custom-call targets that run a kernel: Mosaic TPU, Pallas Triton (XLA:GPU), Mosaic GPU, cuBLAS, cuDNN
+KERNEL_CALLS = ("tpu_custom_call", "mosaic", "__gpu$xla.gpu.triton", "__cublas", "__cudnn")
 CALLERS = ("fusion", "call", "conditional", "while", "async-start")
 FREE = ("parameter", "get-tuple-element", "bitcast", "constant", "tuple")  # name or reshape data: no work
 ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
@@ -116,7 +147,8 @@ def _is_compute(instr, runs):
     if instr.op in COMPUTE_OPS:
         return True
     if instr.op == "custom-call":
-        return "tpu_custom_call" in instr.rest or "mosaic" in instr.rest.lower()
+        target = (re.search(r'custom_call_target="([^"]*)"', instr.rest) or [None, ""])[1].lower()
+        return any(k in target for k in KERNEL_CALLS)
     return instr.op in CALLERS and any(runs(c) for c in _called(instr))
 
 
@@ -237,19 +269,75 @@ def read(program):
     return summary(program.as_text()) | dict(temp_mib=round(program.memory_analysis().temp_size_in_bytes / 2 ** 20, 1))
 
 
+def platform(target):
+    """``"tpu"`` or ``"gpu"``: which compiler a target's rows go through; ValueError for an unknown target."""
+    if target in TARGETS:
+        return "tpu"
+    if target in GPU_TARGETS:
+        return "gpu"
+    raise ValueError(f"target must be one of {', '.join([*TARGETS, *GPU_TARGETS])}; got {target!r}")
+
+
+def cuda_plugin_library():
+    """The CUDA PJRT plugin's shared library (``jax_plugins/xla_cuda13`` or ``xla_cuda12``), or None where no
+    plugin is importable."""
+    for name in CUDA_PLUGINS:
+        try:
+            spec = importlib.util.find_spec(name)
+        except ImportError:
+            continue
+        if spec is not None and spec.origin:
+            lib = pathlib.Path(spec.origin).parent / "xla_cuda_plugin.so"
+            if lib.exists():
+                return lib
+    return None
+
+
+def gpu_target_config(target, library=None):
+    """The text ``GpuTargetConfigProto`` of ``target`` (:data:`GPU_TARGETS`) that the CUDA plugin embeds: XLA
+    builds its GPU specs (``xla/backends/gpu/target_config/specs/*.txtpb``) into the plugin as NUL-terminated
+    text, and this takes the one whose ``device_description_str`` names the GPU -- the fields this very
+    plugin parses, at its version, with nothing copied into this repository."""
+    library = library or cuda_plugin_library()
+    if library is None:
+        raise RuntimeError("no CUDA plugin is importable: run scripts/setup-cuda-plugin and put its folder "
+                           "on PYTHONPATH")
+    key = f'device_description_str: "{GPU_TARGETS[target]}"\n'.encode()
+    with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        at = data.find(key)
+        if at < 0:
+            raise RuntimeError(f"{library} embeds no target config for {GPU_TARGETS[target]!r}")
+        text = data[data.rfind(b"\0", 0, at) + 1:data.find(b"\0", at)].decode()
+    if "gpu_device_info" not in text:
+        raise RuntimeError(f"{library}: the text around {GPU_TARGETS[target]!r} is no GpuTargetConfigProto")
+    return text
+
+
+def devices_for(target):
+    """Compile-only devices of ``target``: an 8-chip TPU slice (libtpu) or 8 GPUs on one host (CUDA plugin)."""
+    from jax.experimental import topologies
+    if platform(target) == "gpu":
+        config = gpu_target_config(target)
+        try:
+            return topologies.get_topology_desc(platform="cuda", topology=GPU_TOPOLOGY, target_config=config).devices
+        except NotImplementedError as e:  # the plugin did not register: it wanted a CUDA runtime
+            raise RuntimeError("the CUDA plugin gave no compile-only topology: run with JAX_PLATFORMS=cpu (with "
+                               "'cuda' among the platforms it checks for a CUDA runtime and cuDNN first)") from e
+    topology, config, bounds = TARGETS[target]
+    return topologies.get_topology_desc(topology, "tpu", chips_per_host_bounds=bounds, num_slices=1,
+                                        chip_config_name=config).devices
+
+
 def mesh_for(target):
     import jax
     import numpy as np
-    from jax.experimental import topologies
-    topology, config, bounds = TARGETS[target]
-    devs = topologies.get_topology_desc(topology, "tpu", chips_per_host_bounds=bounds, num_slices=1,
-                                        chip_config_name=config).devices
-    return jax.sharding.Mesh(np.array(devs), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+    return jax.sharding.Mesh(np.array(devices_for(target)), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def compiled(fn, mesh, *, tokens, heads=8, kv_heads=8, dim=128, backward=True):
+def compiled(fn, mesh, *, tokens, heads=8, kv_heads=8, dim=128, backward=True, options=None):
     """``fn(q, k, v)`` (forward; with ``backward`` its ``jax.vjp`` too) compiled for ``mesh``: global
-    ``[1, N * tokens, heads, dim]`` bfloat16 sharded over ``sp``."""
+    ``[1, N * tokens, heads, dim]`` bfloat16 sharded over ``sp``; ``options``: XLA options for this compile
+    only (``{"xla_gpu_...": value}``)."""
     import jax
     import jax.numpy as jnp
     seq = tokens * mesh.devices.size
@@ -262,7 +350,7 @@ def compiled(fn, mesh, *, tokens, heads=8, kv_heads=8, dim=128, backward=True):
             return fn(q, k, v)
         o, vjp = jax.vjp(fn, q, k, v)
         return (o,) + vjp(do)
-    return jax.jit(f).trace(q, k, k, q).lower().compile()
+    return jax.jit(f).trace(q, k, k, q).lower().compile(compiler_options=options or None)
 
 
 def ring_fn(mesh, **kw):
@@ -270,51 +358,82 @@ def ring_fn(mesh, **kw):
     return lambda q, k, v: rf.ring_attention(q, k, v, mesh=mesh, **kw)
 
 
-def control_fn(mesh):
+def control_fn(mesh, impl="pallas_tpu"):
     """A ring whose transfers cannot hide: each step sends the previous hop's *output* as the next K and V
     and the hop reads what it received, so send, kernel, send, kernel form one chain with nothing to overlap
-    (``ring_attention``'s own Pallas hop kernel, ``N - 1`` steps, unrolled)."""
+    (``ring_attention``'s own Pallas hop kernel of ``impl``, ``N - 1`` steps, unrolled)."""
     import jax
     import jax.numpy as jnp
     from jax import lax
     from ringattn_fast.dispatch import kernels_for
     from ringattn_fast.schedule import HopConfig, KVShard, QShard, send_to_next
-    hop_fwd = kernels_for("pallas_tpu").hop_fwd
+    kernels = kernels_for(impl)
+    device = mesh.devices.flat[0]
 
     def shard(q, k, v):
         n, (b, s) = lax.axis_size("sp"), q.shape[:2]
         pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
         qs, x = QShard(q, pos), k
+        blocks = kernels.default_blocks(q.shape, k.shape, q.dtype, device)  # the tiles that fit this chip
+        cfg = HopConfig(causal=False, scale=q.shape[-1] ** -0.5,
+                        **({} if blocks is None else dict(block_q=blocks[0], block_kv=blocks[1])))
         for _ in range(n - 1):
             x = send_to_next(x, "sp")  # received, then used: exposed
-            o_hop, _ = hop_fwd(qs, KVShard(x, x, pos), HopConfig(causal=False, scale=q.shape[-1] ** -0.5))
+            o_hop, _ = kernels.hop_fwd(qs, KVShard(x, x, pos), cfg)
             x = o_hop.astype(k.dtype)  # the next send waits for this kernel
         return x
     return jax.shard_map(shard, mesh=mesh, in_specs=jax.P(None, "sp"), out_specs=jax.P(None, "sp"),
                          check_vma=False)
 
 
-def cases(targets, impls, causal=(False, True)):
-    """(target, impl, causal, backward) of the table, then the control on the first target."""
+KERNEL_IMPL = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
+
+
+def impls_for(target, impls):
+    """The impls of ``impls`` that compile for ``target``: ``pallas_tpu*`` on TPU, ``pallas_gpu`` on GPU, the rest
+    on both."""
+    other = {"tpu": "pallas_gpu", "gpu": "pallas_tpu"}[platform(target)]
+    return [i for i in impls if not i.startswith(other)]
+
+
+def flags_for(target, flags):
+    """The flag sets of ``flags`` (names in :data:`GPU_FLAGS`) a target is compiled with: all on GPU; on TPU
+    ``default`` only (no flag is documented for it)."""
+    return list(flags) if platform(target) == "gpu" else ["default"]
+
+
+def cases(targets, impls, causal=(False, True), flags=("default",)):
+    """(target, impl, causal, backward, flags) of the table, then the control on the first target of each
+    platform, with each of its flag sets."""
     for target in targets:
-        for impl in impls:
-            for c in causal:
-                yield target, impl, c, True
-    yield targets[0], "control", False, False
+        for fl in flags_for(target, flags):
+            for impl in impls_for(target, impls):
+                for c in causal:
+                    yield target, impl, c, True, fl
+    for kind in ("tpu", "gpu"):
+        first = next((t for t in targets if platform(t) == kind), None)
+        if first is not None:
+            for fl in flags_for(first, flags):
+                yield first, "control", False, False, fl
 
 
-def _program(target, impl, causal, backward, *, tokens, layout):
+def _program(target, impl, causal, backward, *, tokens, layout, flags="default"):
+    kind = platform(target)
     mesh = mesh_for(target)
-    fn = control_fn(mesh) if impl == "control" else ring_fn(mesh, impl=impl, causal=causal, layout=layout)
-    return compiled(fn, mesh, tokens=tokens, backward=backward)
+    fn = (control_fn(mesh, KERNEL_IMPL[kind]) if impl == "control" else
+          ring_fn(mesh, impl=impl, causal=causal, layout=layout))
+    return compiled(fn, mesh, tokens=tokens, backward=backward, options=GPU_FLAGS[flags] if kind == "gpu" else None)
 
 
-def check(target, impl, causal, backward, *, tokens=4096, layout="contiguous", program=None):
+def check(target, impl, causal, backward, *, tokens=4096, layout="contiguous", flags="default", program=None):
     """One row: compile (unless ``program`` is given: that case's compiled program), parse, ``ok`` (every
-    transfer hidden; the control: some exposed)."""
+    transfer hidden; the control: some exposed, none hidden). ``flags``: a name of :data:`GPU_FLAGS` (GPU
+    targets; TPU rows take ``default``)."""
+    if flags not in GPU_FLAGS:
+        raise ValueError(f"flags must be one of {', '.join(GPU_FLAGS)}; got {flags!r}")
     t0 = time.perf_counter()
-    program = program or _program(target, impl, causal, backward, tokens=tokens, layout=layout)
-    row = dict(target=target, impl=impl, causal=causal, direction="fwd+bwd" if backward else "fwd",
+    program = program or _program(target, impl, causal, backward, tokens=tokens, layout=layout, flags=flags)
+    row = dict(target=target, flags=flags, impl=impl, causal=causal, direction="fwd+bwd" if backward else "fwd",
                compile_s=round(time.perf_counter() - t0, 1)) | read(program)
     all_hidden = row["transfers"] > 0 and row["hidden"] == row["transfers"]
     row["ok"] = (row["transfers"] > 0 and row["hidden"] == 0) if impl == "control" else all_hidden
@@ -367,20 +486,25 @@ def schedule_json(sched):
 
 
 def table(rows):
-    head = ["target", "impl", "causal", "pass", "transfers", "hidden", "fwd", "bwd", "compile s", "temp MiB"]
+    head = ["target", "flags", "impl", "causal", "pass", "transfers", "hidden", "fwd", "bwd", "compile s", "temp MiB"]
     lines = ["".join(f"{h:>11}" for h in head)]
     for r in rows:
-        cells = [r["target"], r["impl"], r["causal"], "yes" if r["ok"] else "NO", r["transfers"], r["hidden"],
-                 "%d/%d" % tuple(r["fwd"][::-1]), "%d/%d" % tuple(r["bwd"][::-1]), r["compile_s"], r["temp_mib"]]
+        cells = [r["target"], r.get("flags", "default"), r["impl"], r["causal"], "yes" if r["ok"] else "NO",
+                 r["transfers"], r["hidden"], "%d/%d" % tuple(r["fwd"][::-1]), "%d/%d" % tuple(r["bwd"][::-1]),
+                 r["compile_s"], r["temp_mib"]]
         lines.append("".join(f"{str(c):>11}" for c in cells))
     return "\n".join(lines)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.overlap", description=__doc__.split("\n")[0])
-    p.add_argument("--targets", default="v5e,v6e,v5p", help=f"comma list of {','.join(TARGETS)}")
-    p.add_argument("--impls", default="pallas_tpu,xla")
+    p.add_argument("--targets", default="v5e,v6e,v5p",
+                   help=f"comma list of {','.join([*TARGETS, *GPU_TARGETS])} (GPU: the CUDA plugin on PYTHONPATH)")
+    p.add_argument("--impls", default="pallas_tpu,pallas_gpu,xla",
+                   help="comma list; each target compiles those of its platform (pallas_tpu on TPU, pallas_gpu on GPU)")
     p.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+    p.add_argument("--flags", default=",".join(GPU_FLAGS),
+                   help=f"comma list of {','.join(GPU_FLAGS)}: GPU rows' XLA options (TPU rows: default)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per chip (default 4096)")
     p.add_argument("--layout", default="contiguous")
     p.add_argument("--show-exposed", action="store_true")
@@ -388,6 +512,18 @@ def main(argv=None):
                    "its schedule (JSON) to PATH")
     p.add_argument("--label", default="", help="with --save-schedule: a label stored in the file")
     args = p.parse_args(argv)
+    targets, flags = args.targets.split(","), args.flags.split(",")
+    for t in targets:
+        try:
+            platform(t)
+        except ValueError as e:
+            p.error(f"--targets: {e}")
+    if not set(flags) <= set(GPU_FLAGS):
+        p.error(f"--flags: each of {', '.join(GPU_FLAGS)}; got {args.flags!r}")
+    if any(platform(t) == "gpu" for t in targets):
+        # the CUDA plugin registers its compile-only topologies without a GPU only where JAX is not asked to
+        # start a CUDA backend (it would look for the CUDA runtime and cuDNN first, and fail)
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     if args.save_schedule:
         saved = save_schedule(args.save_schedule, args.targets.split(",")[0], args.impls.split(",")[0], causal[0],
@@ -395,8 +531,8 @@ def main(argv=None):
         print(json.dumps(dict(saved["summary"], path=args.save_schedule, source=saved["source"])))
         return 0
     rows, t0 = [], time.perf_counter()
-    for target, impl, c, bwd in cases(args.targets.split(","), args.impls.split(","), causal):
-        row = check(target, impl, c, bwd, tokens=args.tokens, layout=args.layout)
+    for target, impl, c, bwd, fl in cases(targets, args.impls.split(","), causal, flags):
+        row = check(target, impl, c, bwd, tokens=args.tokens, layout=args.layout, flags=fl)
         if not args.show_exposed:
             row["exposed"] = len(row["exposed"])
         rows.append(row)
