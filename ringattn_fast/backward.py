@@ -23,23 +23,53 @@ from jax import lax
 from . import block_mask, comm, masks
 from .dispatch import kernels_for
 from .mesh import varying_axes, vary_like
-from .schedule import KVGrads, hop_kv, kv_index, ring_loop, send_to_next, single_hop
+from .schedule import KVGrads, QShard, hop_kv, kv_index, ring_loop, send_to_next, single_hop
 from .softmax import acc_dtype
 
 
-def _add_hop(cfg, hop_grads, *, grads, dq, dbias, kv_idx):
+def _rows(x, part, axis):
+    """``x``'s query rows ``part`` (a slice) along ``axis``; ``x`` itself where it broadcasts over them (size 1),
+    is None or ``part`` is None (all rows)."""
+    if x is None or part is None or x.shape[axis] == 1:
+        return x
+    return lax.slice_in_dim(x, part.start, part.stop, axis=axis)
+
+
+def _add_rows(acc, g, part, axis):
+    """``acc + g`` with ``g`` holding only the query rows ``part`` of ``acc`` along ``axis`` (or all of them)."""
+    if part is None or acc.shape[axis] == g.shape[axis]:
+        return acc + g
+    return acc.at[(slice(None),) * axis + (part,)].add(g)
+
+
+def row_halves(cfg, sq):
+    """The own hop's two halves of query rows, ``(slice(0, sq/2), slice(sq/2, sq))``, or None where the tiles
+    (``block_q``, the backward's own, the block mask's) do not split the ``sq`` rows in two."""
+    blocks = [cfg.hop.block_q] + [b[0] for b in [cfg.hop.bwd_blocks] if b is not None]
+    blocks += [cfg.block_mask.block_q] if cfg.block_mask is not None else []
+    half = sq // 2
+    if sq % 2 or any(b is None or half % b for b in blocks):
+        return None
+    return slice(0, half), slice(half, sq)
+
+
+def _add_hop(cfg, hop_grads, *, grads, dq, dbias, kv_idx, rows=None):
     """Fold one hop's :class:`~ringattn_fast.schedule.HopGrads` into the accumulators: the travelling
     ``grads`` (:class:`~ringattn_fast.schedule.KVGrads`), this host's ``dq`` and its non-travelling
-    ``dbias``; ``kv_idx``: the shard the hop attended (a "columns" bias's block)."""
+    ``dbias``; ``kv_idx``: the shard the hop attended (a "columns" bias's block); ``rows``: the query rows
+    the hop computed (a slice, None: all)."""
     dbias_t = grads.dbias
     if cfg.bias_mode == "travel":
         dbias_t = dbias_t + hop_grads.dbias
-    elif cfg.bias_mode == "columns":  # each block of key columns is visited exactly once
+    elif cfg.bias_mode == "columns":  # each block of key columns is visited once (the own block: in two halves)
         sk = hop_grads.dk.shape[1]
-        dbias = lax.dynamic_update_slice_in_dim(dbias, hop_grads.dbias.astype(dbias.dtype), kv_idx * sk, axis=3)
+        block = lax.dynamic_slice_in_dim(dbias, kv_idx * sk, sk, axis=3)
+        block = _add_rows(block, hop_grads.dbias.astype(dbias.dtype), rows, axis=2)
+        dbias = lax.dynamic_update_slice_in_dim(dbias, block, kv_idx * sk, axis=3)
     elif cfg.bias_mode == "static":
-        dbias = dbias + hop_grads.dbias
-    return KVGrads(grads.dk + hop_grads.dk, grads.dv + hop_grads.dv, dbias_t), dq + hop_grads.dq, dbias
+        dbias = _add_rows(dbias, hop_grads.dbias, rows, axis=2)
+    grads = KVGrads(grads.dk + hop_grads.dk, grads.dv + hop_grads.dv, dbias_t)
+    return grads, _add_rows(dq, hop_grads.dq, rows, axis=1), dbias
 
 
 def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None, head_offset=None):
@@ -79,27 +109,46 @@ def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None, head_o
     grads = KVGrads(zeros(kv.k), zeros(kv.v), zeros(kv.bias))
     dq, dbias = zeros(qs.q), zeros(bias)  # both stay here
 
-    def hop(step, kv, grads, dq, dbias):
+    def hop(step, kv, grads, dq, dbias, rows=None):
+        """Add the hop of ``step`` (query ``rows`` only, if given) to the accumulators."""
         kv_idx, kv = kv_index(my_idx, step, n), comm.decode(kv, kv_dtype)  # K/V travel as the forward's did
+        q_part = QShard(*(_rows(x, rows, 1) for x in qs))
+        extras = block_mask.hop_extras(cfg, my_idx, kv_idx, head_offset)
+        if rows is not None and "tiles" in extras:  # the block mask's tiles of these rows
+            bq = cfg.block_mask.block_q
+            extras["tiles"] = extras["tiles"][rows.start // bq:rows.stop // bq]
 
         def backward(grads, dq, dbias):
-            hop_grads = hop_bwd(qs, hop_kv(cfg, kv, bias, kv_idx), cfg.hop, do=do, lse=lse, delta=delta,
-                                **block_mask.hop_extras(cfg, my_idx, kv_idx, head_offset))
-            return _add_hop(cfg, hop_grads, grads=grads, dq=dq, dbias=dbias, kv_idx=kv_idx)
+            hop_grads = hop_bwd(q_part, hop_kv(cfg, kv, _rows(bias, rows, 2), kv_idx), cfg.hop, do=_rows(do, rows, 1),
+                                lse=_rows(lse, rows, 2), delta=_rows(delta, rows, 2), **extras)
+            return _add_hop(cfg, hop_grads, grads=grads, dq=dq, dbias=dbias, kv_idx=kv_idx, rows=rows)
 
         if skip:
-            return lax.cond(block_mask.hop_is_empty(cfg, qs, kv, my_idx, step), lambda *a: a, backward, grads, dq, dbias)
+            return lax.cond(block_mask.hop_is_empty(cfg, q_part, kv, my_idx, step), lambda *a: a, backward,
+                            grads, dq, dbias)
         return backward(grads, dq, dbias)
 
-    def step_fn(carry, step):
-        kv, grads, dq, dbias = carry
-        kv_next = send_to_next(kv, cfg.axis_name)  # K/V: issued first, overlaps the hop
-        grads, dq, dbias = hop(step, kv, grads, dq, dbias)
-        return kv_next, send_grads(grads), dq, dbias  # dK/dV follow their K/V shard
+    # Delayed accumulators: every send is issued before the hop's kernel and needs nothing it computes, so
+    # it flies while the kernel runs. At step s host i holds K/V shard i - s; it sends them on with the
+    # accumulators of shard i - s + 1 (step s - 1's, its own hop added), computes its hop's grads, then adds
+    # them to the accumulators of shard i - s just received from host i - 1. The own shard's hop is split
+    # in two halves of query rows: the first overlaps the first K/V send, the second the last dK/dV send
+    # (shard i's accumulators coming home from host i - 1). With 4 hosts, host 0 holds shards 0, 3, 2, 1;
+    # shard 0's accumulators go 0 (first half) -> 1 -> 2 -> 3 -> 0 (second half): N sends, as before.
+    first, last = row_halves(cfg, qs.q.shape[1]) or (None, None)
+    own = comm.encode(kv, cfg.comm_dtype)
+    kv_next = send_to_next(own, cfg.axis_name)
+    grads, dq, dbias = hop(0, own, *vary_like((grads, dq, dbias), axes), rows=first)
 
-    carry = (comm.encode(kv, cfg.comm_dtype),) + vary_like((grads, dq, dbias), axes)
-    kv, grads, dq, dbias = ring_loop(step_fn, carry, n)
-    grads, dq, dbias = hop(n - 1, kv, grads, dq, dbias)
-    if n > 1:
-        grads = send_grads(grads)  # the N-th move: home
+    def step_fn(carry, step):  # steps 1 .. N - 2
+        kv, grads, dq, dbias = carry
+        kv_next = send_to_next(kv, cfg.axis_name)
+        received = send_grads(grads)  # shard i - step's accumulators, from host i - 1
+        return (kv_next,) + hop(step, kv, received, dq, dbias)
+
+    kv, grads, dq, dbias = ring_loop(step_fn, (kv_next, grads, dq, dbias), n, first=1)
+    grads, dq, dbias = hop(n - 1, kv, send_grads(grads), dq, dbias)  # the last step: no K/V left to send
+    grads = send_grads(grads)  # the N-th move: home
+    if last is not None:
+        grads, dq, dbias = hop(0, own, grads, dq, dbias, rows=last)
     return dq, grads, dbias
