@@ -45,6 +45,11 @@ class Instr(NamedTuple):
     op: str
     rest: str  # operands and attributes
 
+    @property
+    def backward(self):
+        """Whether JAX traced it for a backward pass (its ``op_name`` under ``transpose(...)``)."""
+        return "transpose(" in (re.search(r'op_name="([^"]*)"', self.rest) or [None, ""])[1]
+
 
 class Transfer(NamedTuple):
     """One K/V (or dK/dV) move in computation ``comp``: ``hidden`` iff compute runs between start and done;
@@ -54,6 +59,7 @@ class Transfer(NamedTuple):
     hidden: bool
     synchronous: bool
     between: tuple
+    backward: bool = False
 
 
 def computations(hlo):
@@ -108,20 +114,23 @@ def transfers(hlo):
     for comp, instrs in comps.items():
         for k, ins in enumerate(instrs):
             if ins.op == "collective-permute":
-                out.append(Transfer(comp, ins.name, False, True, ()))
+                out.append(Transfer(comp, ins.name, False, True, (), ins.backward))
             elif ins.op == "collective-permute-start":
                 done = next((j for j in range(k + 1, len(instrs)) if instrs[j].op == "collective-permute-done"
                              and re.search(rf"%{re.escape(ins.name)}\b", instrs[j].rest)), len(instrs))
                 between = tuple(i.name for i in instrs[k + 1:done] if _is_compute(i, runs))
-                out.append(Transfer(comp, ins.name, bool(between), False, between))
+                out.append(Transfer(comp, ins.name, bool(between), False, between, ins.backward))
     return out
 
 
 def summary(hlo):
-    """``{"transfers", "hidden", "synchronous", "exposed": [computation/start names]}`` of a compiled module."""
+    """``{"transfers", "hidden", "synchronous", "exposed": [computation/start names]}`` of a compiled module, and
+    ``fwd`` / ``bwd``: ``[transfers, hidden]`` of the forward's and of the backward's (``Instr.backward``)."""
     ts = transfers(hlo)
+    split = {d: [sum(t.backward == b for t in ts), sum(t.hidden and t.backward == b for t in ts)]
+             for d, b in (("fwd", False), ("bwd", True))}
     return dict(transfers=len(ts), hidden=sum(t.hidden for t in ts), synchronous=sum(t.synchronous for t in ts),
-                exposed=[f"{t.comp}/{t.start}" for t in ts if not t.hidden])
+                exposed=[f"{t.comp}/{t.start}" for t in ts if not t.hidden]) | split
 
 
 def mesh_for(target):
@@ -195,19 +204,22 @@ def check(target, impl, causal, backward, *, tokens=4096, layout="contiguous"):
     mesh = mesh_for(target)
     fn = control_fn(mesh) if impl == "control" else ring_fn(mesh, impl=impl, causal=causal, layout=layout)
     t0 = time.perf_counter()
-    hlo = compiled(fn, mesh, tokens=tokens, backward=backward).as_text()
+    program = compiled(fn, mesh, tokens=tokens, backward=backward)
     row = dict(target=target, impl=impl, causal=causal, direction="fwd+bwd" if backward else "fwd",
-               compile_s=round(time.perf_counter() - t0, 1)) | summary(hlo)
+               compile_s=round(time.perf_counter() - t0, 1),
+               temp_mib=round(program.memory_analysis().temp_size_in_bytes / 2 ** 20, 1)) | summary(program.as_text())
     all_hidden = row["transfers"] > 0 and row["hidden"] == row["transfers"]
     row["ok"] = (row["transfers"] > 0 and row["hidden"] == 0) if impl == "control" else all_hidden
     return row
 
 
 def table(rows):
-    lines = [f"{'target':7}{'impl':12}{'causal':8}{'direction':10}{'pass':6}{'transfers':>10}{'hidden':>8}{'s':>7}"]
+    head = ["target", "impl", "causal", "pass", "transfers", "hidden", "fwd", "bwd", "compile s", "temp MiB"]
+    lines = ["".join(f"{h:>11}" for h in head)]
     for r in rows:
-        lines.append(f"{r['target']:7}{r['impl']:12}{str(r['causal']):8}{r['direction']:10}"
-                     f"{'yes' if r['ok'] else 'NO':6}{r['transfers']:>10}{r['hidden']:>8}{r['compile_s']:>7}")
+        cells = [r["target"], r["impl"], r["causal"], "yes" if r["ok"] else "NO", r["transfers"], r["hidden"],
+                 "%d/%d" % tuple(r["fwd"][::-1]), "%d/%d" % tuple(r["bwd"][::-1]), r["compile_s"], r["temp_mib"]]
+        lines.append("".join(f"{str(c):>11}" for c in cells))
     return "\n".join(lines)
 
 

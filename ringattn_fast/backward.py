@@ -6,11 +6,19 @@ runs the ring again, as the authors' code does (arXiv:2310.01889): ``dQ`` stays 
 ``dK, dV`` (float32/64 accumulators, and the gradient of a key-only bias) travel *with* their K/V
 shard as :class:`KVGrads`.
 
-Message count: at step ``step`` host ``i`` holds K/V shard ``i - step`` and its gradient
-accumulators; it adds its hop's contribution and sends both on. K/V are sent ``N - 1`` times (top of
-each step but the last), dK/dV ``N`` times (after every step): after the last hop host ``i`` holds the
-accumulators of shard ``i + 1`` and that ``N``-th send delivers every shard's gradient to its home.
-A token that visits all ``N`` hosts and returns needs ``N`` moves, so no message is wasted.
+Schedule ("delayed accumulators", issue 45): every send is issued at the top of a step and needs nothing
+that step computes, so XLA can fly it under the hop's kernel (when the dK/dV send followed the hop's
+kernel, the compiler sent K/V with it, after the kernel: no backward transfer overlapped,
+``benchmarks/overlap.py``). At step ``step`` host ``i`` holds K/V shard ``i - step``; it sends them on
+together with the accumulators it finished at the previous step (shard ``i - step + 1``), runs the hop,
+then adds the hop's dK/dV to the accumulators of shard ``i - step`` that arrive from host ``i - 1``. The
+own shard's hop (step 0) is split in two halves of query rows when its tiles allow
+(:func:`row_halves`): the first half overlaps the first K/V send, the second the last dK/dV send, which
+brings shard ``i``'s accumulators home from host ``i - 1``. Message count as before: K/V ``N - 1`` sends,
+dK/dV ``N``; a token that visits all ``N`` hosts and returns needs ``N`` moves. Cost: one more dK/dV
+pair in flight (the one being sent while the next is received); ``docs`` and the issue have the
+measured temp bytes. ``ringattn_ref.backward`` keeps the simple order (the sums are the same; only the
+float32 rounding order of the own hop's two halves differs).
 Mirrors ``ringattn_ref.backward``.
 """
 from __future__ import annotations
