@@ -3,6 +3,9 @@
 Profiles (choose with ``RINGATTN_HYPOTHESIS_PROFILE``):
   ``ci``        default: deterministic (derandomized), no deadline, a modest number of examples.
   ``thorough``  >= 500 examples per property, for a long local run.
+  ``oldest``    a quarter of ``ci``'s examples (at least one per property): scripts/test-oldest.sh, whose run
+                checks that every path works on the oldest supported JAX; the properties' full counts run on
+                the newest pair in the same CI run.
 """
 import gc
 import os
@@ -35,6 +38,14 @@ settings.register_profile(
     "thorough",
     deadline=None,
     max_examples=500,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "oldest",
+    derandomize=True,
+    deadline=None,
+    max_examples=10,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
