@@ -23,6 +23,8 @@ Mirrors ``ringattn_ref.backward``.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from functools import partial
 
 import jax.numpy as jnp
@@ -51,14 +53,25 @@ def _add_rows(acc, g, part, axis):
 
 
 def row_halves(cfg, sq):
-    """The own hop's two halves of query rows, ``(slice(0, sq/2), slice(sq/2, sq))``, or None where the tiles
-    (``block_q``, the backward's own, the block mask's) do not split the ``sq`` rows in two."""
-    blocks = [cfg.hop.block_q] + [b[0] for b in [cfg.hop.bwd_blocks] if b is not None]
-    blocks += [cfg.block_mask.block_q] if cfg.block_mask is not None else []
+    """The own hop's two halves of query rows, ``(slice(0, sq/2), slice(sq/2, sq))``, and the hop configuration
+    they run with: the kernels' query tiles (``block_q``, the backward's own) cut to a divisor of ``sq/2`` where
+    they do not divide it (a shard that is one tile: two tiles of half). None where the rows cannot be halved:
+    ``sq`` odd, a block mask's tiles that do not divide ``sq/2``, or a query tile that would drop below 128
+    rows (or below the tile asked for, if smaller)."""
     half = sq // 2
-    if sq % 2 or any(b is None or half % b for b in blocks):
+    if sq % 2 or (cfg.block_mask is not None and half % cfg.block_mask.block_q):
         return None
-    return slice(0, half), slice(half, sq)
+
+    def fit(b):
+        f = b if half % b == 0 else math.gcd(b, half)
+        return f if f >= min(b, 128) else None
+
+    bwd = cfg.hop.bwd_blocks
+    tiles = [fit(cfg.hop.block_q)] + ([fit(bwd[0])] if bwd is not None else [])
+    if None in tiles:
+        return None
+    hop = dataclasses.replace(cfg.hop, block_q=tiles[0], bwd_blocks=None if bwd is None else (tiles[1],) + tuple(bwd[1:]))
+    return slice(0, half), slice(half, sq), hop
 
 
 def _add_hop(cfg, hop_grads, *, grads, dq, dbias, kv_idx, rows=None):
@@ -117,8 +130,8 @@ def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None, head_o
     grads = KVGrads(zeros(kv.k), zeros(kv.v), zeros(kv.bias))
     dq, dbias = zeros(qs.q), zeros(bias)  # both stay here
 
-    def hop(step, kv, grads, dq, dbias, rows=None):
-        """Add the hop of ``step`` (query ``rows`` only, if given) to the accumulators."""
+    def hop(step, kv, grads, dq, dbias, rows=None, hop_cfg=cfg.hop):
+        """Add the hop of ``step`` (query ``rows`` only, if given, with ``hop_cfg``) to the accumulators."""
         kv_idx, kv = kv_index(my_idx, step, n), comm.decode(kv, kv_dtype)  # K/V travel as the forward's did
         q_part = QShard(*(_rows(x, rows, 1) for x in qs))
         extras = block_mask.hop_extras(cfg, my_idx, kv_idx, head_offset)
@@ -127,7 +140,7 @@ def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None, head_o
             extras["tiles"] = extras["tiles"][rows.start // bq:rows.stop // bq]
 
         def backward(grads, dq, dbias):
-            hop_grads = hop_bwd(q_part, hop_kv(cfg, kv, _rows(bias, rows, 2), kv_idx), cfg.hop, do=_rows(do, rows, 1),
+            hop_grads = hop_bwd(q_part, hop_kv(cfg, kv, _rows(bias, rows, 2), kv_idx), hop_cfg, do=_rows(do, rows, 1),
                                 lse=_rows(lse, rows, 2), delta=_rows(delta, rows, 2), **extras)
             return _add_hop(cfg, hop_grads, grads=grads, dq=dq, dbias=dbias, kv_idx=kv_idx, rows=rows)
 
@@ -143,10 +156,10 @@ def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None, head_o
     # in two halves of query rows: the first overlaps the first K/V send, the second the last dK/dV send
     # (shard i's accumulators coming home from host i - 1). With 4 hosts, host 0 holds shards 0, 3, 2, 1;
     # shard 0's accumulators go 0 (first half) -> 1 -> 2 -> 3 -> 0 (second half): N sends, as before.
-    first, last = row_halves(cfg, qs.q.shape[1]) or (None, None)
+    first, last, half_cfg = row_halves(cfg, qs.q.shape[1]) or (None, None, cfg.hop)
     own = comm.encode(kv, cfg.comm_dtype)
     kv_next = send_to_next(own, cfg.axis_name)
-    grads, dq, dbias = hop(0, own, *vary_like((grads, dq, dbias), axes), rows=first)
+    grads, dq, dbias = hop(0, own, *vary_like((grads, dq, dbias), axes), rows=first, hop_cfg=half_cfg)
 
     def step_fn(carry, step):  # steps 1 .. N - 2
         kv, grads, dq, dbias = carry
@@ -156,7 +169,11 @@ def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None, head_o
 
     kv, grads, dq, dbias = ring_loop(step_fn, (kv_next, grads, dq, dbias), n, first=1)
     grads, dq, dbias = hop(n - 1, kv, send_grads(grads), dq, dbias)  # the last step: no K/V left to send
+    if last is not None:  # the second half's kernel must run under the home send, not before the last hop
+        # (it needs nothing that hop makes, and XLA:TPU moved it there): its K/V come out of a barrier with
+        # the accumulators that send carries
+        grads, own = lax.optimization_barrier((grads, own))
     grads = send_grads(grads)  # the N-th move: home
     if last is not None:
-        grads, dq, dbias = hop(0, own, grads, dq, dbias, rows=last)
+        grads, dq, dbias = hop(0, own, grads, dq, dbias, rows=last, hop_cfg=half_cfg)
     return dq, grads, dbias
