@@ -133,6 +133,11 @@ def summary(hlo):
                 exposed=[f"{t.comp}/{t.start}" for t in ts if not t.hidden]) | split
 
 
+def read(program):
+    """:func:`summary` of a compiled program's schedule, and its ``temp_mib`` (``memory_analysis()``)."""
+    return summary(program.as_text()) | dict(temp_mib=round(program.memory_analysis().temp_size_in_bytes / 2 ** 20, 1))
+
+
 def mesh_for(target):
     import jax
     import numpy as np
@@ -206,8 +211,7 @@ def check(target, impl, causal, backward, *, tokens=4096, layout="contiguous"):
     t0 = time.perf_counter()
     program = compiled(fn, mesh, tokens=tokens, backward=backward)
     row = dict(target=target, impl=impl, causal=causal, direction="fwd+bwd" if backward else "fwd",
-               compile_s=round(time.perf_counter() - t0, 1),
-               temp_mib=round(program.memory_analysis().temp_size_in_bytes / 2 ** 20, 1)) | summary(program.as_text())
+               compile_s=round(time.perf_counter() - t0, 1)) | read(program)
     all_hidden = row["transfers"] > 0 and row["hidden"] == row["transfers"]
     row["ok"] = (row["transfers"] > 0 and row["hidden"] == 0) if impl == "control" else all_hidden
     return row

@@ -13,11 +13,10 @@ object per case to stdout:
 - ``memory``: temp bytes of that compiled forward+backward (``memory_analysis()``) against splash
   attention's at blocks 1024, called on [b, s, h, d] arrays as ours is (its transposes and the
   pre-scaling of q in the program), causal, 8 heads, d = 128, bfloat16, at 16K and 32K tokens;
+- ``hiding``: ``benchmarks.overlap``'s check (issue 45): for each ``collective-permute`` of the scheduled
+  HLO, whether compute runs between its start and done; ``ring`` rows carry the same fields;
 - ``control``: a Pallas kernel whose blocks cannot fit VMEM must fail to compile (so the compiles above
   prove something).
-
-- ``hiding``: ``benchmarks.overlap``'s check (issue 45): for each ``collective-permute`` of the scheduled
-  HLO, whether compute runs between its start and done; ``ring`` rows carry the same fields.
 
 usage: python tests/_tpu_compile.py [ring hiding one_chip memory control]
 """
@@ -63,12 +62,6 @@ def kernels(compiled):
     return sorted(set(re.findall(r"ring_(?:hop|fused)_[a-z_]+_tpu", compiled.as_text())))
 
 
-def transfers(program):
-    """What ``benchmarks.overlap`` reads from a compiled program's schedule: transfers, hidden, synchronous, the
-    exposed ones (forward ``fwd`` / backward ``bwd``: ``[transfers, hidden]``), and its temp MiB."""
-    return overlap.summary(program.as_text()) | dict(temp_mib=program.memory_analysis().temp_size_in_bytes / 2 ** 20)
-
-
 def ring():
     for chip, (topology, config, bounds) in SLICES.items():
         mesh = mesh_of(devices(topology, config, bounds))
@@ -76,7 +69,7 @@ def ring():
             row = dict(case="ring", chip=chip, impl=impl)
             try:
                 program = compiled_vjp(mesh, 8 * 4096, 8, 2, 128, impl=impl)
-                row.update(ok=True, kernels=kernels(program), **transfers(program))
+                row.update(ok=True, kernels=kernels(program), **overlap.read(program))
             except Exception as e:  # the test reports it
                 row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
             yield row

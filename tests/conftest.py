@@ -41,14 +41,7 @@ settings.register_profile(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-settings.register_profile(
-    "oldest",
-    derandomize=True,
-    deadline=None,
-    max_examples=10,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+settings.register_profile("oldest", parent=settings.get_profile("ci"), max_examples=10)
 settings.load_profile(os.environ.get("RINGATTN_HYPOTHESIS_PROFILE", "ci"))
 
 

