@@ -157,7 +157,12 @@ def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None, head_o
     # (shard i's accumulators coming home from host i - 1). With 4 hosts, host 0 holds shards 0, 3, 2, 1;
     # shard 0's accumulators go 0 (first half) -> 1 -> 2 -> 3 -> 0 (second half): N sends, as before.
     first, last, half_cfg = row_halves(cfg, qs.q.shape[1]) or (None, None, cfg.hop)
-    own = comm.encode(kv, cfg.comm_dtype)
+    # The first send leaves the loop, so nothing orders it after the forward ring any more: XLA's CPU runtime
+    # then ran it beside the forward loop's sends on the same axis, in a different order on each device, and
+    # they exchanged the wrong buffers (the hybrid's tests, 2 x 2 mesh: wrong results in 5 of 8 runs). Tied to
+    # delta (the forward's o and the cotangent), it waits for what the first hop's kernel waits for anyway.
+    own, delta = lax.optimization_barrier((comm.encode(kv, cfg.comm_dtype), delta))
+    kv_home = kv
     kv_next = send_to_next(own, cfg.axis_name)
     grads, dq, dbias = hop(0, own, *vary_like((grads, dq, dbias), axes), rows=first, hop_cfg=half_cfg)
 
@@ -171,9 +176,10 @@ def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None, head_o
     grads, dq, dbias = hop(n - 1, kv, send_grads(grads), dq, dbias)  # the last step: no K/V left to send
     if last is not None:  # the second half's kernel must run under the home send, not before the last hop
         # (it needs nothing that hop makes, and XLA:TPU moved it there): its K/V come out of a barrier with
-        # the accumulators that send carries
-        grads, own = lax.optimization_barrier((grads, own))
+        # the accumulators that send carries. The barrier takes the K/V as given, not the kernel's copy of
+        # them made for the first half, which would then stay live through the loop.
+        grads, kv_home = lax.optimization_barrier((grads, kv_home))
     grads = send_grads(grads)  # the N-th move: home
     if last is not None:
-        grads, dq, dbias = hop(0, own, grads, dq, dbias, rows=last, hop_cfg=half_cfg)
+        grads, dq, dbias = hop(0, comm.encode(kv_home, cfg.comm_dtype), grads, dq, dbias, rows=last, hop_cfg=half_cfg)
     return dq, grads, dbias
