@@ -89,7 +89,10 @@ def _add_hop(cfg, hop_grads, *, grads, dq, dbias, kv_idx, rows=None):
         dbias = lax.dynamic_update_slice_in_dim(dbias, block, kv_idx * sk, axis=3)
     elif cfg.bias_mode == "static":
         dbias = _add_rows(dbias, hop_grads.dbias, rows, axis=2)
-    grads = KVGrads(grads.dk + hop_grads.dk, grads.dv + hop_grads.dv, dbias_t)
+    if grads.dv is None:  # packed (see ring_backward)
+        grads = KVGrads(grads.dk + jnp.stack([hop_grads.dk, hop_grads.dv]).astype(grads.dk.dtype), None, dbias_t)
+    else:
+        grads = KVGrads(grads.dk + hop_grads.dk, grads.dv + hop_grads.dv, dbias_t)
     return grads, _add_rows(dq, hop_grads.dq, rows, axis=1), dbias
 
 
@@ -127,7 +130,11 @@ def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None, head_o
         travels = cfg.bias_mode == "travel"
         return g.dq, KVGrads(g.dk, g.dv, g.dbias if travels else None), None if travels else g.dbias
     zeros = lambda x: None if x is None else jnp.zeros(x.shape, acc)  # noqa: E731
-    grads = KVGrads(zeros(kv.k), zeros(kv.v), zeros(kv.bias))
+    # dK and dV travel stacked, [2, b, sk, hk, d], where their shapes agree: one transfer a step, as K/V
+    # (``comm.encode(..., pack=True)``); dv None marks the packed form
+    packed = kv.k.shape == kv.v.shape
+    grads = KVGrads(jnp.zeros((2,) + kv.k.shape, acc), None, zeros(kv.bias)) if packed else \
+        KVGrads(zeros(kv.k), zeros(kv.v), zeros(kv.bias))
     dq, dbias = zeros(qs.q), zeros(bias)  # both stay here
 
     def hop(step, kv, grads, dq, dbias, rows=None, hop_cfg=cfg.hop):
@@ -144,9 +151,12 @@ def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None, head_o
                                 lse=_rows(lse, rows, 2), delta=_rows(delta, rows, 2), **extras)
             return _add_hop(cfg, hop_grads, grads=grads, dq=dq, dbias=dbias, kv_idx=kv_idx, rows=rows)
 
-        if skip:
-            return lax.cond(block_mask.hop_is_empty(cfg, q_part, kv, my_idx, step), lambda *a: a, backward,
-                            grads, dq, dbias)
+        if skip:  # the cond adds to fresh zeros: handed the received accumulators, it (and the kernel in it)
+            # waited for their transfer, which then had nothing to hide under (8 H100s, causal)
+            fresh = KVGrads(*(None if x is None else jnp.zeros_like(x) for x in grads))
+            mine, dq, dbias = lax.cond(block_mask.hop_is_empty(cfg, q_part, kv, my_idx, step), lambda *a: a, backward,
+                                       fresh, dq, dbias)
+            return KVGrads(*(None if a is None else a + b for a, b in zip(grads, mine))), dq, dbias
         return backward(grads, dq, dbias)
 
     # Delayed accumulators: every send is issued before the hop's kernel and needs nothing it computes, so
@@ -161,7 +171,7 @@ def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None, head_o
     # then ran it beside the forward loop's sends on the same axis, in a different order on each device, and
     # they exchanged the wrong buffers (the hybrid's tests, 2 x 2 mesh: wrong results in 5 of 8 runs). Tied to
     # delta (the forward's o and the cotangent), it waits for what the first hop's kernel waits for anyway.
-    own, delta = lax.optimization_barrier((comm.encode(kv, cfg.comm_dtype), delta))
+    own, delta = lax.optimization_barrier((comm.encode(kv, cfg.comm_dtype, pack=True), delta))
     kv_home = kv
     kv_next = send_to_next(own, cfg.axis_name)
     grads, dq, dbias = hop(0, own, *vary_like((grads, dq, dbias), axes), rows=first, hop_cfg=half_cfg)
@@ -181,5 +191,8 @@ def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None, head_o
         grads, kv_home = lax.optimization_barrier((grads, kv_home))
     grads = send_grads(grads)  # the N-th move: home
     if last is not None:
-        grads, dq, dbias = hop(0, comm.encode(kv_home, cfg.comm_dtype), grads, dq, dbias, rows=last, hop_cfg=half_cfg)
+        grads, dq, dbias = hop(0, comm.encode(kv_home, cfg.comm_dtype, pack=True), grads, dq, dbias, rows=last,
+                               hop_cfg=half_cfg)
+    if packed:
+        grads = KVGrads(grads.dk[0], grads.dk[1], grads.dbias)
     return dq, grads, dbias
