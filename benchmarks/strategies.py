@@ -53,7 +53,9 @@ def collective_bytes(hlo_text, n, *, loop_trips=1, by_shape=False):
     result type: collective-permute sends its operand; all-gather ``(n-1)`` operands (operand = result
     / n); all-to-all and reduce-scatter ``(n-1)/n`` of their input; all-reduce ``2 (n-1)/n``
     (the ring algorithm). A collective inside a while body (the ring's loop) counts ``loop_trips``
-    times: its trip count is hidden from XLA (``schedule.ring_loop``), so pass it (``N - 1``).
+    times: its trip count is hidden from XLA (``schedule.ring_loop``), so pass it: ``N - 1``, or
+    ``(N - 1, N - 2)`` for a forward+backward program, whose backward loop runs ``N - 2`` times
+    (``ring_backward`` peels its first and last steps; a backward op is one JAX named under ``transpose(``).
     ``by_shape``: a dict ``(kind, dtype, shape) -> bytes`` instead of the total (shape: the operand's
     for all-gather and collective-permute, the result's, or its first piece's, otherwise).
     """
@@ -80,7 +82,10 @@ def collective_bytes(hlo_text, n, *, loop_trips=1, by_shape=False):
             nbytes = (n - 1) * total / n * (n if kind == "reduce-scatter" else 1)
         else:
             nbytes = 2 * (n - 1) * total / n
-        sent[(kind, dtype, shape)] += nbytes * (loop_trips if computation in bodies else 1)
+        if computation in bodies:
+            fwd_trips, bwd_trips = loop_trips if isinstance(loop_trips, tuple) else (loop_trips, loop_trips)
+            nbytes *= bwd_trips if re.search(r'op_name="[^"]*transpose\(', line) else fwd_trips
+        sent[(kind, dtype, shape)] += nbytes
     return dict(sent) if by_shape else float(sum(sent.values()))
 
 
@@ -223,7 +228,8 @@ def main(argv=None):
     mesh2 = jax.make_mesh((n // u, u), ("ring", "ulysses"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     fns = {"ring": partial(rf.ring_attention, mesh=mesh), "allgather": partial(rf.allgather_attention, mesh=mesh),
            "ulysses": partial(rf.ulysses_attention, mesh=mesh), "hybrid": partial(rf.hybrid_attention, mesh=mesh2)}
-    group = {"hybrid": (u, n // u - 1)}  # collectives' group size and the ring loop's trips, if not (n, n - 1)
+    ring = {"hybrid": n // u}  # the ring's length, if not n
+    group = {"hybrid": u}  # the collectives' group size, if not n
     sharded = jax.sharding.NamedSharding(mesh, jax.P(None, "sp"))
     progress = Progress(len(seqs) * (len(names) + 1))
     out = report.open_rows(args.out)
@@ -252,13 +258,13 @@ def main(argv=None):
             fwd = jax.jit(lambda q, k, v, fn=fns[name]: fn(q, k, v, causal=causal)).lower(q, k, v).compile()
             compiled = jax.jit(fwd_bwd).lower(q, k, v, do).compile()
             ref_sent, ref_peak = reference_model(name, **shape)
-            coll, trips = group.get(name, (n, n - 1))
+            coll, r = group.get(name, n), ring.get(name, n)
             outputs[name] = np.asarray(compiled(q, k, v, do)[0], np.float64)  # also the warm-up run
             found[name] = dict(base, temp_fwd_bytes=int(fwd.memory_analysis().temp_size_in_bytes),
                                temp_fwd_bwd_bytes=int(compiled.memory_analysis().temp_size_in_bytes),
-                               fwd_sent_bytes=collective_bytes(fwd.as_text(), coll, loop_trips=trips),
+                               fwd_sent_bytes=collective_bytes(fwd.as_text(), coll, loop_trips=r - 1),
                                fwd_predicted_bytes=ref_sent, fwd_predicted_peak_bytes=ref_peak,
-                               sent_bytes=collective_bytes(compiled.as_text(), coll, loop_trips=trips),
+                               sent_bytes=collective_bytes(compiled.as_text(), coll, loop_trips=(r - 1, r - 2)),
                                predicted_bytes=float(predicted_bytes(name, **shape)))
             jobs.append(partial(compiled, q, k, v, do))
             progress.step(f"S={seq} {name} compiled")

@@ -6,15 +6,25 @@ runs the ring again, as the authors' code does (arXiv:2310.01889): ``dQ`` stays 
 ``dK, dV`` (float32/64 accumulators, and the gradient of a key-only bias) travel *with* their K/V
 shard as :class:`KVGrads`.
 
-Message count: at step ``step`` host ``i`` holds K/V shard ``i - step`` and its gradient
-accumulators; it adds its hop's contribution and sends both on. K/V are sent ``N - 1`` times (top of
-each step but the last), dK/dV ``N`` times (after every step): after the last hop host ``i`` holds the
-accumulators of shard ``i + 1`` and that ``N``-th send delivers every shard's gradient to its home.
-A token that visits all ``N`` hosts and returns needs ``N`` moves, so no message is wasted.
+Schedule ("delayed accumulators", issue 45): every send is issued at the top of a step and needs nothing
+that step computes, so XLA can fly it under the hop's kernel (when the dK/dV send followed the hop's
+kernel, the compiler sent K/V with it, after the kernel: no backward transfer overlapped,
+``benchmarks/overlap.py``). At step ``step`` host ``i`` holds K/V shard ``i - step``; it sends them on
+together with the accumulators it finished at the previous step (shard ``i - step + 1``), runs the hop,
+then adds the hop's dK/dV to the accumulators of shard ``i - step`` that arrive from host ``i - 1``. The
+own shard's hop (step 0) is split in two halves of query rows when its tiles allow
+(:func:`row_halves`): the first half overlaps the first K/V send, the second the last dK/dV send, which
+brings shard ``i``'s accumulators home from host ``i - 1``. Message count as before: K/V ``N - 1`` sends,
+dK/dV ``N``; a token that visits all ``N`` hosts and returns needs ``N`` moves. Cost: one more dK/dV
+pair in flight (the one being sent while the next is received); ``docs`` and the issue have the
+measured temp bytes. ``ringattn_ref.backward`` keeps the simple order (the sums are the same; only the
+float32 rounding order of the own hop's two halves differs).
 Mirrors ``ringattn_ref.backward``.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from functools import partial
 
 import jax.numpy as jnp
@@ -23,23 +33,67 @@ from jax import lax
 from . import block_mask, comm, masks
 from .dispatch import kernels_for
 from .mesh import varying_axes, vary_like
-from .schedule import KVGrads, hop_kv, kv_index, ring_loop, send_to_next, single_hop
+from .schedule import KVGrads, QShard, hop_kv, kv_index, ring_loop, send_to_next, single_hop
 from .softmax import acc_dtype
 
 
-def _add_hop(cfg, hop_grads, *, grads, dq, dbias, kv_idx):
+def _rows(x, part, axis):
+    """``x``'s query rows ``part`` (a slice) along ``axis``; ``x`` itself where it broadcasts over them (size 1),
+    is None or ``part`` is None (all rows)."""
+    if x is None or part is None or x.shape[axis] == 1:
+        return x
+    return lax.slice_in_dim(x, part.start, part.stop, axis=axis)
+
+
+def _add_rows(acc, g, part, axis):
+    """``acc + g`` with ``g`` holding only the query rows ``part`` of ``acc`` along ``axis`` (or all of them)."""
+    if part is None or acc.shape[axis] == g.shape[axis]:
+        return acc + g
+    return acc.at[(slice(None),) * axis + (part,)].add(g)
+
+
+def row_halves(cfg, sq):
+    """The own hop's two halves of query rows, ``(slice(0, sq/2), slice(sq/2, sq))``, and the hop configuration
+    they run with: the kernels' query tiles (``block_q``, the backward's own) cut to a divisor of ``sq/2`` where
+    they do not divide it (a shard that is one tile: two tiles of half). None where the rows cannot be halved:
+    ``sq`` odd, a block mask's tiles that do not divide ``sq/2``, or a query tile that would drop below 128
+    rows (or below the tile asked for, if smaller)."""
+    half = sq // 2
+    if sq % 2 or (cfg.block_mask is not None and half % cfg.block_mask.block_q):
+        return None
+
+    def fit(b):
+        f = b if half % b == 0 else math.gcd(b, half)
+        return f if f >= min(b, 128) else None
+
+    bwd = cfg.hop.bwd_blocks
+    tiles = [fit(cfg.hop.block_q)] + ([fit(bwd[0])] if bwd is not None else [])
+    if None in tiles:
+        return None
+    hop = dataclasses.replace(cfg.hop, block_q=tiles[0], bwd_blocks=None if bwd is None else (tiles[1],) + tuple(bwd[1:]))
+    return slice(0, half), slice(half, sq), hop
+
+
+def _add_hop(cfg, hop_grads, *, grads, dq, dbias, kv_idx, rows=None):
     """Fold one hop's :class:`~ringattn_fast.schedule.HopGrads` into the accumulators: the travelling
     ``grads`` (:class:`~ringattn_fast.schedule.KVGrads`), this host's ``dq`` and its non-travelling
-    ``dbias``; ``kv_idx``: the shard the hop attended (a "columns" bias's block)."""
+    ``dbias``; ``kv_idx``: the shard the hop attended (a "columns" bias's block); ``rows``: the query rows
+    the hop computed (a slice, None: all)."""
     dbias_t = grads.dbias
     if cfg.bias_mode == "travel":
         dbias_t = dbias_t + hop_grads.dbias
-    elif cfg.bias_mode == "columns":  # each block of key columns is visited exactly once
+    elif cfg.bias_mode == "columns":  # each block of key columns is visited once (the own block: in two halves)
         sk = hop_grads.dk.shape[1]
-        dbias = lax.dynamic_update_slice_in_dim(dbias, hop_grads.dbias.astype(dbias.dtype), kv_idx * sk, axis=3)
+        block = lax.dynamic_slice_in_dim(dbias, kv_idx * sk, sk, axis=3)
+        block = _add_rows(block, hop_grads.dbias.astype(dbias.dtype), rows, axis=2)
+        dbias = lax.dynamic_update_slice_in_dim(dbias, block, kv_idx * sk, axis=3)
     elif cfg.bias_mode == "static":
-        dbias = dbias + hop_grads.dbias
-    return KVGrads(grads.dk + hop_grads.dk, grads.dv + hop_grads.dv, dbias_t), dq + hop_grads.dq, dbias
+        dbias = _add_rows(dbias, hop_grads.dbias, rows, axis=2)
+    if grads.dv is None:  # packed (see ring_backward)
+        grads = KVGrads(grads.dk + jnp.stack([hop_grads.dk, hop_grads.dv]).astype(grads.dk.dtype), None, dbias_t)
+    else:
+        grads = KVGrads(grads.dk + hop_grads.dk, grads.dv + hop_grads.dv, dbias_t)
+    return grads, _add_rows(dq, hop_grads.dq, rows, axis=1), dbias
 
 
 def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None, head_offset=None):
@@ -76,30 +130,69 @@ def ring_backward(cfg, qs, kv, bias, *, o, lse, do, dlse=None, drop=None, head_o
         travels = cfg.bias_mode == "travel"
         return g.dq, KVGrads(g.dk, g.dv, g.dbias if travels else None), None if travels else g.dbias
     zeros = lambda x: None if x is None else jnp.zeros(x.shape, acc)  # noqa: E731
-    grads = KVGrads(zeros(kv.k), zeros(kv.v), zeros(kv.bias))
+    # dK and dV travel stacked, [2, b, sk, hk, d], where their shapes agree: one transfer a step, as K/V
+    # (``comm.encode(..., pack=True)``); dv None marks the packed form
+    packed = kv.k.shape == kv.v.shape
+    grads = KVGrads(jnp.zeros((2,) + kv.k.shape, acc), None, zeros(kv.bias)) if packed else \
+        KVGrads(zeros(kv.k), zeros(kv.v), zeros(kv.bias))
     dq, dbias = zeros(qs.q), zeros(bias)  # both stay here
 
-    def hop(step, kv, grads, dq, dbias):
+    def hop(step, kv, grads, dq, dbias, rows=None, hop_cfg=cfg.hop):
+        """Add the hop of ``step`` (query ``rows`` only, if given, with ``hop_cfg``) to the accumulators."""
         kv_idx, kv = kv_index(my_idx, step, n), comm.decode(kv, kv_dtype)  # K/V travel as the forward's did
+        q_part = QShard(*(_rows(x, rows, 1) for x in qs))
+        extras = block_mask.hop_extras(cfg, my_idx, kv_idx, head_offset)
+        if rows is not None and "tiles" in extras:  # the block mask's tiles of these rows
+            bq = cfg.block_mask.block_q
+            extras["tiles"] = extras["tiles"][rows.start // bq:rows.stop // bq]
 
         def backward(grads, dq, dbias):
-            hop_grads = hop_bwd(qs, hop_kv(cfg, kv, bias, kv_idx), cfg.hop, do=do, lse=lse, delta=delta,
-                                **block_mask.hop_extras(cfg, my_idx, kv_idx, head_offset))
-            return _add_hop(cfg, hop_grads, grads=grads, dq=dq, dbias=dbias, kv_idx=kv_idx)
+            hop_grads = hop_bwd(q_part, hop_kv(cfg, kv, _rows(bias, rows, 2), kv_idx), hop_cfg, do=_rows(do, rows, 1),
+                                lse=_rows(lse, rows, 2), delta=_rows(delta, rows, 2), **extras)
+            return _add_hop(cfg, hop_grads, grads=grads, dq=dq, dbias=dbias, kv_idx=kv_idx, rows=rows)
 
-        if skip:
-            return lax.cond(block_mask.hop_is_empty(cfg, qs, kv, my_idx, step), lambda *a: a, backward, grads, dq, dbias)
+        if skip:  # the cond adds to fresh zeros: handed the received accumulators, it (and the kernel in it)
+            # waited for their transfer, which then had nothing to hide under (8 H100s, causal)
+            fresh = KVGrads(*(None if x is None else jnp.zeros_like(x) for x in grads))
+            mine, dq, dbias = lax.cond(block_mask.hop_is_empty(cfg, q_part, kv, my_idx, step), lambda *a: a, backward,
+                                       fresh, dq, dbias)
+            return KVGrads(*(None if a is None else a + b for a, b in zip(grads, mine))), dq, dbias
         return backward(grads, dq, dbias)
 
-    def step_fn(carry, step):
-        kv, grads, dq, dbias = carry
-        kv_next = send_to_next(kv, cfg.axis_name)  # K/V: issued first, overlaps the hop
-        grads, dq, dbias = hop(step, kv, grads, dq, dbias)
-        return kv_next, send_grads(grads), dq, dbias  # dK/dV follow their K/V shard
+    # Delayed accumulators: every send is issued before the hop's kernel and needs nothing it computes, so
+    # it flies while the kernel runs. At step s host i holds K/V shard i - s; it sends them on with the
+    # accumulators of shard i - s + 1 (step s - 1's, its own hop added), computes its hop's grads, then adds
+    # them to the accumulators of shard i - s just received from host i - 1. The own shard's hop is split
+    # in two halves of query rows: the first overlaps the first K/V send, the second the last dK/dV send
+    # (shard i's accumulators coming home from host i - 1). With 4 hosts, host 0 holds shards 0, 3, 2, 1;
+    # shard 0's accumulators go 0 (first half) -> 1 -> 2 -> 3 -> 0 (second half): N sends, as before.
+    first, last, half_cfg = row_halves(cfg, qs.q.shape[1]) or (None, None, cfg.hop)
+    # The first send leaves the loop, so nothing orders it after the forward ring any more: XLA's CPU runtime
+    # then ran it beside the forward loop's sends on the same axis, in a different order on each device, and
+    # they exchanged the wrong buffers (the hybrid's tests, 2 x 2 mesh: wrong results in 5 of 8 runs). Tied to
+    # delta (the forward's o and the cotangent), it waits for what the first hop's kernel waits for anyway.
+    own, delta = lax.optimization_barrier((comm.encode(kv, cfg.comm_dtype, pack=True), delta))
+    kv_home = kv
+    kv_next = send_to_next(own, cfg.axis_name)
+    grads, dq, dbias = hop(0, own, *vary_like((grads, dq, dbias), axes), rows=first, hop_cfg=half_cfg)
 
-    carry = (comm.encode(kv, cfg.comm_dtype),) + vary_like((grads, dq, dbias), axes)
-    kv, grads, dq, dbias = ring_loop(step_fn, carry, n)
-    grads, dq, dbias = hop(n - 1, kv, grads, dq, dbias)
-    if n > 1:
-        grads = send_grads(grads)  # the N-th move: home
+    def step_fn(carry, step):  # steps 1 .. N - 2
+        kv, grads, dq, dbias = carry
+        kv_next = send_to_next(kv, cfg.axis_name)
+        received = send_grads(grads)  # shard i - step's accumulators, from host i - 1
+        return (kv_next,) + hop(step, kv, received, dq, dbias)
+
+    kv, grads, dq, dbias = ring_loop(step_fn, (kv_next, grads, dq, dbias), n, first=1)
+    grads, dq, dbias = hop(n - 1, kv, send_grads(grads), dq, dbias)  # the last step: no K/V left to send
+    if last is not None:  # the second half's kernel must run under the home send, not before the last hop
+        # (it needs nothing that hop makes, and XLA:TPU moved it there): its K/V come out of a barrier with
+        # the accumulators that send carries. The barrier takes the K/V as given, not the kernel's copy of
+        # them made for the first half, which would then stay live through the loop.
+        grads, kv_home = lax.optimization_barrier((grads, kv_home))
+    grads = send_grads(grads)  # the N-th move: home
+    if last is not None:
+        grads, dq, dbias = hop(0, comm.encode(kv_home, cfg.comm_dtype, pack=True), grads, dq, dbias, rows=last,
+                               hop_cfg=half_cfg)
+    if packed:
+        grads = KVGrads(grads.dk[0], grads.dk[1], grads.dbias)
     return dq, grads, dbias

@@ -33,17 +33,18 @@ SCALED = ("float8_e4m3fn", "float8_e5m2")  # too little range without a scale
 UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["kv", "k_scale", "v_scale"], meta_fields=["dtype"])
+@partial(jax.tree_util.register_dataclass, data_fields=["kv", "k_scale", "v_scale"], meta_fields=["dtype", "packed"])
 @dataclasses.dataclass(frozen=True)
 class Wire:
     """A K/V shard as sent: ``kv`` (a ``schedule.KVShard``) with k, v holding the bits of their values in
-    ``dtype`` (the comm dtype's name: static, not a leaf), and for float8 the per-shard scales
-    ``k_scale, v_scale`` [b, shards, hk, 1] (one per shard; after an all-gather, ``shards = N``),
-    else None."""
+    ``dtype`` (the comm dtype's name, or None: the values as they are; static, not a leaf), and for float8
+    the per-shard scales ``k_scale, v_scale`` [b, shards, hk, 1] (one per shard; after an all-gather,
+    ``shards = N``), else None. ``packed``: k holds K and V stacked, ``[2, b, s, hk, d]``, and v is None."""
     kv: object
-    dtype: str
+    dtype: str | None
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
+    packed: bool = False
 
 
 def gather(x, axis_name, axis):
@@ -80,16 +81,27 @@ def as_bits(x):
     return lax.bitcast_convert_type(x, UINT_OF_WIDTH[x.dtype.itemsize])
 
 
-def encode(kv, comm_dtype):
+def encode(kv, comm_dtype, pack=False):
     """This host's (already marked) K/V shard in its wire format: a :class:`Wire` (``kv`` itself when
-    ``comm_dtype`` is None); k, v as the bits of their ``comm_dtype`` values."""
-    if comm_dtype is None:
+    ``comm_dtype`` is None and not ``pack``); k, v as the bits of their ``comm_dtype`` values.
+
+    ``pack``: K and V stacked into one array where their shapes and dtypes agree, so that a ring step
+    sends them as one transfer. With K and V apart XLA:TPU scheduled some of a v6e ring's K/V sends
+    after the hop's kernel (``benchmarks/overlap.py``); stacked once at home, they travel and are read
+    in place (a hop reads ``k[0]``, ``k[1]``), with no copy per step."""
+    if comm_dtype is None and not pack:
         return kv
-    if comm_dtype in SCALED:
+    k_scale = v_scale = None
+    if comm_dtype is None:
+        k, v = kv.k, kv.v
+    elif comm_dtype in SCALED:
         (k, k_scale), (v, v_scale) = _scaled(kv.k, comm_dtype), _scaled(kv.v, comm_dtype)
-        return Wire(kv._replace(k=as_bits(k), v=as_bits(v)), comm_dtype, k_scale, v_scale)
-    k, v = kv.k.astype(comm_dtype), kv.v.astype(comm_dtype)
-    return Wire(kv._replace(k=as_bits(k), v=as_bits(v)), comm_dtype)
+        k, v = as_bits(k), as_bits(v)
+    else:
+        k, v = as_bits(kv.k.astype(comm_dtype)), as_bits(kv.v.astype(comm_dtype))
+    if pack and k.shape == v.shape and k.dtype == v.dtype:
+        return Wire(kv._replace(k=jnp.stack([k, v]), v=None), comm_dtype, k_scale, v_scale, packed=True)
+    return Wire(kv._replace(k=k, v=v), comm_dtype, k_scale, v_scale)
 
 
 def _unscale(x, scale, dtype):
@@ -105,7 +117,10 @@ def decode(wire, dtype):
     if not isinstance(wire, Wire):
         return wire
     kv = wire.kv
-    k, v = (lax.bitcast_convert_type(x, wire.dtype) for x in (kv.k, kv.v))
+    k, v = (kv.k[0], kv.k[1]) if wire.packed else (kv.k, kv.v)
+    if wire.dtype is None:
+        return kv._replace(k=k, v=v)
+    k, v = (lax.bitcast_convert_type(x, wire.dtype) for x in (k, v))
     if wire.k_scale is None:
         return kv._replace(k=k.astype(dtype), v=v.astype(dtype))
     return kv._replace(k=_unscale(k, wire.k_scale, dtype), v=_unscale(v, wire.v_scale, dtype))

@@ -82,7 +82,7 @@ def ring_forward(cfg, qs, kv, bias, drop=None, head_offset=None):
     o = jnp.zeros((b, sq, h, kv.v.shape[-1]), acc)  # as wide as v (MLA: d_v != d)
     m, l = jnp.full((b, h, sq), -jnp.inf, acc), jnp.zeros((b, h, sq), acc)  # lse = m + log(l): merge_into
     axes = varying_axes(*qs, *kv, bias)
-    kv, o, m, l = ring_loop(step_fn, (comm.encode(kv, cfg.comm_dtype),) + vary_like((o, m, l), axes), n)
+    kv, o, m, l = ring_loop(step_fn, (comm.encode(kv, cfg.comm_dtype, pack=True),) + vary_like((o, m, l), axes), n)
     o, m, l = hop(n - 1, kv, o, m, l)  # the last step: nothing left to send
     return o, running_lse(m, l)
 

@@ -67,15 +67,15 @@ def send_to_next(x, axis_name):
     return lax.ppermute(x, axis_name, ring_perm(lax.axis_size(axis_name)))
 
 
-def ring_loop(step_fn, carry, n):
-    """``carry = step_fn(carry, step)`` for ``step = 0 .. n - 2`` as one XLA while loop.
+def ring_loop(step_fn, carry, n, first=0):
+    """``carry = step_fn(carry, step)`` for ``step = first .. n - 2`` as one XLA while loop.
 
     The trip count is hidden behind an optimization barrier so XLA keeps the loop even when it runs
-    once (``n = 2``): every ring size then runs the same program with the same buffers (K/V being
-    used + K/V being received), and per-device memory does not depend on ``n``.
+    once (``n = 2``) or not at all: every ring size then runs the same program with the same buffers (K/V
+    being used + K/V being received), and per-device memory does not depend on ``n``.
     """
-    trips = lax.optimization_barrier(jnp.int32(n - 1))
-    return lax.fori_loop(0, trips, lambda step, c: step_fn(c, step), carry)
+    trips = lax.optimization_barrier(jnp.int32(n - 1 - first))
+    return lax.fori_loop(0, trips, lambda i, c: step_fn(c, i + first), carry)
 
 
 def single_hop(hop, dtype):

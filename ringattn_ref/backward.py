@@ -17,7 +17,9 @@ which :func:`score_slope` takes by the complex step, numpy having no autodiff).
 ``ring.Message`` (the authors' code, haoliuhl/ringattention ``ringattention/ringattention_jax.py`` at
 commit 6305e2fb, rotates ``k, v, dk, dv`` together); after the last step host ``i``
 holds shard ``i + 1``, so one final
-gradient-only send brings every ``dK``/``dV`` home. With GQA the kv-head gradients are summed over the
+gradient-only send brings every ``dK``/``dV`` home. (``ringattn_fast.backward`` sends the same messages
+in another order, so that no send waits for the hop it overlaps: each step's accumulators leave at the top
+of the next step, and the own hop is computed in two halves of query rows, first and last.) With GQA the kv-head gradients are summed over the
 query heads of the group. A row that saw nothing has ``P = 0``: zero, finite gradients. A masked
 pair has ``P = 0`` and ``dS = 0`` by ``where`` (never ``0 * nan``), and ``dQ`` multiplies only finite K, so
 a masked key's values never reach a gradient (``masks.mark_bad_keys``).

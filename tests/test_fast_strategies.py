@@ -149,6 +149,8 @@ def test_bfloat16_on_the_wire_is_attention_on_rounded_kv_and_halves_the_bytes(fn
         assert max_err(np.asarray(g), np.asarray(w)) <= 1e-6  # the same K/V, the same float32 sums
         assert 1e-4 <= max_err(np.asarray(g), np.asarray(e)) <= 3e-2  # and bf16's rounding is visible
     kv_shape = (1, 16, 2, 16)  # one host's K (or V) shard; the forward sends nothing else of that shape
+    if fn is rf.ring_attention:
+        kv_shape = (2,) + kv_shape  # the ring sends K and V stacked, one transfer a step
     forward = {name: jax.jit(lambda q, k, v, kw=kw: fn(q, k, v, mesh=mesh, causal=True, block_q=8, block_kv=8, **kw))
                for name, kw in (("f32", {}), ("bf16", {"comm_dtype": "bfloat16"}))}
     sent = {name: collective_bytes(f.lower(q, k, v).compile().as_text(), 4, loop_trips=3, by_shape=True)
@@ -171,11 +173,12 @@ def test_gradients_in_bfloat16_on_the_wire(fn):
         assert max_err(np.asarray(g), np.asarray(e)) == 0.0
     for g, e in zip(got[2:], exact[2:]):  # dk, dv
         assert 0 < max_err(np.asarray(g), np.asarray(e)) <= 2**-7 * np.abs(np.asarray(e)).max()
-    sent = collective_bytes(g16.lower(q, k, v, do).compile().as_text(), 4, loop_trips=3, by_shape=True)
+    sent = collective_bytes(g16.lower(q, k, v, do).compile().as_text(), 4, loop_trips=(3, 2), by_shape=True)
     shard = 1 * 16 * 2 * 16  # elements of one host's dK (or K): b, s/N, kv_heads, d
     if fn is rf.ring_attention:  # dK, dV: N sends of 2 bytes; K, V: N - 1 sends forward and backward, float32
-        assert sent[("collective-permute", "u16", (1, 16, 2, 16))] == 4 * 2 * shard * 2
-        assert sent[("collective-permute", "f32", (1, 16, 2, 16))] == 2 * 3 * 2 * shard * 4
+        # (each pair stacked: one transfer)
+        assert sent[("collective-permute", "u16", (2, 1, 16, 2, 16))] == 4 * 2 * shard * 2
+        assert sent[("collective-permute", "f32", (2, 1, 16, 2, 16))] == 2 * 3 * 2 * shard * 4
     else:  # the reduce-scatter as an all-to-all of 2-byte blocks: (N - 1) / N of dK, dV over all keys
         to_all = {key: b for key, b in sent.items() if key[0] == "all-to-all"}
         assert {key[1] for key in to_all} == {"u16"} and sum(to_all.values()) == 3 / 4 * 2 * 4 * shard * 2
