@@ -10,6 +10,10 @@ py=$("$here/scripts/setup-venv" test,notebooks,docs,flax,train)
 # libtpu beside the venv, for the deviceless TPU compile tests (tests/test_compile.py); a failed
 # install (no network) leaves those tests to skip, or to fail where RINGATTN_REQUIRE_LIBTPU=1 (CI)
 "$here/scripts/setup-libtpu" "$py" >/dev/null || echo "test.sh: libtpu not installed; tests/test_compile.py will skip" >&2
+# JAX's CUDA plugin beside the venv, for the deviceless GPU compiles of the overlap check
+# (tests/test_overlap.py: 8 H100s, 8 A100s); without it those tests skip, or fail where
+# RINGATTN_REQUIRE_CUDA_PLUGIN=1 (CI)
+"$here/scripts/setup-cuda-plugin" "$py" >/dev/null || echo "test.sh: CUDA plugin not installed; the GPU overlap tests will skip" >&2
 cd "$here"
 workers=${RINGATTN_WORKERS:-$(n=$(nproc 2>/dev/null || echo 2); echo $(( n < 4 ? n : 4 )))}
 exec "$py" -m pytest -n "$workers" --dist loadfile "$@"

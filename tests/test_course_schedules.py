@@ -21,7 +21,7 @@ def test_saved_schedules_are_the_case_and_counts_they_claim(name):
 def test_before_exposes_the_backward_and_after_hides_it():
     before, after = schedules.load("before"), schedules.load("after")
     assert before["summary"]["bwd"][1] == 0 < before["summary"]["bwd"][0]
-    assert after["summary"]["hidden"] == after["summary"]["transfers"] > before["summary"]["transfers"]
+    assert after["summary"]["hidden"] == after["summary"]["transfers"] > 0
 
 
 def test_bad_names_raise():
