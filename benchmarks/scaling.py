@@ -23,8 +23,8 @@ FLOP/s and link bandwidths (:data:`TARGETS`, each with its source). Per host and
   is as slow as its slowest hop: the data-center network or InfiniBand.
 - **a pass** (:func:`pass_seconds`, ``ringattn_ref.cost.ring_pass_seconds``' schedule): a step hides its
   sends behind its hop (**hidden**: the longer of the two) or not (**exposed**: their sum). The compiled
-  forward hides its transfers, the compiled backward does not yet (docs/benchmarks.md, "Does the compiled
-  ring hide its transfers?"): today's step is forward hidden + backward exposed.
+  ring hides both since issue 45 (docs/benchmarks.md, "Does the compiled ring hide its transfers?"); before
+  it hid the forward's and not the backward's: **before** is forward hidden + backward exposed.
 - **efficiency**: the compute alone (every hop, no transfer) over the predicted time.
 - **causal** (``--layouts``): each step as slow as its busiest host. ``zigzag``: the own hop a measured causal
   hop, every other a full hop's half (two half-shard rectangles, at the full hop's rate); ``striped``: every
@@ -221,7 +221,7 @@ def row(target, rates, layout, shard, n, *, heads=(8, 8), grad_dtype=None):
         out[f"fwd_{key}_s"] = pass_seconds(fwd, kv_s, hidden=hidden)
         out[f"bwd_{key}_s"] = pass_seconds(bwd, kv_s, grad_s, hidden=hidden)
         out[f"eff_{key}"] = out["compute_s"] / (out[f"fwd_{key}_s"] + out[f"bwd_{key}_s"])
-    out["eff_today"] = out["compute_s"] / (out["fwd_hidden_s"] + out["bwd_exposed_s"])
+    out["eff_before"] = out["compute_s"] / (out["fwd_hidden_s"] + out["bwd_exposed_s"])
     return out
 
 
@@ -316,10 +316,10 @@ def _time(seconds):
 
 
 def long_table(rows):
-    """Markdown, every row: per-hop times, one layer's forward+backward per chip, efficiencies ("today":
-    forward hidden, backward exposed, as the compiled per-hop ring schedules them)."""
+    """Markdown, every row: per-hop times, one layer's forward+backward per chip, efficiencies ("before":
+    forward hidden, backward exposed, as the compiled per-hop ring scheduled them before issue 45)."""
     cols = ["target", "layout", "shard", "N", "network", "hop fwd / bwd", "send K/V / dK/dV",
-            "layer fwd+bwd hidden / exposed / today", "eff hidden / exposed / today", "rate"]
+            "layer fwd+bwd hidden / exposed / before", "eff hidden / exposed / before", "rate"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append(" | ".join([
@@ -328,7 +328,7 @@ def long_table(rows):
             f"{_time(r['kv_send_s'])} / {_time(r['grad_send_s'])}",
             f"{_time(r['fwd_hidden_s'] + r['bwd_hidden_s'])} / {_time(r['fwd_exposed_s'] + r['bwd_exposed_s'])} / "
             f"{_time(r['fwd_hidden_s'] + r['bwd_exposed_s'])}",
-            f"{r['eff_hidden']:.2f} / {r['eff_exposed']:.2f} / {r['eff_today']:.2f}", r["rate"]]) + " |")
+            f"{r['eff_hidden']:.2f} / {r['eff_exposed']:.2f} / {r['eff_before']:.2f}", r["rate"]]) + " |")
     return "\n".join(lines)
 
 

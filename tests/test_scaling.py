@@ -96,7 +96,7 @@ def test_rows_follow_the_model():
     rates = measured((8, 8))
     r = scaling.row(V5E, rates, "none", 65536, 8)
     assert r["network"] == "fast" and r["seq"] == 8 * 65536 and r["rate"].startswith("extrapolated")
-    assert 0.9 < r["eff_exposed"] < r["eff_today"] < r["eff_hidden"] <= 1.0
+    assert 0.9 < r["eff_exposed"] < r["eff_before"] < r["eff_hidden"] <= 1.0
     assert r["compute_s"] == pytest.approx(8 * (r["hop_fwd_s"] + r["hop_bwd_s"]))
     assert r["grad_send_s"] == pytest.approx(2 * r["kv_send_s"])  # float32 dK/dV: twice bf16 K/V
     past = scaling.row(V5E, rates, "none", 65536, 512)  # past the 256-chip pod: the data-center network
