@@ -859,9 +859,10 @@ def check_layer_messages(answer, *, batch=1, seq=2048, heads=4, kv_heads=2, dim=
     got = sorted(_as_int(x, "a byte count") for x in answer)
     if got != want:
         raise AssertionError(f"the compiled program's collective-permutes move {want} bytes; you predict {got} "
-                             f"(hint: {len(want)} messages: count the forward loop's, the backward loop's, and "
-                             f"what brings dK/dV home)")
-    return _correct(f"{len(want)} messages: 3 in the forward loop, 5 in the backward loop, 2 after it")
+                             f"(hint: {len(want)} messages: count the forward loop's, the backward loop's, the "
+                             f"backward's first and last steps', and what brings dK/dV home)")
+    return _correct(f"{len(want)} messages: 2 in the forward loop, 3 in the backward loop, 4 around it (the "
+                    f"first K/V and positions, the last step's dK/dV, the send home)")
 
 
 # ---- 11 inference and decoding ---------------------------------------------------------------------
