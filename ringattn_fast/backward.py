@@ -15,9 +15,10 @@ then adds the hop's dK/dV to the accumulators of shard ``i - step`` that arrive 
 own shard's hop (step 0) is split in two halves of query rows when its tiles allow
 (:func:`row_halves`): the first half overlaps the first K/V send, the second the last dK/dV send, which
 brings shard ``i``'s accumulators home from host ``i - 1``. Message count as before: K/V ``N - 1`` sends,
-dK/dV ``N``; a token that visits all ``N`` hosts and returns needs ``N`` moves. Cost: one more dK/dV
-pair in flight (the one being sent while the next is received); ``docs`` and the issue have the
-measured temp bytes. ``ringattn_ref.backward`` keeps the simple order (the sums are the same; only the
+dK/dV ``N``; a token that visits all ``N`` hosts and returns needs ``N`` moves. K and V travel stacked as one
+array, and so do dK and dV (one transfer each a step: with five XLA:TPU left some of them after the kernel).
+Cost: one more dK/dV pair in flight (the one being sent while the next is received); docs/benchmarks.md,
+"Does the compiled ring hide its transfers?", has the measured temp and peak bytes. ``ringattn_ref.backward`` keeps the simple order (the sums are the same; only the
 float32 rounding order of the own hop's two halves differs).
 Mirrors ``ringattn_ref.backward``.
 """
