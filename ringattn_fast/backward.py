@@ -18,8 +18,9 @@ brings shard ``i``'s accumulators home from host ``i - 1``. Message count as bef
 dK/dV ``N``; a token that visits all ``N`` hosts and returns needs ``N`` moves. K and V travel stacked as one
 array, and so do dK and dV (one transfer each a step: with five XLA:TPU left some of them after the kernel).
 Cost: one more dK/dV pair in flight (the one being sent while the next is received); docs/benchmarks.md,
-"Does the compiled ring hide its transfers?", has the measured temp and peak bytes. ``ringattn_ref.backward`` keeps the simple order (the sums are the same; only the
-float32 rounding order of the own hop's two halves differs).
+"Does the compiled ring hide its transfers?", has the measured temp and peak bytes. ``ringattn_ref.backward``
+keeps the simple order (the sums are the same; only the float32 rounding order of the own hop's two halves
+differs).
 Mirrors ``ringattn_ref.backward``.
 """
 from __future__ import annotations
@@ -71,7 +72,8 @@ def row_halves(cfg, sq):
     tiles = [fit(cfg.hop.block_q)] + ([fit(bwd[0])] if bwd is not None else [])
     if None in tiles:
         return None
-    hop = dataclasses.replace(cfg.hop, block_q=tiles[0], bwd_blocks=None if bwd is None else (tiles[1],) + tuple(bwd[1:]))
+    hop = dataclasses.replace(cfg.hop, block_q=tiles[0],
+                              bwd_blocks=None if bwd is None else (tiles[1],) + tuple(bwd[1:]))
     return slice(0, half), slice(half, sq), hop
 
 

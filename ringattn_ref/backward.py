@@ -19,8 +19,8 @@ commit 6305e2fb, rotates ``k, v, dk, dv`` together); after the last step host ``
 holds shard ``i + 1``, so one final
 gradient-only send brings every ``dK``/``dV`` home. (``ringattn_fast.backward`` sends the same messages
 in another order, so that no send waits for the hop it overlaps: each step's accumulators leave at the top
-of the next step, and the own hop is computed in two halves of query rows, first and last.) With GQA the kv-head gradients are summed over the
-query heads of the group. A row that saw nothing has ``P = 0``: zero, finite gradients. A masked
+of the next step, and the own hop is computed in two halves of query rows, first and last.) With GQA the
+kv-head gradients are summed over the query heads of the group. A row that saw nothing has ``P = 0``: zero, finite gradients. A masked
 pair has ``P = 0`` and ``dS = 0`` by ``where`` (never ``0 * nan``), and ``dQ`` multiplies only finite K, so
 a masked key's values never reach a gradient (``masks.mark_bad_keys``).
 
